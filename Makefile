@@ -1,0 +1,32 @@
+# The two commands of the README, and their set-up.
+#   make demo   set up, then run the whole pipeline locally and open the console
+#   make test   set up (with the test services: clickhouse-server, chromium), then run every test
+PY := .venv/bin/python
+
+.PHONY: setup setup-test demo demo-once test test-unit bench clean
+
+.venv/.installed: pyproject.toml infra/local/setup.sh
+	bash infra/local/setup.sh
+	touch $@
+
+.venv/.installed-test: .venv/.installed infra/local/setup.sh
+	bash infra/local/setup.sh --test
+	touch $@
+
+setup: .venv/.installed
+setup-test: .venv/.installed-test
+
+demo: setup
+	.venv/bin/stragglerscope demo
+
+demo-once: setup
+	.venv/bin/stragglerscope demo --headless --once
+
+test: setup-test
+	$(PY) -m pytest
+
+test-unit: setup
+	$(PY) -m pytest -m "not integration"
+
+clean:
+	rm -rf .venv .stragglerscope tests/artifacts

@@ -1,0 +1,305 @@
+"""Synthetic fleet: Megatron-like hybrid-parallel jobs with injected straggler causes.
+
+Used by the demo, tests and benchmarks. Deterministic by seed. Each job is a
+1F1B pipeline (PP) replicated over DP ranks (TP/CP folded into the worker);
+one window is a profiling session of consecutive steps. Start times come from
+an event schedule that follows the same rules a real job obeys (a compute op
+waits for its recv and for the previous compute op; a transfer ends when both
+peers are in it and the bytes have moved; collectives end when the last member
+arrives plus the transfer time), so the what-if simulator can re-simulate it.
+
+Ground truth (`JobSpec.cause`, `cause_dp`, `cause_pp`, `cause_factor`) is kept
+beside the trace so tests can score the diagnosis.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from ingest.schema import JOB_REGISTRATION, OP_SPAN, JobLayout
+
+CAUSES = ("none", "slow_worker", "heavy_last_stage", "seq_imbalance", "gc")
+_NS = 1_000_000_000
+_GAP_NS = 20_000  # launch gap between dependent ops (CPU work the trace does not see)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """One synthetic job and its injected cause (the ground truth)."""
+
+    job_id: str
+    layout: JobLayout
+    num_microbatches: int
+    team: str = "demo"
+    model: str = "gpt-demo"
+    fwd_ms: float = 20.0
+    bwd_ms: float = 40.0
+    p2p_ms: float = 1.0
+    dp_comm_ms: float = 8.0
+    optimizer_ms: float = 5.0
+    noise: float = 0.02
+    cause: str = "none"
+    cause_dp: int = -1
+    cause_pp: int = -1
+    cause_factor: float = 1.0
+    attempt: int = 0
+    seed: int = 0
+
+    @property
+    def n_gpus(self) -> int:
+        return self.layout.world_size
+
+    def registration(self, ts_ns: int, profiled_steps: int) -> pa.Table:
+        lay = self.layout
+        return pa.Table.from_pylist(
+            [
+                dict(
+                    job_id=self.job_id, attempt=self.attempt, ts_ns=ts_ns, team=self.team, model=self.model,
+                    n_gpus=self.n_gpus, dp_size=lay.dp_size, pp_size=lay.pp_size, tp_size=lay.tp_size,
+                    cp_size=lay.cp_size, vpp_size=lay.vpp_size, num_microbatches=self.num_microbatches,
+                    profiled_steps=profiled_steps, gpu_type="H100", peak_flops=989e12,
+                    flops_per_token=0.0, tokens_per_step=0,
+                )
+            ],
+            schema=JOB_REGISTRATION,
+        )
+
+
+def _stage_order(s: int, pp: int, m: int) -> list[tuple[str, int]]:
+    """1F1B order of compute ops on stage s: warm-up forwards, steady 1F1B, cool-down."""
+    warm = min(pp - s - 1, m)
+    order = [("F", i) for i in range(warm)]
+    for i in range(m - warm):
+        order += [("F", warm + i), ("B", i)]
+    order += [("B", i) for i in range(m - warm, m)]
+    return order
+
+
+class _Ops:
+    """Accumulates op records, each a vector over DP ranks."""
+
+    def __init__(self, dp: int):
+        self.dp = dp
+        self.cols: dict[str, list[np.ndarray]] = {k: [] for k in
+                                                  ("dp_rank", "pp_rank", "step", "optype", "start", "dur",
+                                                   "seq", "mc", "gmc", "mb")}
+        self.optypes: list[str] = []
+        self._dp_idx = np.arange(dp, dtype=np.int32)
+
+    def add(self, pp_rank: int, step: int, optype: str, start: np.ndarray, end: np.ndarray,
+            seq: int, mc: int = -1, gmc: int = -1, mb: int = -1, dp_idx: np.ndarray | None = None) -> None:
+        idx = self._dp_idx if dp_idx is None else dp_idx
+        n = len(idx)
+        c = self.cols
+        c["dp_rank"].append(idx)
+        c["pp_rank"].append(np.full(n, pp_rank, np.int32))
+        c["step"].append(np.full(n, step, np.int64))
+        c["optype"].append(np.full(n, len(self.optypes), np.int32))
+        self.optypes.append(optype)
+        c["start"].append(np.broadcast_to(start, (self.dp,))[idx].astype(np.int64))
+        c["dur"].append((np.broadcast_to(end, (self.dp,))[idx] - np.broadcast_to(start, (self.dp,))[idx]).astype(np.int64))
+        c["seq"].append(np.full(n, seq, np.int32))
+        c["mc"].append(np.full(n, mc, np.int16))
+        c["gmc"].append(np.full(n, gmc, np.int16))
+        c["mb"].append(np.full(n, mb, np.int32))
+
+
+def generate_window(spec: JobSpec, window_id: int, n_steps: int, t0_ns: int) -> pa.Table:
+    """Op spans (OP_SPAN) of ``n_steps`` steps starting at step ``window_id``."""
+    lay = spec.layout
+    dp, pp, m = lay.dp_size, lay.pp_size, spec.num_microbatches
+    rng = np.random.default_rng([spec.seed, zlib.crc32(spec.job_id.encode()), window_id])
+    ops = _Ops(dp)
+    has_dp = dp * lay.cp_size > 1
+    ms = 1_000_000
+
+    # Per-worker compute scale from the injected cause.
+    scale = np.ones((pp, dp))
+    if spec.cause == "slow_worker":
+        scale[spec.cause_pp, spec.cause_dp] *= spec.cause_factor
+    elif spec.cause == "heavy_last_stage":
+        scale[pp - 1, :] *= spec.cause_factor
+
+    step_start = t0_ns
+    for k in range(n_steps):
+        step = window_id + k
+        # Sequence lengths: both passes of a microbatch scale with its attention cost.
+        if spec.cause == "seq_imbalance":
+            seqlen = rng.lognormal(0.0, np.log(spec.cause_factor), size=(dp, m))
+            seqlen /= seqlen.mean()
+        else:
+            seqlen = np.ones((dp, m))
+        c_free = np.zeros((pp, dp), np.int64)  # compute stream free at
+        # params-all-gather per stage: a DP collective.
+        for s in range(pp):
+            if has_dp:
+                st = step_start + rng.integers(0, 200_000, dp)
+                end = st.max() + int(spec.dp_comm_ms * ms * 0.3 * rng.uniform(0.9, 1.1))
+                ops.add(s, step, "params-all-gather", st, np.full(dp, end), 0, mc=0)
+                c_free[s] = end
+            else:
+                c_free[s] = step_start
+        fwd_end = np.zeros((pp, m, dp), np.int64)
+        bwd_end = np.zeros((pp, m, dp), np.int64)
+        done = np.zeros((pp, m, 2), bool)
+        orders = [_stage_order(s, pp, m) for s in range(pp)]
+        pos = [0] * pp
+        seq = {(s, kind): 0 for s in range(pp) for kind in ("fr", "fs", "br", "bs")}
+        fcount = [0] * pp
+        bcount = [0] * pp
+        remaining = sum(len(o) for o in orders)
+        while remaining:
+            progressed = False
+            for s in range(pp):
+                while pos[s] < len(orders[s]):
+                    kind, i = orders[s][pos[s]]
+                    if kind == "F" and s > 0 and not done[s - 1, i, 0]:
+                        break
+                    if kind == "B" and s < pp - 1 and not done[s + 1, i, 1]:
+                        break
+                    ready = c_free[s] + _GAP_NS
+                    if kind == "F" and s > 0:
+                        send_st = fwd_end[s - 1, i] + _GAP_NS
+                        xfer = int(spec.p2p_ms * ms * rng.uniform(0.9, 1.1))
+                        end = np.maximum(send_st, ready) + xfer
+                        ops.add(s, step, "forward-recv", ready, end, seq[s, "fr"]); seq[s, "fr"] += 1
+                        ops.add(s - 1, step, "forward-send", send_st, end, seq[s - 1, "fs"]); seq[s - 1, "fs"] += 1
+                        ready = end + _GAP_NS
+                    if kind == "B" and s < pp - 1:
+                        send_st = bwd_end[s + 1, i] + _GAP_NS
+                        xfer = int(spec.p2p_ms * ms * rng.uniform(0.9, 1.1))
+                        end = np.maximum(send_st, ready) + xfer
+                        ops.add(s, step, "backward-recv", ready, end, seq[s, "br"]); seq[s, "br"] += 1
+                        ops.add(s + 1, step, "backward-send", send_st, end, seq[s + 1, "bs"]); seq[s + 1, "bs"] += 1
+                        ready = end + _GAP_NS
+                    base = spec.fwd_ms if kind == "F" else spec.bwd_ms
+                    noise = rng.normal(1.0, spec.noise, dp).clip(0.8, 1.2)
+                    dur = (base * ms * scale[s] * seqlen[:, i] * noise).astype(np.int64)
+                    end = ready + dur
+                    optype = "forward-compute" if kind == "F" else "backward-compute"
+                    cnt = fcount if kind == "F" else bcount
+                    ops.add(s, step, optype, ready, end, cnt[s], mc=0, gmc=s, mb=i)
+                    cnt[s] += 1
+                    if kind == "F":
+                        fwd_end[s, i] = end
+                        done[s, i, 0] = True
+                    else:
+                        bwd_end[s, i] = end
+                        done[s, i, 1] = True
+                    c_free[s] = end
+                    pos[s] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:  # cannot happen for a valid 1F1B order
+                raise RuntimeError(f"1F1B schedule stuck for {spec.job_id}")
+        # The backward-send of stage 0 does not exist; last sends on stage pp-1 for fwd do not either.
+        # Post-compute chain.
+        gc_dur = np.zeros((pp, dp), np.int64)
+        if spec.cause == "gc":
+            hit = rng.random((pp, dp)) < 0.15
+            gc_dur = np.where(hit, (rng.uniform(0.5, 1.5, (pp, dp)) * spec.cause_factor * spec.bwd_ms * ms), 0).astype(np.int64)
+        chain = np.zeros((pp, dp), np.int64)
+        for s in range(pp):
+            st = c_free[s] + _GAP_NS
+            ops.add(s, step, "gc", st, st + gc_dur[s], 0, mb=0)
+            st = st + gc_dur[s] + _GAP_NS
+            ln = int(0.05 * ms)
+            ops.add(s, step, "layernorm-grads-all-reduce", st, st + ln, 0)
+            chain[s] = st + ln + _GAP_NS
+        if pp > 1:
+            st = np.maximum(chain[0], chain[pp - 1])
+            end = st + int(spec.dp_comm_ms * ms * 0.2)
+            ops.add(0, step, "embedding-grads-all-reduce", chain[0], end, 0)
+            ops.add(pp - 1, step, "embedding-grads-all-reduce", chain[pp - 1], end, 0)
+            chain[0] = end + _GAP_NS
+            chain[pp - 1] = end + _GAP_NS
+        if has_dp:
+            for s in range(pp):
+                end = chain[s].max() + int(spec.dp_comm_ms * ms * rng.uniform(0.9, 1.1))
+                ops.add(s, step, "grads-reduce-scatter", chain[s], np.full(dp, end), 0, mc=0)
+                chain[s] = end + _GAP_NS
+        clip_end = chain.max() + int(0.3 * ms)
+        for s in range(pp):
+            ops.add(s, step, "optimizer-clip-main-grad", chain[s], np.full(dp, clip_end), 0)
+        opt_end = np.zeros((pp, dp), np.int64)
+        for s in range(pp):
+            st = np.full(dp, clip_end + _GAP_NS)
+            opt_end[s] = st + (spec.optimizer_ms * ms * rng.normal(1, spec.noise, dp)).astype(np.int64)
+            ops.add(s, step, "optimizer", st, opt_end[s], 0)
+        step_start = int(opt_end.max()) + int(rng.uniform(1, 3) * ms)  # data loading between steps
+    return _to_table(spec, window_id, ops)
+
+
+def _to_table(spec: JobSpec, window_id: int, ops: _Ops) -> pa.Table:
+    c = {k: np.concatenate(v) for k, v in ops.cols.items()}
+    codes = c["optype"]
+    opnames = np.array(ops.optypes, dtype=object)
+    lay = spec.layout
+    per_worker = lay.tp_size * lay.cp_size
+    rank = (c["pp_rank"].astype(np.int64) * lay.dp_size + c["dp_rank"]) * per_worker
+    n = len(codes)
+    order = np.lexsort((c["start"], c["dp_rank"], c["pp_rank"]))
+    cols = {
+        "job_id": pa.array(np.full(n, spec.job_id, dtype=object), pa.string()),
+        "attempt": pa.array(np.full(n, spec.attempt, np.int32)),
+        "rank": pa.array(rank.astype(np.int32)),
+        "dp_rank": pa.array(c["dp_rank"].astype(np.int32)),
+        "pp_rank": pa.array(c["pp_rank"]),
+        "window_id": pa.array(np.full(n, window_id, np.int64)),
+        "step": pa.array(c["step"]),
+        "optype": pa.array(opnames[codes], pa.string()),
+        "start_ns": pa.array(c["start"]),
+        "duration_ns": pa.array(np.maximum(c["dur"], 0)),
+        "seq_id": pa.array(c["seq"]),
+        "mc": pa.array(c["mc"]),
+        "gmc": pa.array(c["gmc"]),
+        "mb_id": pa.array(c["mb"]),
+    }
+    return pa.table(cols, schema=OP_SPAN).take(pa.array(order))
+
+
+def make_fleet(n_jobs: int = 20, seed: int = 0, min_gpus: int = 8, max_gpus: int = 512,
+               causes: tuple[str, ...] = CAUSES) -> list[JobSpec]:
+    """A mixed fleet: sizes are powers of two in [min_gpus, max_gpus], causes round-robin."""
+    rng = np.random.default_rng(seed)
+    sizes = [2 ** k for k in range(int(np.log2(min_gpus)), int(np.log2(max_gpus)) + 1)]
+    teams = ("pretrain", "multimodal", "rlhf", "research")
+    models = ("gpt-7b", "gpt-13b", "moe-30b", "llama-70b")
+    jobs = []
+    for j in range(n_jobs):
+        n = int(rng.choice(sizes))
+        tp = int(min(8, max(1, n // 16)))
+        pp = int(rng.choice([p for p in (1, 2, 4, 8) if n // tp // p >= 1 and p <= n // tp]))
+        dp = max(1, n // (tp * pp))
+        lay = JobLayout(dp_size=dp, pp_size=pp, tp_size=tp)
+        cause = causes[j % len(causes)]
+        factor = {"none": 1.0, "slow_worker": float(rng.uniform(1.4, 2.0)),
+                  "heavy_last_stage": float(rng.uniform(1.3, 1.6)), "seq_imbalance": 1.35,
+                  "gc": float(rng.uniform(4, 8))}[cause]
+        if cause == "heavy_last_stage" and pp == 1:
+            cause, factor = "slow_worker", 1.6
+        jobs.append(JobSpec(
+            job_id=f"job-{seed:03d}-{j:04d}", layout=lay, num_microbatches=max(4, 2 * pp),
+            team=teams[j % len(teams)], model=models[(j // 2) % len(models)],
+            fwd_ms=float(rng.uniform(15, 30)), cause=cause,
+            cause_dp=int(rng.integers(dp)), cause_pp=int(rng.integers(pp)), cause_factor=factor,
+            seed=seed,
+        ))
+    return jobs
+
+
+def fleet_windows(jobs: list[JobSpec], windows_per_job: int, steps_per_window: int, t0_ns: int,
+                  sample_every: int = 10) -> Iterator[tuple[JobSpec, int, pa.Table]]:
+    """Yields (job, window_id, op spans) for each job and profiling session.
+
+    Sessions start every ``sample_every`` windows' worth of steps, NDTimeline-style:
+    window w covers steps [w * L * sample_every, + L) where L = steps_per_window.
+    """
+    for w in range(windows_per_job):
+        for spec in jobs:
+            first = w * steps_per_window * sample_every
+            yield spec, first, generate_window(spec, first, steps_per_window, t0_ns + first * 200_000_000)

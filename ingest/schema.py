@@ -1,0 +1,516 @@
+"""The record schemas: the single source of truth for every record we move.
+
+Producers, decoders, the ClickHouse DDL (``storage/ddl.py``), the analyzers'
+column contracts and the test factories all derive from the Arrow schemas
+below. Every field carries its unit in the field metadata (``unit``) and every
+schema carries ``SCHEMA_VERSION`` and its kind in the schema metadata, so a
+decoder can reject what it does not know instead of misreading it.
+
+Conventions
+- Timestamps are int64 nanoseconds on the job-wide clock (each rank's exporter
+  estimates its clock offset and reports aligned times).
+- Durations are int64 nanoseconds.
+- Worker coordinates follow ../shared/design/WHATIF.md: ``dp_rank``,
+  ``pp_rank``; TP and CP ranks are folded into the worker. ``rank`` is the
+  global rank of the process that reported the record.
+- Op types are Megatron-LM names (``OPTYPES``), as in the golden traces.
+
+Only pyarrow and the standard library are imported here: the analyzers import
+this module and must stay free of Kafka, Ray, ClickHouse and Streamlit.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from typing import Any, Iterable, Mapping
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+SCHEMA_VERSION = 1
+"""Bump on any change of a schema below; add a forward migration in storage/."""
+
+# --------------------------------------------------------------------------
+# Op types (WHATIF.md section 1)
+# --------------------------------------------------------------------------
+COMPUTE_OPTYPES = ("forward-compute", "backward-compute", "optimizer", "gc")
+PP_OPTYPES = ("forward-send", "forward-recv", "backward-send", "backward-recv")
+DP_OPTYPES = ("params-all-gather", "grads-reduce-scatter", "separate-grads-all-reduce")
+SYNC_OPTYPES = (
+    "embedding-grads-all-reduce",
+    "optimizer-clip-main-grad",
+    "layernorm-grads-all-reduce",
+)
+OPTYPES = COMPUTE_OPTYPES + PP_OPTYPES + DP_OPTYPES + SYNC_OPTYPES
+"""Every op type the what-if model knows. Others are accepted and reported."""
+
+# --------------------------------------------------------------------------
+# Topics
+# --------------------------------------------------------------------------
+TOPIC_OPS = "ss.ops"
+TOPIC_CCL = "ss.ccl"
+TOPIC_HEARTBEATS = "ss.heartbeats"
+TOPIC_JOBS = "ss.jobs"
+TOPIC_DEAD_LETTER = "ss.dead-letter"
+TOPIC_ALERTS = "ss.alerts"
+INPUT_TOPICS = (TOPIC_JOBS, TOPIC_OPS, TOPIC_CCL, TOPIC_HEARTBEATS)
+
+MAX_MESSAGE_BYTES = 900_000
+"""One Arrow IPC batch per Kafka message stays under Kafka's 1 MB default."""
+
+
+def _f(name: str, typ: pa.DataType, unit: str, doc: str, nullable: bool = False) -> pa.Field:
+    return pa.field(name, typ, nullable=nullable, metadata={"unit": unit, "doc": doc})
+
+
+def _schema(kind: str, doc: str, fields: list[pa.Field]) -> pa.Schema:
+    return pa.schema(
+        fields,
+        metadata={
+            "stragglerscope.kind": kind,
+            "stragglerscope.version": str(SCHEMA_VERSION),
+            "doc": doc,
+        },
+    )
+
+
+_JOB = _f("job_id", pa.string(), "", "job identifier, unique in the fleet; also the Kafka key")
+_ATTEMPT = _f("attempt", pa.int32(), "", "restart attempt of the job, 0 for the first launch")
+_RANK = _f("rank", pa.int32(), "", "global rank of the reporting process")
+_HOST = _f("host", pa.string(), "", "host name of the reporting process")
+
+# --------------------------------------------------------------------------
+# Input records (Kafka)
+# --------------------------------------------------------------------------
+OP_SPAN = _schema(
+    "op_span",
+    "One profiled op of one worker in one step (CUDA-event span or CPU timing).",
+    [
+        _JOB,
+        _ATTEMPT,
+        _RANK,
+        _f("dp_rank", pa.int32(), "", "data-parallel rank of the worker"),
+        _f("pp_rank", pa.int32(), "", "pipeline stage of the worker"),
+        _f("window_id", pa.int64(), "", "profiling session: its first step (NDTimeline-style sampling)"),
+        _f("step", pa.int64(), "", "training iteration"),
+        _f("optype", pa.string(), "", "Megatron-LM op type, see OPTYPES"),
+        _f("start_ns", pa.int64(), "ns", "op start on the job-wide clock"),
+        _f("duration_ns", pa.int64(), "ns", "op duration"),
+        _f("seq_id", pa.int32(), "", "order of ops of this type in this step on this worker"),
+        _f("mc", pa.int16(), "", "model chunk inside the stage (VPP), 0 without VPP"),
+        _f("gmc", pa.int16(), "", "global model chunk: mc * pp_size + pp_rank"),
+        _f("mb_id", pa.int32(), "", "microbatch of a compute op, -1 for other ops"),
+    ],
+)
+
+CCL_RECORD = _schema(
+    "ccl_record",
+    "One collective or point-to-point operation as one rank saw it.",
+    [
+        _JOB,
+        _ATTEMPT,
+        _RANK,
+        _f("window_id", pa.int64(), "", "profiling session: its first step; -1 outside sessions"),
+        _f("step", pa.int64(), "", "training iteration"),
+        _f("group", pa.string(), "", "communication group name (e.g. dp:pp=0, pp:dp=1)"),
+        _f("group_ranks", pa.list_(pa.int32()), "", "global ranks in the group, in group order"),
+        _f("seq", pa.int64(), "", "sequence number of the op within the group"),
+        _f("op", pa.string(), "", "all_reduce, reduce_scatter, all_gather, broadcast, barrier, send, recv"),
+        _f("algorithm", pa.string(), "", "ring, tree, direct; empty if unknown"),
+        _f("nbytes", pa.int64(), "bytes", "payload bytes"),
+        _f("enter_ns", pa.int64(), "ns", "when this rank entered the op"),
+        _f("exit_ns", pa.int64(), "ns", "when this rank completed the op; -1 while in flight", nullable=False),
+        _f("peers", pa.list_(pa.int32()), "", "global ranks this rank exchanged data with"),
+        _f("peer_transfer_ns", pa.list_(pa.int64()), "ns", "transfer time per peer, same order as peers"),
+        _f("peer_bytes", pa.list_(pa.int64()), "bytes", "bytes per peer, same order as peers"),
+        _f("recv_wait_ns", pa.int64(), "ns", "time spent waiting for the first byte from a peer"),
+    ],
+)
+
+HEARTBEAT = _schema(
+    "heartbeat",
+    "Liveness and progress of one rank, sent every few seconds.",
+    [
+        _JOB,
+        _ATTEMPT,
+        _RANK,
+        _HOST,
+        _f("pid", pa.int64(), "", "process id"),
+        _f("ts_ns", pa.int64(), "ns", "when the heartbeat was sent, job clock"),
+        _f("step", pa.int64(), "", "last step started"),
+        _f("last_op", pa.string(), "", "last op finished"),
+        _f("last_op_end_ns", pa.int64(), "ns", "end of the last finished op"),
+        _f("inflight_op", pa.string(), "", "op in flight, empty if none"),
+        _f("inflight_group", pa.string(), "", "group of the collective in flight, empty if none"),
+        _f("inflight_seq", pa.int64(), "", "sequence number of the collective in flight, -1 if none"),
+        _f("inflight_since_ns", pa.int64(), "ns", "start of the op in flight, -1 if none"),
+        _f("clock_offset_ns", pa.int64(), "ns", "estimated offset of this rank's clock to the job clock"),
+        _f("stack", pa.string(), "", "folded Python stacks of all threads, only when dumped"),
+    ],
+)
+
+JOB_REGISTRATION = _schema(
+    "job_registration",
+    "Sent once per job attempt by rank 0: the layout and ownership of the job.",
+    [
+        _JOB,
+        _ATTEMPT,
+        _f("ts_ns", pa.int64(), "ns", "registration time, job clock"),
+        _f("team", pa.string(), "", "owning team"),
+        _f("model", pa.string(), "", "model name"),
+        _f("n_gpus", pa.int32(), "GPU", "GPUs of the job"),
+        _f("dp_size", pa.int32(), "", "data parallel size"),
+        _f("pp_size", pa.int32(), "", "pipeline parallel size"),
+        _f("tp_size", pa.int32(), "", "tensor parallel size"),
+        _f("cp_size", pa.int32(), "", "context parallel size"),
+        _f("vpp_size", pa.int32(), "", "virtual pipeline (model chunks per stage)"),
+        _f("num_microbatches", pa.int32(), "", "microbatches per step, 0 if unknown"),
+        _f("profiled_steps", pa.int32(), "", "steps per profiling session (window length)"),
+        _f("gpu_type", pa.string(), "", "GPU model, e.g. H100"),
+        _f("peak_flops", pa.float64(), "FLOP/s", "peak dense FLOP/s of one GPU, 0 if unknown"),
+        _f("flops_per_token", pa.float64(), "FLOP", "training FLOPs per token, 0 if unknown"),
+        _f("tokens_per_step", pa.int64(), "token", "tokens per step, 0 if unknown"),
+    ],
+)
+
+DEAD_LETTER = _schema(
+    "dead_letter",
+    "A message we could not decode or validate, kept with the reason.",
+    [
+        _f("ts_ns", pa.int64(), "ns", "when it was rejected, wall clock"),
+        _f("source_topic", pa.string(), "", "topic it came from"),
+        _f("source_partition", pa.int32(), "", "partition it came from"),
+        _f("source_offset", pa.int64(), "", "offset it came from"),
+        _f("key", pa.string(), "", "Kafka key (job id) if any"),
+        _f("reason", pa.string(), "", "why it was rejected"),
+        _f("payload", pa.binary(), "", "the rejected bytes, truncated to 64 KiB"),
+    ],
+)
+
+# --------------------------------------------------------------------------
+# Analysis results (ClickHouse tables derive from these)
+# --------------------------------------------------------------------------
+_WINDOW = _f("window_id", pa.int64(), "", "first step of the window; (job_id, attempt, window_id) is unique")
+
+WINDOW_RESULT = _schema(
+    "window_result",
+    "What-if analysis of one window of profiled steps of one job.",
+    [
+        _JOB,
+        _ATTEMPT,
+        _WINDOW,
+        _f("first_step", pa.int64(), "", "first step analysed"),
+        _f("last_step", pa.int64(), "", "last step analysed"),
+        _f("n_steps", pa.int32(), "", "steps analysed"),
+        _f("start_ns", pa.int64(), "ns", "window start, job clock"),
+        _f("end_ns", pa.int64(), "ns", "window end, job clock"),
+        _f("analyzed_ns", pa.int64(), "ns", "when the result was made, wall clock"),
+        _f("team", pa.string(), "", "owning team"),
+        _f("model", pa.string(), "", "model name"),
+        _f("n_gpus", pa.int32(), "GPU", "GPUs of the job"),
+        _f("dp_size", pa.int32(), "", "data parallel size"),
+        _f("pp_size", pa.int32(), "", "pipeline parallel size"),
+        _f("slowdown", pa.float64(), "ratio", "S = mean T / mean T_ideal"),
+        _f("launch_slowdown", pa.float64(), "ratio", "mean actual / mean T (simulation fidelity)"),
+        _f("waste_fraction", pa.float64(), "ratio", "W = 1 - 1/S"),
+        _f("step_time_actual", pa.float64(), "s", "mean actual step time"),
+        _f("step_time_sim", pa.float64(), "s", "mean simulated step time T, no launch delay"),
+        _f("step_time_ideal", pa.float64(), "s", "mean simulated ideal step time T_ideal"),
+        _f("gpu_hours", pa.float64(), "GPU-h", "GPU-hours of the window"),
+        _f("wasted_gpu_hours", pa.float64(), "GPU-h", "W x gpu_hours"),
+        _f("m_w", pa.float64(), "ratio", "share of the slowdown fixed by the top 3% workers"),
+        _f("m_s", pa.float64(), "ratio", "share of the slowdown fixed by the last stage"),
+        _f("verdict", pa.string(), "", "main root cause, empty if none"),
+        _f("verdicts_json", pa.string(), "", "all verdicts with their evidence, JSON"),
+        _f("complete", pa.bool_(), "", "false if the window closed on idle timeout or missed ranks"),
+        _f("note", pa.string(), "", "why incomplete, warnings of the analysis"),
+        _f("n_ops", pa.int64(), "", "ops analysed"),
+    ],
+)
+
+OPTYPE_SLOWDOWN = _schema(
+    "optype_slowdown",
+    "S_t: slowdown attributed to one op type in one window (step -1: whole window).",
+    [
+        _JOB,
+        _ATTEMPT,
+        _WINDOW,
+        _f("step", pa.int64(), "", "step, or -1 for the whole window"),
+        _f("optype", pa.string(), "", "op type; sends and recvs merged into forward-/backward-pp-comm"),
+        _f("slowdown", pa.float64(), "ratio", "S_t"),
+    ],
+)
+
+WORKER_SLOWDOWN = _schema(
+    "worker_slowdown",
+    "Slowdown attributed to one worker (dp_rank, pp_rank) in one window.",
+    [
+        _JOB,
+        _ATTEMPT,
+        _WINDOW,
+        _f("step", pa.int64(), "", "step, or -1 for the whole window"),
+        _f("dp_rank", pa.int32(), "", "data parallel rank"),
+        _f("pp_rank", pa.int32(), "", "pipeline stage"),
+        _f("s_dp", pa.float64(), "ratio", "S of this DP rank"),
+        _f("s_pp", pa.float64(), "ratio", "S of this PP rank"),
+        _f("s_w", pa.float64(), "ratio", "min(s_dp, s_pp)"),
+    ],
+)
+
+STEP_RESULT = _schema(
+    "step_result",
+    "Per-step times of one window: actual, simulated and ideal.",
+    [
+        _JOB,
+        _ATTEMPT,
+        _WINDOW,
+        _f("step", pa.int64(), "", "step"),
+        _f("actual_s", pa.float64(), "s", "actual step time"),
+        _f("sim_s", pa.float64(), "s", "simulated step time, no launch delay (T)"),
+        _f("ideal_s", pa.float64(), "s", "simulated ideal step time (T_ideal)"),
+        _f("slowdown", pa.float64(), "ratio", "T / T_ideal of this step"),
+    ],
+)
+
+HANG = _schema(
+    "hang",
+    "A hang or node loss detected in one job.",
+    [
+        _JOB,
+        _ATTEMPT,
+        _f("hang_id", pa.int64(), "ns", "detection time; unique per job"),
+        _f("kind", pa.string(), "", "comm_hang, noncomm_hang or node_loss"),
+        _f("group", pa.string(), "", "communication group, empty if none"),
+        _f("seq", pa.int64(), "", "sequence number of the collective, -1 if none"),
+        _f("op", pa.string(), "", "the collective or op the ranks are stuck in"),
+        _f("stuck_ranks", pa.string(), "", "folded ranges of ranks inside the op, e.g. 0-3,5"),
+        _f("missing_ranks", pa.string(), "", "folded ranges of ranks that never entered"),
+        _f("suspect_hosts", pa.string(), "", "comma-separated hosts of the suspects"),
+        _f("since_ns", pa.int64(), "ns", "last progress, job clock"),
+        _f("duration_s", pa.float64(), "s", "how long no progress was made at detection"),
+        _f("evidence_json", pa.string(), "", "wait chain, merged stacks, JSON"),
+    ],
+)
+
+LINK_FAULT = _schema(
+    "link_fault",
+    "A slow link, source or destination found in a latency matrix.",
+    [
+        _JOB,
+        _ATTEMPT,
+        _WINDOW,
+        _f("group", pa.string(), "", "communication group"),
+        _f("kind", pa.string(), "", "link, source, destination, noncomm_slow"),
+        _f("src", pa.int32(), "", "source rank, -1 if any"),
+        _f("dst", pa.int32(), "", "destination rank, -1 if any"),
+        _f("confidence", pa.float64(), "ratio", "0..1"),
+        _f("slowdown", pa.float64(), "ratio", "cell time / median cell time"),
+        _f("evidence_json", pa.string(), "", "matrix cells behind the verdict, JSON"),
+    ],
+)
+
+ALERT = _schema(
+    "alert",
+    "An alert raised by a rule; deduplicated per (job, rule) with a cool-down.",
+    [
+        _f("alert_id", pa.string(), "", "stable id: job, rule and the window or hang it is about"),
+        _JOB,
+        _ATTEMPT,
+        _f("ts_ns", pa.int64(), "ns", "when it was raised, wall clock"),
+        _f("rule", pa.string(), "", "slowdown, hang, link, node_loss, fidelity"),
+        _f("severity", pa.string(), "", "info, warning, critical"),
+        _f("summary", pa.string(), "", "one line for the on-call engineer"),
+        _f("details_json", pa.string(), "", "numbers behind it, JSON"),
+    ],
+)
+
+INPUT_SCHEMAS: dict[str, pa.Schema] = {
+    s.metadata[b"stragglerscope.kind"].decode(): s
+    for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB_REGISTRATION)
+}
+RESULT_SCHEMAS: dict[str, pa.Schema] = {
+    s.metadata[b"stragglerscope.kind"].decode(): s
+    for s in (WINDOW_RESULT, OPTYPE_SLOWDOWN, WORKER_SLOWDOWN, STEP_RESULT, HANG, LINK_FAULT, ALERT, DEAD_LETTER)
+}
+ALL_SCHEMAS: dict[str, pa.Schema] = {**INPUT_SCHEMAS, **RESULT_SCHEMAS}
+TOPIC_OF_KIND = {
+    "op_span": TOPIC_OPS,
+    "ccl_record": TOPIC_CCL,
+    "heartbeat": TOPIC_HEARTBEATS,
+    "job_registration": TOPIC_JOBS,
+}
+
+
+def kind_of(schema: pa.Schema) -> str:
+    return (schema.metadata or {}).get(b"stragglerscope.kind", b"").decode()
+
+
+def unit_of(schema: pa.Schema, name: str) -> str:
+    md = schema.field(name).metadata or {}
+    return md.get(b"unit", b"").decode()
+
+
+# --------------------------------------------------------------------------
+# Job layout
+# --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class JobLayout:
+    """Parallelism of one job. TP and CP are folded into the (dp, pp) worker."""
+
+    dp_size: int
+    pp_size: int
+    tp_size: int = 1
+    cp_size: int = 1
+    vpp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp_size", "pp_size", "tp_size", "cp_size", "vpp_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.pp_size * self.tp_size * self.cp_size
+
+    @property
+    def n_workers(self) -> int:
+        return self.dp_size * self.pp_size
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "JobLayout":
+        """From a golden-trace meta YAML (``dsp_size`` is context parallel)."""
+        try:
+            return cls(
+                dp_size=int(meta["dp_size"]),
+                pp_size=int(meta["pp_size"]),
+                tp_size=int(meta.get("tp_size", 1)),
+                cp_size=int(meta.get("dsp_size", meta.get("cp_size", 1))),
+                vpp_size=int(meta.get("vpp_size", 1)),
+            )
+        except KeyError as e:
+            raise ValueError(f"job meta lacks {e.args[0]!r}") from None
+
+
+# --------------------------------------------------------------------------
+# Encoding: one Arrow IPC stream per Kafka message
+# --------------------------------------------------------------------------
+class DecodeError(ValueError):
+    """A payload that is not a valid record batch of a known schema."""
+
+
+def wire_schema(schema: pa.Schema) -> pa.Schema:
+    """The schema as sent: field docs and units dropped, kind and version kept.
+
+    Every Kafka message carries its schema; the docs would cost a few KB each.
+    """
+    md = schema.metadata or {}
+    keep = {k: v for k, v in md.items() if k.startswith(b"stragglerscope.")}
+    return pa.schema([f.remove_metadata() for f in schema], metadata=keep)
+
+
+_WIRE = {id(s): wire_schema(s) for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB_REGISTRATION)}
+
+
+def encode(batch: pa.RecordBatch | pa.Table, compression: str | None = "zstd") -> bytes:
+    """Encode one batch (or table) as an Arrow IPC stream, body-compressed."""
+    schema = _WIRE.get(id(batch.schema)) or wire_schema(batch.schema)
+    batch = batch.cast(schema) if isinstance(batch, pa.Table) else pa.Table.from_batches([batch]).cast(schema)
+    sink = io.BytesIO()
+    opts = pa.ipc.IpcWriteOptions(compression=compression)
+    with pa.ipc.new_stream(sink, schema, options=opts) as w:
+        w.write_table(batch)
+    return sink.getvalue()
+
+
+def decode(payload: bytes) -> tuple[str, pa.Table]:
+    """Decode and validate an IPC payload; returns (kind, table).
+
+    Raises DecodeError with a reason fit for a dead-letter record when the
+    bytes are not Arrow, the kind or version is unknown, or a column is
+    missing, mistyped or null where it must not be.
+    """
+    try:
+        with pa.ipc.open_stream(pa.py_buffer(payload)) as r:
+            table = r.read_all()
+    except Exception as e:  # pyarrow raises several types for garbage
+        raise DecodeError(f"not an Arrow IPC stream: {type(e).__name__}: {e}"[:500]) from None
+    md = table.schema.metadata or {}
+    kind = md.get(b"stragglerscope.kind", b"").decode()
+    version = md.get(b"stragglerscope.version", b"").decode()
+    if kind not in INPUT_SCHEMAS and kind not in RESULT_SCHEMAS:
+        raise DecodeError(f"unknown record kind {kind!r}")
+    if version != str(SCHEMA_VERSION):
+        raise DecodeError(f"unsupported schema version {version!r} for {kind} (we read {SCHEMA_VERSION})")
+    return kind, conform(table, ALL_SCHEMAS[kind])
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Check ``table`` against ``schema``: same columns, castable types, no nulls.
+
+    Extra columns are dropped, safe casts applied (int32 -> int64 and the like);
+    anything else raises DecodeError naming the column.
+    """
+    cols = []
+    for field in schema:
+        if field.name not in table.column_names:
+            raise DecodeError(f"{kind_of(schema)}: missing column {field.name!r}")
+        col = table.column(field.name)
+        if not col.type.equals(field.type):
+            try:
+                col = col.cast(field.type, safe=True)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise DecodeError(
+                    f"{kind_of(schema)}: column {field.name!r} is {col.type}, want {field.type}: {e}"[:500]
+                ) from None
+        if not field.nullable and col.null_count:
+            raise DecodeError(f"{kind_of(schema)}: column {field.name!r} has {col.null_count} nulls")
+        cols.append(col)
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def validate_op_spans(table: pa.Table) -> tuple[pa.Table, pa.Table | None, str]:
+    """Split op spans into good rows and bad rows (with the reason).
+
+    Bad rows: negative duration, negative ranks or step. Unknown op types are
+    kept (the analyzer reports them). Returns (good, bad, reason); ``bad`` is
+    None when every row is good.
+    """
+    bad_mask = pc.or_(
+        pc.less(table["duration_ns"], 0),
+        pc.or_(pc.less(table["dp_rank"], 0), pc.or_(pc.less(table["pp_rank"], 0), pc.less(table["step"], 0))),
+    )
+    n_bad = pc.sum(pc.cast(bad_mask, pa.int64())).as_py() or 0
+    if not n_bad:
+        return table, None, ""
+    return (
+        table.filter(pc.invert(bad_mask)),
+        table.filter(bad_mask),
+        f"{n_bad} op spans with negative duration, rank or step",
+    )
+
+
+def empty(schema: pa.Schema) -> pa.Table:
+    return schema.empty_table()
+
+
+def from_rows(schema: pa.Schema, rows: Iterable[Mapping[str, Any]]) -> pa.Table:
+    """Build a table of ``schema`` from dict rows (test factories, small results)."""
+    rows = list(rows)
+    return pa.Table.from_pylist(rows, schema=schema) if rows else schema.empty_table()
+
+
+def dumps(obj: Any) -> str:
+    """JSON for the *_json evidence columns: compact, NaN-free, stable key order."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default, allow_nan=False)
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):  # numpy scalars
+        return o.item()
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if dataclasses.is_dataclass(o):
+        return dataclasses.asdict(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

@@ -1,0 +1,78 @@
+"""Alert rules over stored results, deduplicated per (job, rule) with a cool-down.
+
+``AlertRules.evaluate_window`` turns a window result row into zero or more
+alert rows (ALERT schema). State is the last alert time per (job, rule), kept
+in the shard that owns the job; ``now`` is injected so tests drive it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import urllib.request
+
+from ingest import schema as S
+from stragglerscope.config import AlertConfig
+
+log = logging.getLogger(__name__)
+
+
+class AlertRules:
+    def __init__(self, cfg: AlertConfig):
+        self.cfg = cfg
+        self._last: dict[tuple[str, str], float] = {}
+        self.suppressed = 0
+
+    def _fire(self, job_id: str, rule: str, now: float) -> bool:
+        last = self._last.get((job_id, rule))
+        if last is not None and now - last < self.cfg.cooldown_s:
+            self.suppressed += 1
+            return False
+        self._last[(job_id, rule)] = now
+        return True
+
+    def evaluate_window(self, row: dict, now: float, now_ns: int) -> list[dict]:
+        """Alerts for one window result row (a dict of WINDOW_RESULT fields)."""
+        alerts = []
+        job, s = row["job_id"], row["slowdown"]
+        base = dict(job_id=job, attempt=row["attempt"], ts_ns=now_ns)
+        if s == s and s >= self.cfg.slowdown_threshold and row["n_gpus"] >= self.cfg.min_gpus:
+            if self._fire(job, "slowdown", now):
+                sev = "critical" if s >= 1.5 else "warning"
+                why = f" ({row['verdict']})" if row["verdict"] else ""
+                alerts.append(dict(
+                    base, alert_id=f"{job}/{row['attempt']}/slowdown/{row['window_id']}", rule="slowdown",
+                    severity=sev,
+                    summary=f"{job}: straggling S={s:.2f}{why}, {row['waste_fraction']:.0%} of "
+                            f"{row['n_gpus']} GPUs wasted in window {row['window_id']}",
+                    details_json=S.dumps({k: row[k] for k in ("window_id", "slowdown", "waste_fraction",
+                                                             "wasted_gpu_hours", "verdict", "m_w", "m_s")
+                                          if row[k] == row[k]}),
+                ))
+        ls = row["launch_slowdown"]
+        if ls == ls and abs(ls - 1.0) > self.cfg.fidelity_tolerance and self._fire(job, "fidelity", now):
+            alerts.append(dict(
+                base, alert_id=f"{job}/{row['attempt']}/fidelity/{row['window_id']}", rule="fidelity",
+                severity="info",
+                summary=f"{job}: simulation fidelity off, launch slowdown {ls:.3f} in window {row['window_id']}",
+                details_json=S.dumps({"launch_slowdown": ls, "window_id": row["window_id"]}),
+            ))
+        if row["verdict"] == "analysis_failed" and self._fire(job, "analysis_failed", now):
+            alerts.append(dict(
+                base, alert_id=f"{job}/{row['attempt']}/analysis_failed/{row['window_id']}",
+                rule="analysis_failed", severity="info",
+                summary=f"{job}: window {row['window_id']} could not be analysed: {row['note'][:200]}",
+                details_json=S.dumps({"note": row["note"][:2000]}),
+            ))
+        return alerts
+
+
+def post_webhook(url: str, alert: dict, timeout_s: float = 3.0) -> bool:
+    """POST one alert as JSON; False (logged) on any failure, never raises."""
+    try:
+        req = urllib.request.Request(url, data=json.dumps(alert).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return 200 <= r.status < 300
+    except Exception as e:
+        log.warning("webhook %s failed: %s", url, e)
+        return False

@@ -1,0 +1,145 @@
+"""One window in, result tables out: the unit of work the shards run as Ray tasks.
+
+``analyze_window`` is a plain function (no Ray inside) so it runs in unit tests
+as is; the shard wraps it with ``ray.remote``. It never raises for bad data:
+an analysis that fails yields a window row with ``verdict = "analysis_failed"``
+and the reason in ``note``, so the window is stored, its offsets advance and
+the failure is visible in the console instead of being retried forever.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from ingest import schema as S
+from ray_jobs.windows import JobInfo
+
+log = logging.getLogger(__name__)
+
+
+def _finite(x: Any, default: float = float("nan")) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return default
+    return v if math.isfinite(v) else default
+
+
+def _window_row(info: JobInfo, key, ops: pa.Table, complete: bool, note: str) -> dict:
+    starts = ops["start_ns"].to_numpy()
+    ends = starts + ops["duration_ns"].to_numpy()
+    steps = ops["step"].to_numpy()
+    return dict(
+        job_id=key[0], attempt=key[1], window_id=key[2],
+        first_step=int(steps.min()), last_step=int(steps.max()), n_steps=int(len(np.unique(steps))),
+        start_ns=int(starts.min()), end_ns=int(ends.max()), analyzed_ns=time.time_ns(),
+        team=info.team, model=info.model, n_gpus=int(info.n_gpus or info.layout.world_size),
+        dp_size=info.layout.dp_size, pp_size=info.layout.pp_size,
+        slowdown=float("nan"), launch_slowdown=float("nan"), waste_fraction=float("nan"),
+        step_time_actual=float("nan"), step_time_sim=float("nan"), step_time_ideal=float("nan"),
+        gpu_hours=0.0, wasted_gpu_hours=0.0, m_w=float("nan"), m_s=float("nan"),
+        verdict="", verdicts_json="[]", complete=complete, note=note, n_ops=ops.num_rows,
+    )
+
+
+def analyze_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], complete: bool,
+                   note: str) -> dict[str, pa.Table]:
+    """What-if analysis of one window; returns {result kind: table} for the sink."""
+    from analyzers.whatif import analyze  # heavy import kept out of the shard's import path
+
+    row = _window_row(info, key, ops, complete, note)
+    out: dict[str, list[dict]] = {"optype_slowdown": [], "worker_slowdown": [], "step_result": []}
+    try:
+        res = analyze(ops, info.layout, allow_incomplete=True).to_json_dict()
+    except Exception as e:  # analyzer input errors and bugs alike: store, flag, move on
+        log.warning("analysis of %s failed: %s", key, e)
+        row["verdict"] = "analysis_failed"
+        row["note"] = (note + "; " if note else "") + f"{type(e).__name__}: {e}"[:2000]
+        row["complete"] = False
+        return _tables(row, out)
+
+    actual = {int(k): float(v) for k, v in res["step_time"]["actual"].items()}
+    sim = {int(k): float(v) for k, v in res["step_time"]["simulated"].items()}
+    ideal = {int(k): float(v) for k, v in res["step_time"]["ideal"].items()}
+    S_ = _finite(res["slowdown"])
+    wall_s = (row["end_ns"] - row["start_ns"]) / 1e9
+    gpu_hours = row["n_gpus"] * wall_s / 3600.0
+    waste = _finite(res.get("waste_fraction"), 1 - 1 / S_ if S_ == S_ and S_ > 0 else float("nan"))
+    verdicts = res.get("verdicts") or []
+    warnings = list(res.get("warnings") or [])
+    if res.get("unknown_optypes"):
+        warnings.append(f"unknown op types ignored: {sorted(res['unknown_optypes'])}")
+    if res.get("complete") is False and row["complete"]:
+        row["complete"] = False
+    row.update(
+        slowdown=S_, launch_slowdown=_finite(res["launch_slowdown"]), waste_fraction=waste,
+        step_time_actual=float(np.mean(list(actual.values()))) if actual else float("nan"),
+        step_time_sim=float(np.mean(list(sim.values()))) if sim else float("nan"),
+        step_time_ideal=float(np.mean(list(ideal.values()))) if ideal else float("nan"),
+        gpu_hours=gpu_hours, wasted_gpu_hours=gpu_hours * waste if waste == waste else 0.0,
+        m_w=_finite(res.get("M_W")), m_s=_finite(res.get("M_S")),
+        verdict=_main_verdict(verdicts), verdicts_json=S.dumps(_clean(verdicts)),
+        note="; ".join([x for x in [note] + warnings if x])[:4000],
+    )
+    base = dict(job_id=key[0], attempt=key[1], window_id=key[2])
+    for step in sorted(actual):
+        ide = ideal.get(step, float("nan"))
+        out["step_result"].append(dict(base, step=step, actual_s=actual[step], sim_s=sim.get(step, float("nan")),
+                                       ideal_s=ide, slowdown=_finite(res.get("step_slowdown", {}).get(str(step),
+                                       res.get("step_slowdown", {}).get(step)))))
+    for optype, v in (res.get("by_optype") or {}).items():
+        out["optype_slowdown"].append(dict(base, step=-1, optype=optype, slowdown=_finite(v)))
+    for step, per in (res.get("by_optype_per_step") or {}).items():
+        for optype, v in per.items():
+            out["optype_slowdown"].append(dict(base, step=int(step), optype=optype, slowdown=_finite(v)))
+    s_dp = {int(k): _finite(v) for k, v in (res.get("by_dp_rank") or {}).items()}
+    s_pp = {int(k): _finite(v) for k, v in (res.get("by_pp_rank") or {}).items()}
+    for pp, rowvals in enumerate(res.get("worker_slowdown") or []):
+        for dp, v in enumerate(rowvals):
+            out["worker_slowdown"].append(dict(base, step=-1, dp_rank=dp, pp_rank=pp,
+                                               s_dp=s_dp.get(dp, float("nan")), s_pp=s_pp.get(pp, float("nan")),
+                                               s_w=_finite(v)))
+    return _tables(row, out)
+
+
+def failed_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], reason: str) -> dict[str, pa.Table]:
+    """The tables of a window whose analysis could not run at all."""
+    row = _window_row(info, key, ops, False, reason[:2000])
+    row["verdict"] = "analysis_failed"
+    return _tables(row, {"optype_slowdown": [], "worker_slowdown": [], "step_result": []})
+
+
+def _main_verdict(verdicts) -> str:
+    if isinstance(verdicts, dict):
+        verdicts = [dict(v, kind=k) if isinstance(v, dict) else {"kind": k} for k, v in verdicts.items()]
+    for v in verdicts:
+        if isinstance(v, dict):
+            return str(v.get("kind") or v.get("cause") or v.get("name") or "")
+        return str(v)
+    return ""
+
+
+def _clean(obj):
+    """Make evidence JSON-safe: NaN and infinities become None."""
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+def _tables(row: dict, out: dict[str, list[dict]]) -> dict[str, pa.Table]:
+    tables = {"window_result": S.from_rows(S.WINDOW_RESULT, [row])}
+    tables["optype_slowdown"] = S.from_rows(S.OPTYPE_SLOWDOWN, out["optype_slowdown"])
+    tables["worker_slowdown"] = S.from_rows(S.WORKER_SLOWDOWN, out["worker_slowdown"])
+    tables["step_result"] = S.from_rows(S.STEP_RESULT, out["step_result"])
+    return tables

@@ -1,0 +1,68 @@
+"""The pipeline's own health as Prometheus metrics, served on 127.0.0.1.
+
+A custom collector reads the shards' counters at scrape time (one
+``status()`` round trip), so nothing is double-bookkept: the shard's
+``ShardStats`` is the one place a number lives.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+# (status key, metric name, kind, help)
+_METRICS = (
+    ("messages", "ss_messages_total", "counter", "Kafka messages handled"),
+    ("records", "ss_records_total", "counter", "op-span records routed to windows"),
+    ("dead_letters", "ss_dead_letters_total", "counter", "messages rejected to the dead-letter topic"),
+    ("late_records", "ss_late_records_total", "counter", "records that arrived after their window was analysed"),
+    ("heartbeats", "ss_heartbeats_total", "counter", "heartbeat records seen"),
+    ("ccl_records", "ss_ccl_records_total", "counter", "collective records seen"),
+    ("windows_stored", "ss_windows_stored_total", "counter", "windows analysed and stored"),
+    ("windows_failed", "ss_windows_failed_total", "counter", "windows whose analysis task failed"),
+    ("alerts", "ss_alerts_total", "counter", "alerts raised"),
+    ("analyzer_seconds", "ss_analyzer_seconds_total", "counter", "seconds from dispatch to stored result, summed"),
+    ("window_latency_s_last", "ss_window_latency_seconds", "gauge", "dispatch-to-stored latency of the last window"),
+    ("inflight", "ss_inflight_analyses", "gauge", "analyses in flight"),
+    ("open_windows", "ss_open_windows", "gauge", "windows being filled"),
+    ("buffered_rows", "ss_buffered_rows", "gauge", "op-span rows held in open windows"),
+    ("lag", "ss_consumer_lag", "gauge", "records not yet consumed"),
+)
+
+
+class MetricsServer:
+    def __init__(self, status: Callable[[], list[dict]], port: int = 0, host: str = "127.0.0.1"):
+        self._status = status
+        self.port = port
+        self.host = host
+        self._server = None
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        shards = self._status()
+        for key, name, kind, doc in _METRICS:
+            cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            fam = cls(name[:-6] if kind == "counter" and name.endswith("_total") else name, doc, labels=["shard"])
+            for st in shards:
+                if key in st:
+                    fam.add_metric([str(st.get("shard", "?"))], float(st[key]))
+            yield fam
+        up = GaugeMetricFamily("ss_shard_up", "1 when the shard answered its status call", labels=["shard"])
+        for st in shards:
+            up.add_metric([str(st.get("shard", "?"))], 0.0 if st.get("unavailable") else 1.0)
+        yield up
+
+    def start(self) -> "MetricsServer":
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        from ingest.broker import free_port
+
+        reg = CollectorRegistry()
+        reg.register(self)
+        self.port = self.port or free_port(self.host)
+        self._server, _ = start_http_server(self.port, addr=self.host, registry=reg)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None

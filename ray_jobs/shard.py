@@ -1,0 +1,255 @@
+"""The shard: consumes a fixed set of partitions and owns every job in them.
+
+One ``ShardWorker`` per Ray actor (``ShardActor``), never one per job. Its loop:
+poll Kafka (manual assignment, no consumer group), decode each message at the
+boundary (bad bytes go to the dead-letter topic and table with the reason),
+route op spans to the ``WindowTracker``, hand ready windows to the analyzer
+(Ray tasks, at most ``max_inflight`` at once: at the limit the shard stops
+polling, which is the backpressure), write finished results through the sink,
+raise alerts, and only then store the partitions' committable offsets beside
+the results. A restarted shard resumes from the stored offsets.
+
+The worker takes its transports as arguments (``consumer_factory``,
+``sink_factory``, ``submit``) so unit tests drive it without Kafka or Ray.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import pyarrow as pa
+
+from ingest import schema as S
+from ray_jobs.alerts import AlertRules, post_webhook
+from ray_jobs.analysis import analyze_window, failed_window
+from ray_jobs.windows import JobInfo, ReadyWindow, WindowTracker
+from stragglerscope.config import Config
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ShardStats:
+    shard: int = 0
+    messages: int = 0
+    records: int = 0
+    late_records: int = 0
+    dead_letters: int = 0
+    heartbeats: int = 0
+    ccl_records: int = 0
+    jobs_registered: int = 0
+    windows_stored: int = 0
+    windows_failed: int = 0
+    alerts: int = 0
+    analyzer_seconds: float = 0.0
+    window_latency_s_last: float = 0.0
+    inflight: int = 0
+    open_windows: int = 0
+    buffered_rows: int = 0
+    lag: int = 0
+    idle: bool = False
+    error: str = ""
+
+
+class ShardWorker:
+    def __init__(self, index: int, partitions: list[int], cfg: Config, source_id: str,
+                 consumer_factory: Callable[[], Any] | None = None,
+                 sink_factory: Callable[[], Any] | None = None,
+                 submit: Callable[..., Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.index = index
+        self.partitions = list(partitions)
+        self.cfg = cfg
+        self.source_id = source_id
+        self._consumer_factory = consumer_factory
+        self._sink_factory = sink_factory
+        self._submit = submit
+        self._clock = clock
+        self.stats = ShardStats(shard=index)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._inflight: list[tuple[Any, ReadyWindow, float]] = []
+        self._committed: dict = {}
+
+    # -- lifecycle ----------------------------------------------------------
+    def setup(self) -> None:
+        """Create clients (here, not in __init__: Ray pickles the object), seek to stored offsets."""
+        from ray_jobs.io import KafkaSource, ResultWriter
+
+        self.sink = self._sink_factory() if self._sink_factory else ResultWriter(self.cfg.store.url)
+        self.sink.setup()
+        self.tracker = WindowTracker(self.cfg.pipeline.idle_timeout_s, is_stored=self.sink.window_stored)
+        self.rules = AlertRules(self.cfg.alerts)
+        self.source = self._consumer_factory() if self._consumer_factory else KafkaSource(
+            self.cfg.kafka.bootstrap, S.INPUT_TOPICS, self.partitions)
+        stored = self.sink.load_offsets(self.source_id, S.INPUT_TOPICS, self.partitions)
+        self.source.seek(stored)
+        for row in self.sink.load_jobs():
+            self.tracker.register(JobInfo.from_row(row))
+        self.alerts_out = self.source.alert_producer() if hasattr(self.source, "alert_producer") else None
+
+    def start(self) -> bool:
+        """Run the loop in a thread of this actor (status() stays callable)."""
+        self.setup()
+        self._thread = threading.Thread(target=self._loop, name=f"shard-{self.index}", daemon=True)
+        self._thread.start()
+        return True
+
+    def stop(self) -> bool:
+        """Finish the current iteration, then close the clients; stored offsets stay as they are."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+        for c in (getattr(self, "source", None), getattr(self, "sink", None)):
+            if c is not None and hasattr(c, "close"):
+                try:
+                    c.close()
+                except Exception as e:
+                    log.warning("close failed: %s", e)
+        return True
+
+    def status(self) -> dict:
+        return dataclasses.asdict(self.stats)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception as e:  # keep the actor alive; the failure is visible in status()
+                log.exception("shard %d step failed", self.index)
+                self.stats.error = f"{type(e).__name__}: {e}"[:500]
+                time.sleep(1.0)
+
+    # -- one iteration ------------------------------------------------------
+    def step(self, poll_timeout_ms: int = 200) -> None:
+        """Poll (unless backpressured), dispatch ready windows, collect results."""
+        now = self._clock()
+        pcfg = self.cfg.pipeline
+        busy = len(self._inflight) >= pcfg.max_inflight or self.tracker.buffered_rows() >= pcfg.max_buffered_rows
+        got = 0
+        if not busy:
+            for msg in self.source.poll(poll_timeout_ms):
+                self._handle(msg, now)
+                got += 1
+        for win in self.tracker.ready(now):
+            self._dispatch(win)
+        self._collect(block=busy)
+        self._commit()
+        st = self.stats
+        st.inflight = len(self._inflight)
+        st.open_windows = len(self.tracker.open)
+        st.buffered_rows = self.tracker.buffered_rows()
+        st.lag = self.source.lag()
+        st.records = self.tracker.counters.records
+        st.late_records = self.tracker.counters.late_records
+        st.idle = got == 0 and not self._inflight and not self.tracker.open and st.lag == 0
+
+    def _handle(self, msg, now: float) -> None:
+        self.stats.messages += 1
+        try:
+            kind, table = S.decode(msg.value)
+            if S.TOPIC_OF_KIND.get(kind) != msg.topic:
+                raise S.DecodeError(f"{kind} record on topic {msg.topic}")
+        except S.DecodeError as e:
+            self._dead_letter(msg, str(e))
+            return
+        tp = (msg.topic, msg.partition)
+        if kind == "op_span":
+            good, bad, reason = S.validate_op_spans(table)
+            if bad is not None:
+                self._dead_letter(msg, reason)
+            if good.num_rows:
+                self.tracker.add_ops(good, tp, msg.offset, now)
+        elif kind == "job_registration":
+            self.sink.write("job_registration", table)
+            self.sink.flush()  # registrations are stored before their offset can be committed
+            for row in table.to_pylist():
+                self.tracker.register(JobInfo.from_row(row))
+                self.stats.jobs_registered += 1
+        elif kind == "heartbeat":
+            self.stats.heartbeats += table.num_rows  # hang tracking: analyzers/hang (issue 5)
+        elif kind == "ccl_record":
+            self.stats.ccl_records += table.num_rows  # link matrices: analyzers/links (issue 5)
+        self.source.advance(tp, msg.offset + 1)
+
+    def _dead_letter(self, msg, reason: str) -> None:
+        self.stats.dead_letters += 1
+        row = dict(ts_ns=time.time_ns(), source_topic=msg.topic, source_partition=msg.partition,
+                   source_offset=msg.offset, key=(msg.key or b"").decode("utf-8", "replace"),
+                   reason=reason[:1000], payload=bytes(msg.value[:65536]) if msg.value else b"")
+        self.sink.write("dead_letter", S.from_rows(S.DEAD_LETTER, [row]))
+        self.source.dead_letter(msg, reason)
+        self.source.advance((msg.topic, msg.partition), msg.offset + 1)
+
+    def _dispatch(self, win: ReadyWindow) -> None:
+        info = self.tracker.job(win.key[0], win.key[1]) or _unregistered(win)
+        args = (win.ops, info, win.key, win.complete, win.note)
+        handle = self._submit(*args) if self._submit else analyze_window(*args)
+        self._inflight.append((handle, win, self._clock()))
+
+    def _collect(self, block: bool) -> None:
+        from ray_jobs.io import resolve_ready
+
+        if not self._inflight:
+            return
+        done, pending = resolve_ready(self._inflight, timeout_s=0.5 if block else 0.0)
+        self._inflight = pending
+        for (tables, err), win, t0 in done:
+            if tables is None:
+                # The task died after Ray's own retries (worker killed, OOM): store the
+                # failure so the window is visible and its offsets can advance.
+                log.warning("analysis task for %s failed: %s", win.key, err)
+                self.stats.windows_failed += 1
+                info = self.tracker.job(win.key[0], win.key[1]) or _unregistered(win)
+                tables = failed_window(win.ops, info, win.key, f"analysis task failed: {err}")
+            self._store(tables, win, t0)
+
+    def _store(self, tables: dict[str, pa.Table], win: ReadyWindow, t0: float) -> None:
+        for kind, table in tables.items():
+            if table.num_rows:
+                self.sink.write(kind, table)
+        row = tables["window_result"].to_pylist()[0]
+        self.stats.analyzer_seconds += self._clock() - t0
+        alerts = self.rules.evaluate_window(row, time.time(), time.time_ns())
+        if alerts:
+            self.sink.write("alert", S.from_rows(S.ALERT, alerts))
+        self.sink.flush()
+        # Results are stored: only now is the window done (its offsets may advance).
+        self.tracker.mark_stored(win.key)
+        self.stats.windows_stored += 1
+        self.stats.window_latency_s_last = self._clock() - t0
+        for a in alerts:
+            self.stats.alerts += 1
+            if self.alerts_out is not None:
+                self.alerts_out(a)
+            if self.cfg.alerts.webhook_url:
+                post_webhook(self.cfg.alerts.webhook_url, a)
+
+    def _commit(self) -> None:
+        # Dead letters and registrations written since the last flush are covered
+        # by the offsets about to be stored: store them first.
+        self.sink.flush()
+        positions = self.source.positions()
+        committable = self.tracker.committable(positions)
+        if committable != self._committed:  # an idle shard writes nothing
+            self.sink.store_offsets(self.source_id, committable)
+            self._committed = committable
+
+
+def _unregistered(win: ReadyWindow) -> JobInfo:
+    """Layout inferred from the ranks seen, for a job whose registration never came."""
+    from ingest.schema import JobLayout
+
+    dp = int(pa.compute.max(win.ops["dp_rank"]).as_py()) + 1
+    pp = int(pa.compute.max(win.ops["pp_rank"]).as_py()) + 1
+    steps = len(set(win.ops["step"].to_pylist()))
+    return JobInfo(job_id=win.key[0], attempt=win.key[1], layout=JobLayout(dp, pp), profiled_steps=steps,
+                   registered=False)
+
+
+def alert_json(alert: dict) -> bytes:
+    return json.dumps(alert).encode()

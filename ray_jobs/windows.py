@@ -1,0 +1,213 @@
+"""Per-job window state: a reducer with explicit state, no Ray, no Kafka.
+
+The shard actor feeds decoded op-span tables in (``add_ops``), asks which
+windows are ready (``ready``), hands them to the analyzers and, once their
+results are stored, marks them stored (``mark_stored``). ``committable``
+tells, per Kafka partition, the offset below which every record is covered by
+stored results; only that offset may be committed, so a crash replays what
+was not yet stored and nothing is lost.
+
+Close policy (ARCHITECTURE.md, "Windows and delivery"): a window is ready when
+every worker (dp, pp) of the registered layout has reported the end of every
+profiled step of the window (its ``optimizer`` op), or after ``idle_timeout_s``
+without new records (then it is analysed as incomplete and says what is
+missing). Records for a window that was already stored are late: counted and
+dropped. Exact duplicate ops are dropped by the analyzer's dedup.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ingest.schema import JobLayout
+
+WindowKey = tuple[str, int, int]  # (job_id, attempt, window_id)
+TopicPartition = tuple[str, int]
+
+
+@dataclasses.dataclass
+class JobInfo:
+    """What the registration told us; defaults when a job never registered."""
+
+    job_id: str
+    attempt: int
+    layout: JobLayout
+    profiled_steps: int
+    team: str = ""
+    model: str = ""
+    n_gpus: int = 0
+    registered: bool = True
+
+    @classmethod
+    def from_row(cls, row: dict) -> "JobInfo":
+        lay = JobLayout(dp_size=row["dp_size"], pp_size=row["pp_size"], tp_size=row["tp_size"],
+                        cp_size=row["cp_size"], vpp_size=row["vpp_size"])
+        return cls(job_id=row["job_id"], attempt=row["attempt"], layout=lay,
+                   profiled_steps=max(1, row["profiled_steps"]), team=row["team"], model=row["model"],
+                   n_gpus=row["n_gpus"] or lay.world_size)
+
+
+@dataclasses.dataclass
+class OpenWindow:
+    key: WindowKey
+    tables: list[pa.Table] = dataclasses.field(default_factory=list)
+    n_rows: int = 0
+    first_offset: dict[TopicPartition, int] = dataclasses.field(default_factory=dict)
+    step_ends: set = dataclasses.field(default_factory=set)  # (dp, pp, step) with an optimizer op
+    steps: set = dataclasses.field(default_factory=set)
+    last_seen: float = 0.0
+    dispatched: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadyWindow:
+    key: WindowKey
+    ops: pa.Table
+    complete: bool
+    note: str
+
+
+@dataclasses.dataclass
+class WindowCounters:
+    records: int = 0
+    late_records: int = 0
+    windows_opened: int = 0
+    windows_ready: int = 0
+    windows_incomplete: int = 0
+    windows_stored: int = 0
+
+
+class WindowTracker:
+    """All open windows of the jobs one shard owns.
+
+    ``is_stored(key)`` is consulted the first time a window key is seen, so a
+    restarted shard that replays records of an already stored window drops
+    them as late instead of storing a partial re-analysis over a good one.
+    """
+
+    def __init__(self, idle_timeout_s: float = 30.0, is_stored: Callable[[WindowKey], bool] | None = None,
+                 max_stored_keys: int = 200_000):
+        self.idle_timeout_s = idle_timeout_s
+        self._is_stored = is_stored or (lambda key: False)
+        self.jobs: dict[tuple[str, int], JobInfo] = {}
+        self.open: dict[WindowKey, OpenWindow] = {}
+        self._stored: dict[WindowKey, None] = {}  # insertion-ordered, bounded
+        self._max_stored = max_stored_keys
+        self.counters = WindowCounters()
+
+    # -- input --------------------------------------------------------------
+    def register(self, info: JobInfo) -> None:
+        self.jobs[(info.job_id, info.attempt)] = info
+
+    def add_ops(self, table: pa.Table, tp: TopicPartition, offset: int, now: float) -> None:
+        """Route one decoded op-span table (possibly several jobs and windows)."""
+        self.counters.records += table.num_rows
+        keys = pa.Table.from_arrays(
+            [table["job_id"], table["attempt"], table["window_id"]], names=["j", "a", "w"]
+        ).group_by(["j", "a", "w"]).aggregate([])
+        if keys.num_rows == 1:
+            parts = [((keys["j"][0].as_py(), keys["a"][0].as_py(), keys["w"][0].as_py()), table)]
+        else:
+            parts = []
+            for j, a, w in zip(keys["j"].to_pylist(), keys["a"].to_pylist(), keys["w"].to_pylist()):
+                mask = pc.and_(pc.and_(pc.equal(table["job_id"], j), pc.equal(table["attempt"], a)),
+                               pc.equal(table["window_id"], w))
+                parts.append(((j, a, w), table.filter(mask)))
+        for key, part in parts:
+            self._add(key, part, tp, offset, now)
+
+    def _add(self, key: WindowKey, part: pa.Table, tp: TopicPartition, offset: int, now: float) -> None:
+        win = self.open.get(key)
+        if win is None:
+            if key in self._stored or self._is_stored(key):
+                self._remember_stored(key)
+                self.counters.late_records += part.num_rows
+                return
+            win = self.open[key] = OpenWindow(key)
+            self.counters.windows_opened += 1
+        elif win.dispatched:
+            # Arrived after the window was handed to the analyzer: late.
+            self.counters.late_records += part.num_rows
+            return
+        win.tables.append(part)
+        win.n_rows += part.num_rows
+        win.first_offset.setdefault(tp, offset)
+        win.last_seen = now
+        steps = part["step"].to_numpy()
+        win.steps.update(np.unique(steps).tolist())
+        opt = pc.equal(part["optype"], "optimizer").to_numpy(zero_copy_only=False)
+        if opt.any():
+            dp = part["dp_rank"].to_numpy()[opt]
+            pp = part["pp_rank"].to_numpy()[opt]
+            win.step_ends.update(zip(dp.tolist(), pp.tolist(), steps[opt].tolist()))
+
+    # -- output -------------------------------------------------------------
+    def job(self, job_id: str, attempt: int) -> JobInfo | None:
+        return self.jobs.get((job_id, attempt))
+
+    def ready(self, now: float) -> list[ReadyWindow]:
+        """Windows to analyse now; each is returned once (then marked dispatched)."""
+        out = []
+        for key, win in self.open.items():
+            if win.dispatched:
+                continue
+            info = self.jobs.get(key[:2])
+            complete, note = self._completeness(win, info)
+            idle = now - win.last_seen >= self.idle_timeout_s
+            if complete or idle:
+                win.dispatched = True
+                ops = pa.concat_tables(win.tables) if len(win.tables) > 1 else win.tables[0]
+                win.tables = [ops]
+                self.counters.windows_ready += 1
+                if not complete:
+                    self.counters.windows_incomplete += 1
+                out.append(ReadyWindow(key, ops, complete, "" if complete else f"closed on idle timeout: {note}"))
+        return out
+
+    def _completeness(self, win: OpenWindow, info: JobInfo | None) -> tuple[bool, str]:
+        if info is None:
+            return False, "job never registered"
+        want_steps = info.profiled_steps
+        if len(win.steps) < want_steps:
+            return False, f"{len(win.steps)} of {want_steps} steps seen"
+        need = info.layout.n_workers * len(win.steps)
+        if len(win.step_ends) < need:
+            return False, f"{need - len(win.step_ends)} of {need} worker-steps did not finish"
+        return True, ""
+
+    def mark_stored(self, key: WindowKey) -> None:
+        if self.open.pop(key, None) is not None:
+            self.counters.windows_stored += 1
+        self._remember_stored(key)
+
+    def release(self, key: WindowKey) -> None:
+        """Forget a dispatched window whose analysis failed for good (its records stay committed-past)."""
+        self.open.pop(key, None)
+        self._remember_stored(key)
+
+    def _remember_stored(self, key: WindowKey) -> None:
+        self._stored[key] = None
+        if len(self._stored) > self._max_stored:
+            self._stored.pop(next(iter(self._stored)))
+
+    def committable(self, positions: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+        """Per partition: the offset up to which every record's results are stored.
+
+        ``positions`` is the next offset the consumer will read per partition.
+        """
+        out = dict(positions)
+        for win in self.open.values():
+            for tp, off in win.first_offset.items():
+                if tp in out and off < out[tp]:
+                    out[tp] = off
+        return out
+
+    def buffered_rows(self) -> int:
+        return sum(w.n_rows for w in self.open.values())
+
+    def open_keys(self) -> Iterable[WindowKey]:
+        return list(self.open)

@@ -1,0 +1,205 @@
+"""`stragglerscope`: the one command-line entry point.
+
+The configuration is read here, once (``stragglerscope.config.load``), and
+handed down. Bad input of any command (a missing file, a bad flag, an
+unreachable broker or store) ends with one line on stderr and exit code 2,
+never a traceback; a traceback means a bug.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from stragglerscope import config as config_mod
+
+_EPILOG = """\
+configuration (defaults shown; a TOML file given with --config and
+STRAGGLERSCOPE_<SECTION>_<KEY> environment variables override them):
+{keys}
+
+examples:
+  stragglerscope demo                       # everything local, console on http://127.0.0.1:8501
+  stragglerscope demo --headless --once     # analyse a demo fleet and exit
+  stragglerscope sql fleet_summary --format json
+  stragglerscope whatif trace.parquet --meta meta.yaml --json out.json
+  stragglerscope run --config prod.toml     # against real Kafka, ClickHouse and Ray
+"""
+
+
+class CLIError(Exception):
+    """Bad input to a command: printed as one line."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean bad input or an unreachable service, not a bug."""
+    errs: list[type[BaseException]] = [CLIError, config_mod.ConfigError, FileNotFoundError, PermissionError]
+    for mod, name in (("ingest.broker", "BrokerError"), ("storage", "StoreError"),
+                      ("analyzers.whatif", "WhatIfInputError"), ("ingest.schema", "DecodeError")):
+        try:
+            errs.append(getattr(__import__(mod, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errs)
+
+
+def _add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML configuration file (see `stragglerscope --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stragglerscope",
+        description="Find why GPU training jobs are slow or stuck: straggler what-if analysis, "
+                    "hang and link diagnosis over a Kafka -> Ray -> ClickHouse pipeline.",
+        epilog=_EPILOG.format(keys=config_mod.describe()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level to stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="run the whole pipeline locally on a synthetic fleet, then the console",
+                       description="Start the embedded broker (Tansu), the chDB store, a local Ray and the "
+                                   "console; produce a synthetic fleet with mixed straggler causes; analyse "
+                                   "and store it. Ctrl-C stops every process it started. The store keeps the "
+                                   "history across runs.")
+    _add_config(p)
+    p.add_argument("--jobs", type=int, default=20, help="jobs in the fleet (default 20)")
+    p.add_argument("--windows", type=int, default=2, help="profiling windows per job (default 2)")
+    p.add_argument("--steps", type=int, default=4, help="profiled steps per window (default 4)")
+    p.add_argument("--min-gpus", type=int, default=8, help="smallest job (default 8)")
+    p.add_argument("--max-gpus", type=int, default=512, help="largest job (default 512)")
+    p.add_argument("--seed", type=int, default=0, help="fleet seed (default 0)")
+    p.add_argument("--headless", action="store_true", help="do not start the console")
+    p.add_argument("--once", action="store_true", help="exit as soon as every window is stored")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the analysis (default 600)")
+
+    p = sub.add_parser("run", help="run the pipeline against the configured Kafka, store and Ray",
+                       description="Consume the configured Kafka, analyse with shard actors on the configured "
+                                   "Ray, store results; runs until Ctrl-C.")
+    _add_config(p)
+
+    p = sub.add_parser("sql", help="run a named query or read-only SQL against the store",
+                       description="Named queries of the library (list them with `stragglerscope sql --list`) "
+                                   "or free read-only SQL with --query.")
+    _add_config(p)
+    p.add_argument("name", nargs="?", help="named query, e.g. fleet_summary")
+    p.add_argument("--query", help="free SQL (read-only: DDL and DML are refused)")
+    p.add_argument("--param", action="append", default=[], metavar="K=V", help="query parameter (repeatable)")
+    p.add_argument("--format", default="table", choices=("table", "json", "csv", "parquet"), help="output format")
+    p.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout (needed for parquet)")
+    p.add_argument("--list", action="store_true", help="list the named queries and their parameters")
+    p.add_argument("--store", help="store URL (overrides store.url)")
+
+    p = sub.add_parser("whatif", help="what-if straggler analysis of one trace",
+                       description="Simulate the trace without stragglers and attribute the slowdown "
+                                   "(S, S_t, S_dp, S_pp, S_w, M_W, M_S, verdicts).")
+    p.add_argument("trace", help="trace parquet (golden-trace format)")
+    p.add_argument("--meta", required=True, help="meta YAML with dp_size, pp_size, tp_size, vpp_size ...")
+    p.add_argument("--json", required=True, dest="json_out", metavar="OUT.json", help="where to write the result")
+    p.add_argument("--timeline", metavar="OUT.json.gz", help="also write actual and ideal timelines (Perfetto)")
+
+    p = sub.add_parser("console", help="start the Streamlit console on a store",
+                       description="Serve the console on 127.0.0.1 (ui.address, ui.port) over the store.")
+    _add_config(p)
+    p.add_argument("--store", help="store URL (overrides store.url)")
+
+    p = sub.add_parser("store", help="serve an embedded chDB store to other processes",
+                       description="Own the chDB path and serve it over HTTP on 127.0.0.1, so that the "
+                                   "pipeline, the console and `sql` can share it. Runs until Ctrl-C.")
+    _add_config(p)
+    p.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+
+    sub.add_parser("config", help="print every configuration key with its default and meaning")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return _dispatch(args) or 0
+    except _user_errors() as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"stragglerscope {args.command}: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    cmd = args.command
+    if cmd == "config":
+        print(config_mod.describe())
+        return 0
+    if cmd == "whatif":
+        from analyzers.whatif import run_cli
+
+        res = run_cli(args.trace, args.meta, args.json_out, args.timeline)
+        print(f"S={res['slowdown']:.4f}  launch_slowdown={res['launch_slowdown']:.4f}  "
+              f"M_W={res['M_W']:.3f}  M_S={res['M_S']:.3f}  -> {args.json_out}")
+        return 0
+    cfg = config_mod.load(getattr(args, "config", None))
+    if getattr(args, "store", None):
+        cfg = cfg.replace(store={"url": args.store})
+    if cmd == "demo":
+        from stragglerscope.demo import DemoOptions, run_demo
+
+        for name in ("jobs", "windows", "steps", "min_gpus", "max_gpus"):
+            if getattr(args, name) < 1:
+                raise CLIError(f"--{name.replace('_', '-')} must be at least 1")
+        opts = DemoOptions(jobs=args.jobs, windows=args.windows, steps=args.steps, min_gpus=args.min_gpus,
+                           max_gpus=args.max_gpus, seed=args.seed, headless=args.headless, once=args.once,
+                           timeout_s=args.timeout)
+        return run_demo(cfg, opts)
+    if cmd == "run":
+        from stragglerscope.service import run_service
+
+        return run_service(cfg)
+    if cmd == "sql":
+        from storage.cli import list_queries, run_sql
+
+        if args.list:
+            print(list_queries())
+            return 0
+        if not args.name and not args.query:
+            raise CLIError("give a query name (see --list) or --query SQL")
+        if args.format == "parquet" and not args.out:
+            raise CLIError("--format parquet needs --out FILE")
+        out = run_sql(cfg.store.url, name=args.name, query=args.query, params=args.param, fmt=args.format)
+        if args.out:
+            with open(args.out, "wb") as f:
+                f.write(out if isinstance(out, bytes) else out.encode())
+        else:
+            sys.stdout.write(out if isinstance(out, str) else out.decode())
+            if isinstance(out, str) and not out.endswith("\n"):
+                sys.stdout.write("\n")
+        return 0
+    if cmd == "console":
+        from stragglerscope.demo import start_console
+
+        proc = start_console(cfg.store.url, cfg)
+        print(f"console on http://{cfg.ui.address}:{cfg.ui.port} (Ctrl-C stops)", file=sys.stderr)
+        try:
+            return proc.wait()
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+    if cmd == "store":
+        from storage import serve
+
+        if not cfg.store.url.startswith("chdb://"):
+            raise CLIError(f"only a chdb:// store needs serving, got {cfg.store.url}")
+        serve(cfg.store.url, port=args.port,
+              ready=lambda port: print(f"store {cfg.store.url} at http://127.0.0.1:{port}", flush=True))
+        return 0
+    raise CLIError(f"unknown command {cmd}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

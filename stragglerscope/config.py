@@ -1,0 +1,176 @@
+"""One frozen, validated configuration, read once at the entry point.
+
+Sources, later ones winning: built-in defaults (the embedded local setup), a
+TOML file (``--config``), environment variables ``STRAGGLERSCOPE_<SECTION>_<KEY>``
+(e.g. ``STRAGGLERSCOPE_KAFKA_BOOTSTRAP``). Everything below the CLI receives
+the parts it needs explicitly; nothing else reads the environment.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message names the key and what is wrong."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KafkaConfig:
+    bootstrap: str = ""
+    """host:port[,host:port]; empty = start the embedded Tansu broker on 127.0.0.1."""
+    partitions: int = 8
+    """Partitions per input topic (same count for every topic: shards are partition-affine)."""
+    source_id: str = ""
+    """Names the Kafka cluster in stored offsets; empty = the bootstrap string (embedded: per run)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    url: str = "chdb://./.stragglerscope/store"
+    """chdb://PATH (embedded), clickhouse://user:pass@host:9000/db (server) or http://127.0.0.1:PORT (store daemon)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RayConfig:
+    address: str = ""
+    """Empty = a local Ray on 127.0.0.1; else ray.init(address=...) of an existing cluster."""
+    num_cpus: int = 2
+    """CPUs of the local Ray (ignored with an address)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    shards: int = 2
+    """Shard actors; each consumes partitions % shards == index and owns many jobs."""
+    max_inflight: int = 2
+    """Analyses in flight per shard; at the limit the shard stops polling (backpressure)."""
+    idle_timeout_s: float = 20.0
+    """A window with no new record for this long is analysed as incomplete."""
+    max_buffered_rows: int = 5_000_000
+    """Rows held in open windows per shard before the shard stops polling."""
+    metrics_port: int = 0
+    """Prometheus metrics on 127.0.0.1:PORT; 0 = a free port, -1 = off."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AlertConfig:
+    slowdown_threshold: float = 1.1
+    """Alert when a window's S is at least this (the paper's 'significant' straggling)."""
+    min_gpus: int = 8
+    """Only for jobs of at least this many GPUs."""
+    fidelity_tolerance: float = 0.05
+    """Alert (info) when launch slowdown differs from 1 by more (the paper drops such windows)."""
+    cooldown_s: float = 600.0
+    """The same rule for the same job alerts at most once per cool-down."""
+    webhook_url: str = ""
+    """POST each alert as JSON here; empty = off."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UIConfig:
+    port: int = 8501
+    address: str = "127.0.0.1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    kafka: KafkaConfig = KafkaConfig()
+    store: StoreConfig = StoreConfig()
+    ray: RayConfig = RayConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    alerts: AlertConfig = AlertConfig()
+    ui: UIConfig = UIConfig()
+
+    def replace(self, **sections: Mapping[str, Any]) -> "Config":
+        """A copy with some keys of some sections changed: replace(kafka={"bootstrap": "..."})."""
+        return _merge(self, {k: dict(v) for k, v in sections.items()}, "override")
+
+
+def _coerce(value: Any, typ: type, where: str) -> Any:
+    if typ is bool and isinstance(value, str):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: not a boolean: {value!r}")
+    try:
+        return typ(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}") from None
+
+
+def _merge(cfg: Config, data: Mapping[str, Mapping[str, Any]], source: str) -> Config:
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    updated = {}
+    for sname, values in data.items():
+        if sname not in sections:
+            raise ConfigError(f"{source}: unknown section [{sname}] (known: {', '.join(sections)})")
+        current = getattr(cfg, sname)
+        fields = {f.name: f for f in dataclasses.fields(current)}
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{source}: [{sname}] must be a table")
+        changes = {}
+        for key, value in values.items():
+            if key not in fields:
+                raise ConfigError(f"{source}: unknown key {sname}.{key} (known: {', '.join(fields)})")
+            typ = type(getattr(current, key))
+            changes[key] = _coerce(value, typ, f"{source}: {sname}.{key}")
+        updated[sname] = dataclasses.replace(current, **changes)
+    return dataclasses.replace(cfg, **updated)
+
+
+def load(path: str | None = None, env: Mapping[str, str] | None = None) -> Config:
+    """Defaults, then the TOML file at ``path``, then STRAGGLERSCOPE_* variables of ``env``."""
+    cfg = Config()
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        cfg = _merge(cfg, data, path)
+    env = os.environ if env is None else env
+    from_env: dict[str, dict[str, str]] = {}
+    for f in dataclasses.fields(Config):
+        section = getattr(cfg, f.name)
+        for sf in dataclasses.fields(section):
+            var = f"STRAGGLERSCOPE_{f.name}_{sf.name}".upper()
+            if var in env:
+                from_env.setdefault(f.name, {})[sf.name] = env[var]
+    if "STRAGGLERSCOPE_STORE" in env:  # short form used by `sql` and the console
+        from_env.setdefault("store", {})["url"] = env["STRAGGLERSCOPE_STORE"]
+    return _merge(cfg, from_env, "environment") if from_env else cfg
+
+
+def describe() -> str:
+    """Every key with its default and meaning, for --help and the README."""
+    lines = []
+    for f in dataclasses.fields(Config):
+        section = f.default if not isinstance(f.default, dataclasses._MISSING_TYPE) else f.default_factory()
+        lines.append(f"[{f.name}]")
+        docs = _field_docs(type(section))
+        for sf in dataclasses.fields(section):
+            lines.append(f"  {sf.name} = {getattr(section, sf.name)!r}   {docs.get(sf.name, '')}")
+    return "\n".join(lines)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Attribute docstrings (the string literal after each field) of a dataclass."""
+    import ast
+    import inspect
+
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    docs = {}
+    body = tree.body[0].body
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = str(b.value.value)
+    return docs

@@ -1,0 +1,141 @@
+"""`stragglerscope demo`: the whole product on embedded defaults, on this machine.
+
+Starts what the configuration does not point elsewhere (the Tansu broker on a
+free loopback port, the chDB store behind its daemon, a local Ray), produces a
+synthetic fleet through the real producer code path, lets the shard actors
+analyse it, and starts the console. Every process it starts listens on
+127.0.0.1 and is stopped again on exit or Ctrl-C, in reverse order. The store
+lives on disk (``store.url``), so a second run adds to the history.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import subprocess
+import sys
+import time
+from typing import Callable
+
+from stragglerscope.config import Config
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoOptions:
+    jobs: int = 20
+    windows: int = 2
+    steps: int = 4
+    min_gpus: int = 8
+    max_gpus: int = 512
+    seed: int = 0
+    headless: bool = False
+    once: bool = False
+    timeout_s: float = 600.0
+
+
+def run_tag(now: float | None = None) -> str:
+    """Prefix of this run's job ids: runs add to the history instead of overwriting it."""
+    return time.strftime("demo%Y%m%d-%H%M%S", time.gmtime(now))
+
+
+def produce_fleet(bootstrap: str, opts: DemoOptions, tag: str,
+                  progress: Callable[[int, int], None] | None = None) -> tuple[list[tuple[str, int, int]], int]:
+    """Registrations and op spans of a synthetic fleet; returns (window keys, op records)."""
+    from ingest.fleetgen import fleet_windows, make_fleet
+    from ingest.producer import TelemetryProducer
+
+    jobs = [dataclasses.replace(j, job_id=f"{tag}-{i:03d}")
+            for i, j in enumerate(make_fleet(opts.jobs, opts.seed, opts.min_gpus, opts.max_gpus))]
+    t0 = time.time_ns()
+    keys: list[tuple[str, int, int]] = []
+    n_ops = 0
+    total = len(jobs) * opts.windows
+    with TelemetryProducer(bootstrap, client_id="stragglerscope-demo") as prod:
+        for spec in jobs:
+            prod.send(spec.registration(t0, opts.steps))
+        for spec, window_id, table in fleet_windows(jobs, opts.windows, opts.steps, t0):
+            prod.send(table)
+            keys.append((spec.job_id, spec.attempt, window_id))
+            n_ops += table.num_rows
+            if progress:
+                progress(len(keys), total)
+        if not prod.flush(120):
+            raise RuntimeError("the broker did not acknowledge the fleet within 120 s")
+        if prod.stats.records_dropped:
+            raise RuntimeError(f"{prod.stats.records_dropped} records were dropped by the producer")
+    return keys, n_ops
+
+
+def start_console(store_url: str, cfg: Config) -> subprocess.Popen:
+    """The Streamlit console on 127.0.0.1 (``ui.port``), reading ``store_url``."""
+    from pathlib import Path
+    import os
+
+    app = Path(__file__).resolve().parent.parent / "ui" / "app.py"
+    env = dict(os.environ, STRAGGLERSCOPE_STORE=store_url)
+    cmd = [sys.executable, "-m", "streamlit", "run", str(app),
+           "--server.address", cfg.ui.address, "--server.port", str(cfg.ui.port),
+           "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def run_demo(cfg: Config, opts: DemoOptions) -> int:
+    from tqdm import tqdm
+
+    from stragglerscope.service import say, sigterm_as_interrupt, start_services
+
+    sigterm_as_interrupt()
+    try:
+        with contextlib.ExitStack() as stack:
+            svc = start_services(cfg, stack)
+            tag = run_tag()
+            bar = tqdm(total=opts.jobs * opts.windows, desc="produce", unit="window", file=sys.stderr)
+            keys, n_ops = produce_fleet(svc.cfg.kafka.bootstrap, opts, tag,
+                                        progress=lambda n, total: bar.update(n - bar.n))
+            bar.close()
+            say(f"produced   {opts.jobs} jobs, {len(keys)} windows, {n_ops:,} op records (run {tag})")
+
+            pending = set(keys)
+            bar = tqdm(total=len(keys), desc="analyse", unit="window", file=sys.stderr)
+
+            def done(_status) -> bool:
+                pending.difference_update([k for k in list(pending) if svc.store.window_stored(k)])
+                bar.update(len(keys) - len(pending) - bar.n)
+                return not pending
+
+            ok = svc.pipeline.wait(done, timeout_s=opts.timeout_s)
+            bar.close()
+            if not ok:
+                say(f"error: {len(pending)} of {len(keys)} windows were not stored within "
+                    f"{opts.timeout_s:.0f} s; shard status: {svc.pipeline.status()}")
+                return 1
+            summary = svc.store.run_named("fleet_summary", {}).to_pylist()[0]
+            say("stored     " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
+            if opts.once:
+                return 0
+            if opts.headless:
+                say("running headless; Ctrl-C stops")
+            else:
+                console = start_console(svc.cfg.store.url, cfg)
+                stack.callback(_stop_process, console)
+                say(f"console    http://{cfg.ui.address}:{cfg.ui.port}  (Ctrl-C stops everything)")
+            while True:
+                time.sleep(1)
+    except KeyboardInterrupt:
+        say("stopped")
+        return 0
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -1,0 +1,96 @@
+"""Bring the pipeline's services up in order and down in reverse: broker, store, Ray, shards.
+
+``start_services`` is shared by `stragglerscope run` (long-running, against
+configured services) and `stragglerscope demo` (embedded defaults). What the
+configuration leaves empty is started locally on 127.0.0.1: the Tansu broker
+when ``kafka.bootstrap`` is empty, the store daemon when ``store.url`` is a
+chDB path (several processes must share it), a local Ray when
+``ray.address`` is empty.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import sys
+import time
+
+from stragglerscope.config import Config
+
+
+def say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class Services:
+    cfg: Config          # with the addresses actually in use
+    source_id: str       # names the Kafka cluster in stored offsets
+    store: object        # storage.Store, open on store_url
+    pipeline: object     # ray_jobs.pipeline.Pipeline, started
+
+
+def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
+    from ingest import schema as S
+    from ingest.broker import LocalBroker, check_reachable, ensure_topics
+    from ray_jobs.pipeline import Pipeline
+    from storage import StoreDaemon, open_store
+
+    bootstrap = cfg.kafka.bootstrap
+    if not bootstrap:
+        broker = stack.enter_context(LocalBroker())
+        bootstrap = broker.bootstrap
+        source_id = cfg.kafka.source_id or broker.cluster_id
+        say(f"broker     Tansu on {bootstrap}")
+    else:
+        check_reachable(bootstrap)
+        source_id = cfg.kafka.source_id or bootstrap
+        say(f"broker     {bootstrap}")
+    ensure_topics(bootstrap, S.INPUT_TOPICS + (S.TOPIC_DEAD_LETTER, S.TOPIC_ALERTS), cfg.kafka.partitions)
+
+    store_url = cfg.store.url
+    if store_url.startswith("chdb://"):
+        daemon = stack.enter_context(StoreDaemon(store_url))
+        say(f"store      {store_url} (served to the pipeline and console at {daemon.url})")
+        store_url = daemon.url
+    else:
+        say(f"store      {store_url}")
+    store = open_store(store_url)
+    store.setup()
+    stack.callback(store.close)
+
+    run_cfg = cfg.replace(kafka={"bootstrap": bootstrap}, store={"url": store_url})
+    import ray
+
+    stack.callback(lambda: ray.shutdown() if ray.is_initialized() else None)
+    pipeline = stack.enter_context(Pipeline(run_cfg, source_id))
+    say(f"ray        {len(pipeline.actors)} shard actors on {cfg.ray.address or 'a local Ray (127.0.0.1)'}")
+    if cfg.pipeline.metrics_port >= 0:
+        port = pipeline.serve_metrics(cfg.pipeline.metrics_port)
+        say(f"metrics    http://127.0.0.1:{port}/metrics")
+    return Services(run_cfg, source_id, store, pipeline)
+
+
+def sigterm_as_interrupt() -> None:
+    """SIGTERM unwinds like Ctrl-C, so every started process is stopped in order."""
+    def handler(*_):
+        raise KeyboardInterrupt()
+    signal.signal(signal.SIGTERM, handler)
+
+
+def run_service(cfg: Config) -> int:
+    """`stragglerscope run`: the pipeline until Ctrl-C, with a status line every 30 s."""
+    sigterm_as_interrupt()
+    try:
+        with contextlib.ExitStack() as stack:
+            svc = start_services(cfg, stack)
+            say("running; Ctrl-C stops")
+            while True:
+                time.sleep(30)
+                st = svc.pipeline.status()
+                say("status     " + "  ".join(
+                    f"shard {s.get('shard')}: windows={s.get('windows_stored', '?')} lag={s.get('lag', '?')}"
+                    f"{' ERROR ' + s['error'] if s.get('error') else ''}" for s in st))
+    except KeyboardInterrupt:
+        say("stopped")
+        return 0

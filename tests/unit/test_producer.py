@@ -1,0 +1,91 @@
+"""The producer never blocks or raises into the caller, and counts what it sent and dropped."""
+import threading
+import time
+
+import pytest
+
+from ingest import schema as S
+from ingest.fleetgen import JobSpec, generate_window
+from ingest.producer import TelemetryProducer
+
+
+class _Future:
+    def __init__(self, fail=False):
+        self.fail = fail
+
+    def get(self, timeout=None):
+        if self.fail:
+            raise RuntimeError("broker said no")
+        return None
+
+
+class FakeKafka:
+    def __init__(self, fail=False, gate: threading.Event | None = None):
+        self.sent = []
+        self.fail = fail
+        self.gate = gate
+
+    def send(self, topic, key=None, value=None):
+        if self.gate is not None:
+            self.gate.wait(10)
+        self.sent.append((topic, key, value))
+        return _Future(self.fail)
+
+    def flush(self, timeout=None):
+        pass
+
+    def close(self, timeout=None):
+        pass
+
+
+def _ops():
+    return generate_window(JobSpec("j", S.JobLayout(2, 2), 4), 0, 2, 0)
+
+
+def test_sends_to_the_topic_of_the_kind_keyed_by_job():
+    kafka = FakeKafka()
+    with TelemetryProducer("x", kafka_factory=lambda: kafka) as p:
+        p.send(_ops())
+        p.send(JobSpec("j", S.JobLayout(2, 2), 4).registration(0, 2))
+    assert [(t, k) for t, k, _ in kafka.sent] == [(S.TOPIC_OPS, b"j"), (S.TOPIC_JOBS, b"j")]
+    assert p.stats.records_sent == _ops().num_rows + 1
+    assert p.stats.records_dropped == 0
+
+
+def test_full_queue_drops_instead_of_blocking():
+    gate = threading.Event()
+    kafka = FakeKafka(gate=gate)
+    t = _ops()
+    size = len(S.encode(t))
+    p = TelemetryProducer("x", kafka_factory=lambda: kafka, max_queue_bytes=size * 2 + 10)
+    t0 = time.perf_counter()
+    queued = [p.send(t) for _ in range(10)]
+    elapsed = time.perf_counter() - t0
+    gate.set()
+    p.close()
+    assert queued.count(0) >= 7, "the bounded queue dropped the overflow"
+    assert p.stats.records_dropped >= 7 * t.num_rows
+    assert elapsed < 2.0, "send() returned without waiting for the broker"
+
+
+def test_broker_down_never_raises_into_the_caller():
+    def factory():
+        raise ConnectionError("no broker")
+    p = TelemetryProducer("x", kafka_factory=factory)
+    assert p.send(_ops()) == 1
+    p.close(5)
+    assert p.stats.records_dropped == _ops().num_rows
+
+
+def test_failed_delivery_is_counted():
+    p = TelemetryProducer("x", kafka_factory=lambda: FakeKafka(fail=True))
+    p.send(_ops())
+    p.close(5)
+    assert p.stats.send_errors == 1 and p.stats.records_sent == 0
+
+
+def test_rejects_what_is_not_an_input_record():
+    p = TelemetryProducer("x", kafka_factory=FakeKafka)
+    with pytest.raises(ValueError, match="not an input record kind"):
+        p.send(S.empty(S.WINDOW_RESULT))
+    p.close(5)

@@ -1,0 +1,166 @@
+"""The shard loop without Kafka or Ray: routing, close policy, dead letters, offsets, replay."""
+import dataclasses
+
+import pyarrow as pa
+import pytest
+
+from ingest import schema as S
+from ingest.fleetgen import JobSpec, generate_window
+from ray_jobs.analysis import _tables, _window_row
+from ray_jobs.io import Message
+from ray_jobs.shard import ShardWorker
+from stragglerscope.config import Config
+from tests.fakes import FakeSink, FakeSource, messages_for
+
+STEPS = 2
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def fake_analysis(calls):
+    def submit(ops, info, key, complete, note):
+        calls.append((key, complete, ops.num_rows))
+        row = _window_row(info, key, ops, complete, note)
+        row.update(slowdown=1.5, waste_fraction=1 / 3, launch_slowdown=1.0, verdict="worker")
+        return _tables(row, {"optype_slowdown": [], "worker_slowdown": [], "step_result": []})
+    return submit
+
+
+def job(job_id, dp=2, pp=2):
+    return JobSpec(job_id, S.JobLayout(dp_size=dp, pp_size=pp), num_microbatches=4)
+
+
+def make_worker(messages, sink=None, calls=None, clock=None, **pipeline):
+    cfg = Config()
+    cfg = cfg.replace(pipeline=dict({"idle_timeout_s": 10.0}, **pipeline), alerts={"min_gpus": 1})
+    src = FakeSource(messages)
+    sink = sink or FakeSink()
+    w = ShardWorker(0, [0], cfg, "src-1", consumer_factory=lambda: src, sink_factory=lambda: sink,
+                    submit=fake_analysis(calls if calls is not None else []), clock=clock or Clock())
+    w.setup()
+    return w, src, sink
+
+
+def run(w, n=50):
+    for _ in range(n):
+        w.step(poll_timeout_ms=0)
+
+
+def test_complete_windows_are_analysed_stored_and_committed():
+    a, b = job("a"), job("b", dp=4, pp=1)
+    tables = [a.registration(0, STEPS), b.registration(0, STEPS),
+              generate_window(a, 0, STEPS, 0), generate_window(b, 0, STEPS, 0), generate_window(a, 100, STEPS, 0)]
+    calls = []
+    w, src, sink = make_worker(messages_for(tables), calls=calls)
+    run(w)
+    keys = sorted(c[0] for c in calls)
+    assert keys == [("a", 0, 0), ("a", 0, 100), ("b", 0, 0)]
+    assert all(c[1] for c in calls), "every window was complete"
+    stored = sorted((r["job_id"], r["window_id"]) for r in sink.rows["window_result"])
+    assert stored == [("a", 0), ("a", 100), ("b", 0)]
+    # Every message is covered by stored results: the offsets reach the end of each topic.
+    assert sink.offsets["src-1"][(S.TOPIC_OPS, 0)] == 3
+    assert sink.offsets["src-1"][(S.TOPIC_JOBS, 0)] == 2
+    assert len(sink.rows["job_registration"]) == 2
+    assert w.stats.windows_stored == 3
+    assert [a["rule"] for a in sink.rows["alert"]] == ["slowdown", "slowdown"]  # a is cooled down once
+
+
+def test_a_window_missing_a_worker_waits_for_the_idle_timeout():
+    a = job("a")
+    ops = generate_window(a, 0, STEPS, 0)
+    partial = ops.filter(pa.compute.not_equal(ops["dp_rank"], 1))
+    clock = Clock()
+    calls = []
+    w, _, sink = make_worker(messages_for([a.registration(0, STEPS), partial]), calls=calls, clock=clock)
+    run(w)
+    assert calls == []
+    # Open window: its ops message is not committable yet.
+    assert sink.offsets["src-1"].get((S.TOPIC_OPS, 0), 0) == 0
+    clock.t = 11.0
+    run(w, 3)
+    assert len(calls) == 1 and calls[0][1] is False
+    row = sink.rows["window_result"][0]
+    assert row["complete"] is False and "worker-steps did not finish" in row["note"]
+    assert sink.offsets["src-1"][(S.TOPIC_OPS, 0)] == 1
+
+
+def test_garbage_goes_to_dead_letters_and_the_loop_goes_on():
+    a = job("a")
+    msgs = messages_for([a.registration(0, STEPS), generate_window(a, 0, STEPS, 0)])
+    garbage = Message(S.TOPIC_OPS, 0, 1, b"a", b"not arrow at all")
+    wrong_topic = Message(S.TOPIC_HEARTBEATS, 0, 0, b"a", S.encode(generate_window(a, 100, STEPS, 0)))
+    w, src, sink = make_worker(msgs + [garbage, wrong_topic])
+    run(w)
+    reasons = [r["reason"] for r in sink.rows["dead_letter"]]
+    assert any("not an Arrow IPC stream" in r for r in reasons)
+    assert any("op_span record on topic" in r for r in reasons)
+    assert len(src.dead) == 2
+    assert w.stats.windows_stored == 1
+    assert sink.offsets["src-1"][(S.TOPIC_OPS, 0)] == 2
+
+
+def test_bad_rows_are_dead_lettered_and_good_rows_kept():
+    a = job("a")
+    ops = generate_window(a, 0, STEPS, 0)
+    d = ops["duration_ns"].to_pylist()
+    d[0] = -1
+    ops = ops.set_column(ops.schema.get_field_index("duration_ns"), "duration_ns", pa.array(d, pa.int64()))
+    calls = []
+    w, _, sink = make_worker(messages_for([a.registration(0, STEPS), ops]), calls=calls)
+    run(w)
+    assert "negative duration" in sink.rows["dead_letter"][0]["reason"]
+    assert calls and calls[0][2] == ops.num_rows - 1
+
+
+def test_restart_replays_without_storing_twice():
+    a, b = job("a"), job("b")
+    msgs = messages_for([a.registration(0, STEPS), b.registration(0, STEPS),
+                         generate_window(a, 0, STEPS, 0), generate_window(b, 0, STEPS, 0)])
+    sink = FakeSink()
+    # First life: only the first three messages arrive before the "crash".
+    w, src, _ = make_worker(msgs[:3], sink=sink)
+    run(w)
+    assert w.stats.windows_stored == 1
+    # Forget the offsets of the ops topic to force a replay of a stored window as well.
+    sink.offsets["src-1"][(S.TOPIC_OPS, 0)] = 0
+    w2, _, _ = make_worker(msgs, sink=sink)
+    run(w2)
+    stored = sorted(r["job_id"] for r in sink.rows["window_result"])
+    assert stored == ["a", "b"], "nothing lost, nothing twice"
+    assert w2.tracker.counters.late_records > 0
+
+
+def test_backpressure_stops_polling_at_max_inflight():
+    a = job("a")
+    tables = [a.registration(0, STEPS)] + [generate_window(a, 100 * i, STEPS, 0) for i in range(4)]
+    pending = []
+
+    def never_done(ops, info, key, complete, note):
+        pending.append(key)
+        return _Pending()
+
+    cfg = Config().replace(pipeline={"max_inflight": 1})
+    src = FakeSource(messages_for(tables), batch=1)
+    w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: src, sink_factory=FakeSink, submit=never_done)
+    w.setup()
+    import ray_jobs.io as io
+    orig = io.resolve_ready
+    io.resolve_ready = lambda inflight, timeout_s: ([], list(inflight))
+    try:
+        for _ in range(20):
+            w.step(poll_timeout_ms=0)
+    finally:
+        io.resolve_ready = orig
+    assert len(pending) == 1
+    assert src.lag() > 0, "the shard stopped consuming while its analysis was in flight"
+
+
+class _Pending:
+    pass
