@@ -72,7 +72,9 @@ class AlertConfig:
 @dataclasses.dataclass(frozen=True)
 class UIConfig:
     port: int = 8501
+    """Port of the Streamlit console."""
     address: str = "127.0.0.1"
+    """Address the console listens on; loopback unless you put it behind a proxy."""
 
 
 @dataclasses.dataclass(frozen=True)
