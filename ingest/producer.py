@@ -21,6 +21,7 @@ import threading
 import pyarrow as pa
 
 from ingest import schema as S
+from ingest.spool import Spool
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ class ProducerStats:
     bytes_sent: int = 0
     batches_dropped: int = 0
     records_dropped: int = 0
+    batches_spooled: int = 0
+    records_spooled: int = 0
+    batches_replayed: int = 0
     send_errors: int = 0
 
 
@@ -65,35 +69,57 @@ class TelemetryProducer:
 
     ``kafka_factory`` builds the client inside the sender thread (injected in
     unit tests); by default a ``kafka.KafkaProducer`` for ``bootstrap``.
+
+    With ``spool_dir``, a message that cannot be delivered (broker down,
+    delivery failed or timed out) is written to a bounded on-disk spool
+    instead of being dropped; while the spool holds anything, new messages go
+    behind it, and every ``retry_s`` the sender replays it oldest first. So a
+    broker outage shorter than the spool's capacity loses nothing and keeps
+    order. Without ``spool_dir`` undeliverable messages are dropped and counted.
     """
 
     def __init__(self, bootstrap: str, *, client_id: str = "stragglerscope", max_queue_bytes: int = 64 << 20,
-                 kafka_factory=None, linger_ms: int = 20):
+                 kafka_factory=None, linger_ms: int = 20, spool_dir: str | None = None,
+                 max_spool_bytes: int = 256 << 20, retry_s: float = 2.0, delivery_timeout_s: float = 10.0):
         self.bootstrap = bootstrap
         self.client_id = client_id
         self.max_queue_bytes = max_queue_bytes
         self.stats = ProducerStats()
         self._factory = kafka_factory or self._default_factory
         self._linger_ms = linger_ms
+        self._delivery_timeout_s = delivery_timeout_s
+        self._retry_s = retry_s
+        self._spool = Spool(spool_dir, max_spool_bytes) if spool_dir else None
         self._q: queue.Queue = queue.Queue()
         self._queued_bytes = 0
         self._lock = threading.Lock()
-        self._closed = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
+        self._client = None
         self._thread = threading.Thread(target=self._run, name="ss-producer", daemon=True)
         self._thread.start()
 
     def _default_factory(self):
         from kafka import KafkaProducer
 
+        timeout_ms = int(self._delivery_timeout_s * 1000)
         return KafkaProducer(
             bootstrap_servers=self.bootstrap, client_id=self.client_id, acks=1, linger_ms=self._linger_ms,
-            max_request_size=max(S.MAX_MESSAGE_BYTES + 65536, 1 << 20), retries=5,
+            max_request_size=max(S.MAX_MESSAGE_BYTES + 65536, 1 << 20), retries=3,
+            request_timeout_ms=min(timeout_ms, 5000), delivery_timeout_ms=max(timeout_ms, 5000 + self._linger_ms),
+            max_block_ms=5000,
         )
 
+    @property
+    def spooled(self) -> int:
+        """Messages waiting in the spool."""
+        return len(self._spool) if self._spool is not None else 0
+
     def send(self, table: pa.Table, key: str | None = None) -> int:
-        """Enqueue ``table`` (one of our input kinds); returns payloads queued (0 if dropped)."""
+        """Enqueue ``table`` (one of our input kinds); returns payloads queued (0 if dropped).
+
+        Never blocks on the network and never raises for transport problems.
+        """
         kind = S.kind_of(table.schema)
         topic = S.TOPIC_OF_KIND.get(kind)
         if topic is None:
@@ -117,13 +143,12 @@ class TelemetryProducer:
         return len(payloads)
 
     def flush(self, timeout_s: float = 60.0) -> bool:
-        """Wait until everything queued so far is acknowledged; True if it was."""
+        """Wait until everything queued so far is acknowledged or spooled; True if it was."""
         self._q.put(("__flush__", None, None, 0))
         return self._idle.wait(timeout_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
         self.flush(timeout_s)
-        self._closed.set()
         self._q.put(None)
         self._thread.join(timeout_s)
 
@@ -135,65 +160,111 @@ class TelemetryProducer:
 
     # -- sender thread ------------------------------------------------------
     def _run(self) -> None:
-        client = None
-        pending = []
+        pending: list = []
         while True:
-            item = self._q.get()
+            try:
+                item = self._q.get(timeout=self._retry_s if self.spooled else None)
+            except queue.Empty:
+                self._replay()
+                continue
             if item is None:
                 break
             topic, key, payload, rows = item
             if topic == "__flush__":
-                self._drain(client, pending)
+                self._drain(pending)
                 pending = []
+                self._replay()
                 if self._q.empty():
                     self._idle.set()
                 continue
-            if client is None:
-                try:
-                    client = self._factory()
-                except Exception as e:  # broker down at start: count, drop, retry on next batch
-                    log.warning("producer cannot connect: %s", e)
-                    self._drop(len(payload), rows)
-                    continue
-            try:
-                fut = client.send(topic, key=key, value=payload)
-                pending.append((fut, len(payload), rows))
-            except Exception as e:
-                log.warning("producer send failed: %s", e)
-                self.stats.send_errors += 1
-                self._drop(len(payload), rows)
+            with self._lock:
+                self._queued_bytes -= len(payload)
+            if self.spooled:  # keep order: behind what is already waiting
+                self._spool_or_drop(topic, key, payload, rows)
+                continue
+            fut = self._try_send(topic, key, payload)
+            if fut is None:
+                self._spool_or_drop(topic, key, payload, rows)
+            else:
+                pending.append((fut, topic, key, payload, rows))
             if len(pending) >= 256:
-                self._drain(client, pending)
+                self._drain(pending)
                 pending = []
-        self._drain(client, pending)
-        if client is not None:
+        self._drain(pending)
+        self._replay()
+        if self._client is not None:
             try:
-                client.close(timeout=5)
+                self._client.close(timeout=5)
             except Exception:
                 pass
         self._idle.set()
 
-    def _drain(self, client, pending) -> None:
-        if client is not None and pending:
+    def _connect(self):
+        if self._client is None:
             try:
-                client.flush(timeout=30)
+                self._client = self._factory()
+            except Exception as e:  # broker down: the caller spools or drops
+                log.warning("producer cannot connect to %s: %s", self.bootstrap, e)
+                return None
+        return self._client
+
+    def _try_send(self, topic, key, payload):
+        client = self._connect()
+        if client is None:
+            return None
+        try:
+            return client.send(topic, key=key, value=payload)
+        except Exception as e:
+            log.warning("producer send failed: %s", e)
+            self.stats.send_errors += 1
+            return None
+
+    def _drain(self, pending) -> None:
+        """Wait for the acknowledgements of ``pending``; failures are spooled or dropped."""
+        if self._client is not None and pending:
+            try:
+                self._client.flush(timeout=self._delivery_timeout_s + 5)
             except Exception as e:
                 log.warning("producer flush failed: %s", e)
-        for fut, size, rows in pending:
+        for fut, topic, key, payload, rows in pending:
             try:
-                fut.get(timeout=30)
-                self.stats.batches_sent += 1
-                self.stats.records_sent += int(round(rows))
-                self.stats.bytes_sent += size
-                with self._lock:
-                    self._queued_bytes -= size
+                fut.get(timeout=self._delivery_timeout_s + 5)
+                self._count_sent(len(payload), rows)
             except Exception as e:
                 self.stats.send_errors += 1
                 log.warning("producer delivery failed: %s", e)
-                self._drop(size, rows)
+                self._spool_or_drop(topic, key, payload, rows)
 
-    def _drop(self, size: int, rows: float) -> None:
-        with self._lock:
-            self._queued_bytes -= size
+    def _replay(self) -> None:
+        """Send the spool oldest first; stop at the first failure (the broker is still away)."""
+        if not self.spooled:
+            return
+        while True:
+            batch = self._spool.oldest(64)
+            if not batch:
+                return
+            for path, topic, key, payload, rows in batch:
+                fut = self._try_send(topic, key, payload)
+                try:
+                    if fut is None:
+                        raise ConnectionError("no connection")
+                    fut.get(timeout=self._delivery_timeout_s + 5)
+                except Exception as e:
+                    log.info("spool replay paused: %s", e)
+                    return
+                self._spool.remove(path)
+                self.stats.batches_replayed += 1
+                self._count_sent(len(payload), rows)
+
+    def _count_sent(self, size: int, rows: float) -> None:
+        self.stats.batches_sent += 1
+        self.stats.records_sent += int(round(rows))
+        self.stats.bytes_sent += size
+
+    def _spool_or_drop(self, topic, key, payload, rows) -> None:
+        if self._spool is not None and self._spool.put(topic, key, payload, rows):
+            self.stats.batches_spooled += 1
+            self.stats.records_spooled += int(round(rows))
+            return
         self.stats.batches_dropped += 1
         self.stats.records_dropped += int(round(rows))

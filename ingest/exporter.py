@@ -1,0 +1,350 @@
+"""The per-rank exporter: op spans, collective records and heartbeats of one training process.
+
+Contract with the training loop: nothing here blocks it or raises into it.
+
+- ``exporter.step(n)`` marks a step (context manager). Only sampled steps are
+  profiled (NDTimeline-style: ``profile_steps`` consecutive steps every
+  ``every`` steps; a profiling session is one analysis window whose id is its
+  first step). Outside sampled steps ``op()`` costs one branch.
+- ``exporter.op(optype, mb_id=...)`` times one op (context manager). On a CUDA
+  device it records a pair of CUDA events on the current stream and a resolver
+  thread turns them into times later (no synchronisation on the training
+  thread); on CPU it reads ``time.perf_counter_ns``.
+- ``instrument_distributed(exporter)`` wraps ``torch.distributed`` collectives
+  and point-to-point calls into CCL records (group, per-group sequence
+  number, bytes, peers, enter/exit) and tracks the op in flight.
+- A heartbeat thread reports progress and the op in flight every
+  ``heartbeat_s``; when an op has been in flight longer than ``hang_dump_s``
+  (or ``request_stacks()`` was called) it attaches the Python stacks of every
+  thread, folded, so a hang can be localised even when the main thread sits
+  inside a C call.
+
+Times are int64 ns on the job clock: this process's wall clock plus
+``clock_offset_ns``, which ``estimate_clock_offset`` measures against rank 0
+at start and again every ``offset_every_s``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import pyarrow as pa
+
+from ingest import schema as S
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Profile ``profile_steps`` consecutive steps out of every ``every`` (default 10%)."""
+
+    profile_steps: int = 10
+    every: int = 100
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.profile_steps <= self.every:
+            raise ValueError(f"need 1 <= profile_steps <= every, got {self.profile_steps}, {self.every}")
+
+    def window_of(self, step: int) -> int | None:
+        """The window (its first step) that ``step`` belongs to, or None when not profiled."""
+        first = step - step % self.every
+        return first if step - first < self.profile_steps else None
+
+
+def fold_ranks(ranks) -> str:
+    """Folded ranges, e.g. [0, 1, 2, 3, 5] -> '0-3,5'."""
+    rs = sorted(set(int(r) for r in ranks))
+    out, i = [], 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def folded_stacks(skip_thread: int | None = None) -> str:
+    """Python stacks of all threads, one line each: 'thread-name;outer;...;inner'."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    lines = []
+    for ident, frame in sys._current_frames().items():
+        if ident == skip_thread:
+            continue
+        frames = [f"{os.path.basename(fs.filename)}:{fs.name}:{fs.lineno}" for fs in traceback.extract_stack(frame)]
+        lines.append(";".join([names.get(ident, str(ident))] + frames))
+    return "\n".join(sorted(lines))
+
+
+@dataclasses.dataclass
+class ExporterStats:
+    ops: int = 0
+    ccl: int = 0
+    heartbeats: int = 0
+    batches: int = 0
+    errors: int = 0
+
+
+class RankExporter:
+    """Telemetry of one rank. ``sink(table)`` receives OP_SPAN, CCL_RECORD and HEARTBEAT tables
+    (a ``TelemetryProducer.send``); it must not block. Call ``close()`` at the end of training."""
+
+    def __init__(self, job_id: str, rank: int, dp_rank: int, pp_rank: int, sink: Callable[[pa.Table], Any], *,
+                 attempt: int = 0, sampling: Sampling = Sampling(), heartbeat_s: float = 5.0,
+                 hang_dump_s: float = 60.0, use_cuda: bool | None = None, mc: int = 0, gmc: int | None = None,
+                 host: str | None = None):
+        self.job_id, self.rank, self.dp_rank, self.pp_rank, self.attempt = job_id, rank, dp_rank, pp_rank, attempt
+        self.sink = sink
+        self.sampling = sampling
+        self.heartbeat_s = heartbeat_s
+        self.hang_dump_s = hang_dump_s
+        self.mc = mc
+        self.gmc = pp_rank if gmc is None else gmc
+        self.host = host or socket.gethostname()
+        self.stats = ExporterStats()
+        self.clock_offset_ns = 0
+        # perf_counter is monotonic and precise; anchor it to the wall clock once.
+        self._anchor_ns = time.time_ns() - time.perf_counter_ns()
+        self._cuda = self._cuda_module(use_cuda)
+        self._step = -1
+        self._window: int | None = None
+        self._seq: dict[str, int] = {}
+        self._ops: list[tuple] = []
+        self._ccl: list[dict] = []
+        self._lock = threading.Lock()
+        self._inflight: tuple[str, str, int, int] | None = None  # op, group, seq, since_ns
+        self._last_op = ("", -1)
+        self._stacks_requested = threading.Event()
+        self._dumped_for: tuple | None = None
+        self._closed = threading.Event()
+        self._pending_cuda: queue.Queue = queue.Queue()
+        self._step_ref = None
+        threading.Thread(target=self._heartbeat_loop, name="ss-heartbeat", daemon=True).start()
+        if self._cuda is not None:
+            threading.Thread(target=self._resolve_loop, name="ss-cuda-events", daemon=True).start()
+
+    # -- clocks -------------------------------------------------------------
+    def now_ns(self) -> int:
+        return time.perf_counter_ns() + self._anchor_ns + self.clock_offset_ns
+
+    def _to_job_clock(self, perf_ns: int) -> int:
+        return perf_ns + self._anchor_ns + self.clock_offset_ns
+
+    @staticmethod
+    def _cuda_module(use_cuda: bool | None):
+        if use_cuda is False:
+            return None
+        try:
+            import torch
+        except ImportError:
+            return None
+        if not torch.cuda.is_available():
+            if use_cuda:
+                raise RuntimeError("use_cuda=True but no CUDA device is available")
+            return None
+        return torch.cuda
+
+    # -- marking ------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, step: int):
+        """Marks one training step; ops inside a sampled step are recorded."""
+        self._step = step
+        self._window = self.sampling.window_of(step)
+        self._seq = {}
+        if self._window is not None and self._cuda is not None:
+            ev = self._cuda.Event(enable_timing=True)
+            ev.record()
+            self._step_ref = (ev, time.perf_counter_ns())
+        try:
+            yield self
+        finally:
+            if self._window is not None:
+                self._flush_step()
+            self._window = None
+
+    @contextlib.contextmanager
+    def op(self, optype: str, mb_id: int = -1, mc: int | None = None, gmc: int | None = None):
+        """Times one op of the what-if model (WHATIF.md op types) in the current step."""
+        if self._window is None:
+            with self._track(optype):
+                yield
+            return
+        seq = self._seq.get(optype, 0)
+        self._seq[optype] = seq + 1
+        meta = (optype, seq, self.mc if mc is None else mc, self.gmc if gmc is None else gmc, mb_id, self._step,
+                self._window)
+        if self._cuda is not None:
+            start, end = self._cuda.Event(enable_timing=True), self._cuda.Event(enable_timing=True)
+            start.record()
+            with self._track(optype):
+                yield
+            end.record()
+            self._pending_cuda.put((start, end, self._step_ref, meta))
+        else:
+            t0 = time.perf_counter_ns()
+            with self._track(optype):
+                yield
+            t1 = time.perf_counter_ns()
+            with self._lock:
+                self._ops.append((self._to_job_clock(t0), t1 - t0) + meta)
+
+    @contextlib.contextmanager
+    def _track(self, optype: str, group: str = "", seq: int = -1):
+        self._inflight = (optype, group, seq, self.now_ns())
+        try:
+            yield
+        finally:
+            self._inflight = None
+            self._last_op = (optype, self.now_ns())
+
+    # -- collectives (called by the wrappers of instrument_distributed) ------
+    def ccl_enter(self, op: str, group: str, group_ranks: list[int], seq: int) -> int:
+        self._inflight = (op, group, seq, self.now_ns())
+        return self.now_ns()
+
+    def ccl_exit(self, op: str, group: str, group_ranks: list[int], seq: int, enter_ns: int, nbytes: int,
+                 peers: list[int], algorithm: str = "") -> None:
+        exit_ns = self.now_ns()
+        self._inflight = None
+        self._last_op = (op, exit_ns)
+        if self._window is None:
+            return
+        dur = exit_ns - enter_ns
+        self._ccl.append(dict(
+            job_id=self.job_id, attempt=self.attempt, rank=self.rank, window_id=self._window, step=self._step,
+            group=group, group_ranks=list(group_ranks), seq=seq, op=op, algorithm=algorithm, nbytes=nbytes,
+            enter_ns=enter_ns, exit_ns=exit_ns, peers=list(peers), peer_transfer_ns=[dur] * len(peers),
+            peer_bytes=[nbytes // max(1, len(peers))] * len(peers), recv_wait_ns=0,
+        ))
+
+    # -- output -------------------------------------------------------------
+    def _flush_step(self) -> None:
+        if self._cuda is not None:
+            return  # the resolver thread emits CUDA-timed ops once their events complete
+        with self._lock:
+            ops, self._ops = self._ops, []
+        self._emit_ops(ops)
+        self._emit_ccl()
+
+    def _emit_ops(self, ops: list[tuple]) -> None:
+        if not ops:
+            return
+        cols = list(zip(*ops))
+        n = len(ops)
+        table = pa.table({
+            "job_id": [self.job_id] * n, "attempt": pa.array([self.attempt] * n, pa.int32()),
+            "rank": pa.array([self.rank] * n, pa.int32()), "dp_rank": pa.array([self.dp_rank] * n, pa.int32()),
+            "pp_rank": pa.array([self.pp_rank] * n, pa.int32()), "window_id": pa.array(cols[8], pa.int64()),
+            "step": pa.array(cols[7], pa.int64()), "optype": pa.array(cols[2], pa.string()),
+            "start_ns": pa.array(cols[0], pa.int64()), "duration_ns": pa.array(cols[1], pa.int64()),
+            "seq_id": pa.array(cols[3], pa.int32()), "mc": pa.array(cols[4], pa.int16()),
+            "gmc": pa.array(cols[5], pa.int16()), "mb_id": pa.array(cols[6], pa.int32()),
+        }, schema=S.OP_SPAN)
+        self.stats.ops += n
+        self._send(table)
+
+    def _emit_ccl(self) -> None:
+        rows, self._ccl = self._ccl, []
+        if rows:
+            self.stats.ccl += len(rows)
+            self._send(S.from_rows(S.CCL_RECORD, rows))
+
+    def _send(self, table: pa.Table) -> None:
+        try:
+            self.sink(table)
+            self.stats.batches += 1
+        except Exception as e:  # telemetry must never take training down
+            self.stats.errors += 1
+            log.warning("telemetry sink failed: %s", e)
+
+    def _resolve_loop(self) -> None:
+        """Turn CUDA event pairs into spans off the training thread."""
+        batch: list[tuple] = []
+        while not (self._closed.is_set() and self._pending_cuda.empty()):
+            try:
+                start, end, ref, meta = self._pending_cuda.get(timeout=0.2)
+            except queue.Empty:
+                if batch:
+                    self._emit_ops(batch)
+                    batch = []
+                    self._emit_ccl()
+                continue
+            try:
+                end.synchronize()
+                ref_ev, ref_perf = ref
+                t0 = ref_perf + int(ref_ev.elapsed_time(start) * 1e6)
+                dur = int(start.elapsed_time(end) * 1e6)
+                batch.append((self._to_job_clock(t0), dur) + meta)
+            except Exception as e:
+                self.stats.errors += 1
+                log.warning("CUDA event resolution failed: %s", e)
+            if len(batch) >= 4096:
+                self._emit_ops(batch)
+                batch = []
+        if batch:
+            self._emit_ops(batch)
+
+    # -- heartbeats ---------------------------------------------------------
+    def request_stacks(self) -> None:
+        """Attach stacks to the next heartbeat (e.g. when the pipeline suspects a hang)."""
+        self._stacks_requested.set()
+
+    def heartbeat(self) -> pa.Table:
+        inflight = self._inflight
+        now = self.now_ns()
+        stack = ""
+        stuck = inflight is not None and now - inflight[3] > self.hang_dump_s * 1e9
+        if self._stacks_requested.is_set() or (stuck and self._dumped_for != inflight):
+            stack = folded_stacks(skip_thread=threading.get_ident())
+            self._stacks_requested.clear()
+            self._dumped_for = inflight
+        op, group, seq, since = inflight or ("", "", -1, -1)
+        return S.from_rows(S.HEARTBEAT, [dict(
+            job_id=self.job_id, attempt=self.attempt, rank=self.rank, host=self.host, pid=os.getpid(), ts_ns=now,
+            step=self._step, last_op=self._last_op[0], last_op_end_ns=self._last_op[1], inflight_op=op,
+            inflight_group=group, inflight_seq=seq, inflight_since_ns=since, clock_offset_ns=self.clock_offset_ns,
+            stack=stack,
+        )])
+
+    def _heartbeat_loop(self) -> None:
+        while not self._closed.wait(self.heartbeat_s):
+            self.stats.heartbeats += 1
+            self._send(self.heartbeat())
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            ops, self._ops = self._ops, []
+        self._emit_ops(ops)
+        self._emit_ccl()
+
+
+def estimate_clock_offset(exporter: RankExporter, rounds: int = 5) -> int:
+    """Offset of this rank's clock to rank 0's, via torch.distributed (all ranks must call it).
+
+    Each round: a barrier, then every rank reads its clock and all-gathers it;
+    the barrier's exit skew bounds the error. The median over rounds is kept.
+    """
+    import torch
+    import torch.distributed as dist
+
+    offsets = []
+    for _ in range(rounds):
+        dist.barrier()
+        t = torch.tensor([time.perf_counter_ns() + exporter._anchor_ns], dtype=torch.int64)
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        dist.all_gather(out, t)
+        offsets.append(int(out[0].item() - t.item()))
+    offsets.sort()
+    exporter.clock_offset_ns = offsets[len(offsets) // 2]
+    return exporter.clock_offset_ns

@@ -1,0 +1,64 @@
+"""The command line: help for every command, one-line errors for bad input."""
+import pytest
+
+from stragglerscope.cli import build_parser, main
+
+COMMANDS = ["demo", "run", "sql", "whatif", "console", "store", "config"]
+
+
+def test_help_lists_every_command_and_the_configuration(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for c in COMMANDS:
+        assert c in out
+    assert "STRAGGLERSCOPE_" in out and "[kafka]" in out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_its_own_help(command, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0
+    assert len(capsys.readouterr().out) > 100
+
+
+def _one_line_error(capsys, argv, match):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err and match in err
+
+
+def test_missing_config_file(capsys):
+    _one_line_error(capsys, ["demo", "--config", "/nope.toml"], "config file not found")
+
+
+def test_bad_config_value(capsys, monkeypatch):
+    monkeypatch.setenv("STRAGGLERSCOPE_PIPELINE_SHARDS", "lots")
+    _one_line_error(capsys, ["run"], "expected int")
+
+
+def test_unreachable_broker(capsys, monkeypatch):
+    monkeypatch.setenv("STRAGGLERSCOPE_KAFKA_BOOTSTRAP", "127.0.0.1:1")
+    _one_line_error(capsys, ["run"], "no Kafka broker reachable at 127.0.0.1:1")
+
+
+def test_demo_rejects_nonsense_sizes(capsys):
+    _one_line_error(capsys, ["demo", "--jobs", "0"], "--jobs must be at least 1")
+
+
+def test_sql_needs_a_name_or_query(capsys):
+    _one_line_error(capsys, ["sql"], "give a query name")
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "usage" in capsys.readouterr().out
+
+
+def test_bad_flag_is_rejected_by_argparse(capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["demo", "--frobnicate"])
+    assert e.value.code == 2

@@ -1,0 +1,85 @@
+"""The exporter on CPU: sampling, spans, heartbeats with stacks, never raising into training."""
+import threading
+import time
+
+import pytest
+
+from ingest import schema as S
+from ingest.exporter import RankExporter, Sampling, fold_ranks, folded_stacks
+
+
+@pytest.mark.parametrize("ranks, folded", [([0, 1, 2, 3, 5], "0-3,5"), ([7], "7"), ([], ""), ([3, 1, 2, 9, 8], "1-3,8-9")])
+def test_fold_ranks(ranks, folded):
+    assert fold_ranks(ranks) == folded
+
+
+def test_sampling_profiles_k_of_every_n():
+    s = Sampling(profile_steps=3, every=10)
+    assert [s.window_of(i) for i in (0, 2, 3, 9, 10, 12, 13)] == [0, 0, None, None, 10, 10, None]
+    with pytest.raises(ValueError):
+        Sampling(profile_steps=11, every=10)
+
+
+def _exporter(sent, **kw):
+    return RankExporter("job", 3, 1, 1, sent.append, sampling=Sampling(2, 4), heartbeat_s=3600, use_cuda=False, **kw)
+
+
+def test_only_sampled_steps_emit_ops_with_seq_ids_and_window():
+    sent = []
+    exp = _exporter(sent)
+    for step in range(6):
+        with exp.step(step):
+            for mb in range(2):
+                with exp.op("forward-compute", mb_id=mb):
+                    time.sleep(0.001)
+            with exp.op("optimizer"):
+                pass
+    exp.close()
+    ops = [t for t in sent if S.kind_of(t.schema) == "op_span"]
+    rows = [r for t in ops for r in t.to_pylist()]
+    assert sorted({r["step"] for r in rows}) == [0, 1, 4, 5]
+    assert {r["window_id"] for r in rows if r["step"] in (4, 5)} == {4}
+    fwd = [r for r in rows if r["optype"] == "forward-compute" and r["step"] == 0]
+    assert [r["seq_id"] for r in fwd] == [0, 1] and [r["mb_id"] for r in fwd] == [0, 1]
+    assert all(r["duration_ns"] >= 1_000_000 for r in fwd)
+    assert fwd[0]["start_ns"] + fwd[0]["duration_ns"] <= fwd[1]["start_ns"]
+    assert all((r["rank"], r["dp_rank"], r["pp_rank"]) == (3, 1, 1) for r in rows)
+
+
+def test_sink_failure_never_reaches_training():
+    def broken(_):
+        raise RuntimeError("kafka on fire")
+    exp = RankExporter("job", 0, 0, 0, broken, sampling=Sampling(1, 1), heartbeat_s=3600, use_cuda=False)
+    with exp.step(0):
+        with exp.op("forward-compute"):
+            pass
+    assert exp.stats.errors == 1
+
+
+def test_heartbeat_reports_the_op_in_flight_and_dumps_stacks_when_stuck():
+    sent = []
+    exp = _exporter(sent, hang_dump_s=0.05)
+    release = threading.Event()
+
+    def training():
+        with exp.step(0):
+            with exp.op("forward-recv"):
+                release.wait(5)
+    t = threading.Thread(target=training, name="trainer")
+    t.start()
+    time.sleep(0.15)
+    hb = exp.heartbeat().to_pylist()[0]
+    assert hb["inflight_op"] == "forward-recv" and hb["step"] == 0
+    assert "trainer" in hb["stack"] and "training" in hb["stack"]
+    assert exp.heartbeat().to_pylist()[0]["stack"] == "", "one dump per stuck op"
+    exp.request_stacks()
+    assert exp.heartbeat().to_pylist()[0]["stack"]
+    release.set()
+    t.join()
+    hb = exp.heartbeat().to_pylist()[0]
+    assert hb["inflight_op"] == "" and hb["last_op"] == "forward-recv"
+
+
+def test_folded_stacks_name_every_thread():
+    text = folded_stacks()
+    assert "MainThread" in text
