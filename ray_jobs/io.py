@@ -180,8 +180,14 @@ class ResultWriter:
             self._buf.setdefault(kind, []).append(table)
 
     def flush(self) -> None:
+        """Insert everything buffered. On failure the buffer is discarded and the error raised:
+        the caller retries the whole window, and the store's idempotent keys absorb what was
+        already inserted."""
         buf, self._buf = self._buf, {}
-        for kind, tables in buf.items():
+        # The window row goes last: once it is stored the window counts as done
+        # (``window_stored``), so a crash mid-flush re-analyses the window.
+        for kind in sorted(buf, key=lambda k: k == "window_result"):
+            tables = buf[kind]
             table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
             self._store.insert(kind, table)
 

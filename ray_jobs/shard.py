@@ -206,23 +206,32 @@ class ShardWorker:
                 self.stats.windows_failed += 1
                 info = self.tracker.job(win.key[0], win.key[1]) or _unregistered(win)
                 tables = failed_window(win.ops, info, win.key, f"analysis task failed: {err}")
-            self._store(tables, win, t0)
+            try:
+                self._store(tables, win, t0)
+            except Exception as e:  # store unreachable: keep the result, retry on the next step
+                log.warning("storing %s failed, will retry: %s", win.key, e)
+                self.stats.error = f"store: {type(e).__name__}: {e}"[:500]
+                self._inflight.append((tables, win, t0))
 
     def _store(self, tables: dict[str, pa.Table], win: ReadyWindow, t0: float) -> None:
+        """Write a window's tables and its alerts; only then is the window done.
+
+        Alerts are evaluated once and kept in ``tables``, so a retry after a
+        failed write stores the same alerts instead of cooling them down.
+        """
+        if "alert" not in tables:
+            row = tables["window_result"].to_pylist()[0]
+            tables["alert"] = S.from_rows(S.ALERT, self.rules.evaluate_window(row, time.time(), time.time_ns()))
         for kind, table in tables.items():
             if table.num_rows:
                 self.sink.write(kind, table)
-        row = tables["window_result"].to_pylist()[0]
-        self.stats.analyzer_seconds += self._clock() - t0
-        alerts = self.rules.evaluate_window(row, time.time(), time.time_ns())
-        if alerts:
-            self.sink.write("alert", S.from_rows(S.ALERT, alerts))
         self.sink.flush()
         # Results are stored: only now is the window done (its offsets may advance).
         self.tracker.mark_stored(win.key)
         self.stats.windows_stored += 1
+        self.stats.analyzer_seconds += self._clock() - t0
         self.stats.window_latency_s_last = self._clock() - t0
-        for a in alerts:
+        for a in tables["alert"].to_pylist():
             self.stats.alerts += 1
             if self.alerts_out is not None:
                 self.alerts_out(a)

@@ -164,3 +164,29 @@ def test_backpressure_stops_polling_at_max_inflight():
 
 class _Pending:
     pass
+
+
+class FailingOnceSink(FakeSink):
+    """Loses the first flush that carries a window (the store was briefly away)."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed = False
+
+    def flush(self):
+        if not self.failed and "window_result" in self._buf:
+            self.failed = True
+            self._buf = {}
+            raise ConnectionError("store away")
+        super().flush()
+
+
+def test_a_failed_store_write_is_retried_with_the_same_alerts():
+    a = job("a")
+    sink = FailingOnceSink()
+    w, _, _ = make_worker(messages_for([a.registration(0, STEPS), generate_window(a, 0, STEPS, 0)]), sink=sink)
+    run(w)
+    assert sink.failed
+    assert [r["job_id"] for r in sink.rows["window_result"]] == ["a"]
+    assert [r["rule"] for r in sink.rows["alert"]] == ["slowdown"], "the alert survived the retry"
+    assert sink.offsets["src-1"][(S.TOPIC_OPS, 0)] == 1
