@@ -1,8 +1,6 @@
 """The shard loop without Kafka or Ray: routing, close policy, dead letters, offsets, replay."""
-import dataclasses
 
 import pyarrow as pa
-import pytest
 
 from ingest import schema as S
 from ingest.fleetgen import JobSpec, generate_window
