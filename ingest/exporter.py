@@ -40,6 +40,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from ingest import schema as S
+from ingest.schema import fold_ranks  # noqa: F401  (re-exported: exporters name groups with it)
 
 log = logging.getLogger(__name__)
 
@@ -59,19 +60,6 @@ class Sampling:
         """The window (its first step) that ``step`` belongs to, or None when not profiled."""
         first = step - step % self.every
         return first if step - first < self.profile_steps else None
-
-
-def fold_ranks(ranks) -> str:
-    """Folded ranges, e.g. [0, 1, 2, 3, 5] -> '0-3,5'."""
-    rs = sorted(set(int(r) for r in ranks))
-    out, i = [], 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def folded_stacks(skip_thread: int | None = None) -> str:

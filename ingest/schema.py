@@ -342,6 +342,19 @@ TOPIC_OF_KIND = {
 }
 
 
+def fold_ranks(ranks) -> str:
+    """Folded ranges, e.g. [0, 1, 2, 3, 5] -> '0-3,5'."""
+    rs = sorted(set(int(r) for r in ranks))
+    out, i = [], 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
 def kind_of(schema: pa.Schema) -> str:
     return (schema.metadata or {}).get(b"stragglerscope.kind", b"").decode()
 

@@ -19,7 +19,8 @@ import functools
 import logging
 from typing import Any, Callable
 
-from ingest.exporter import RankExporter, fold_ranks
+from ingest.exporter import RankExporter
+from ingest.schema import fold_ranks
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,8 @@ import time
 import pytest
 
 from ingest import schema as S
-from ingest.exporter import RankExporter, Sampling, fold_ranks, folded_stacks
+from ingest.exporter import RankExporter, Sampling, folded_stacks
+from ingest.schema import fold_ranks
 
 
 @pytest.mark.parametrize("ranks, folded", [([0, 1, 2, 3, 5], "0-3,5"), ([7], "7"), ([], ""), ([3, 1, 2, 9, 8], "1-3,8-9")])

@@ -1,0 +1,245 @@
+"""Hang detection from heartbeats and CCL records: a reducer with explicit state, per job.
+
+``HangTracker`` keeps, per rank, its latest heartbeat (progress, the op in
+flight and since when, host, dumped stacks) and, per (group, rank), the last
+collective sequence number it entered and the last it completed (Flight
+Recorder's view). ``evaluate(now_ns)`` decides:
+
+- **node_loss**: some ranks' heartbeats stopped (older than
+  ``heartbeat_timeout_s``) while others still report: those ranks are
+  missing, their hosts the suspects.
+- otherwise, when no rank has made progress for the hang threshold
+  ``max(floor_s, k x median step time)``:
+  - **comm_hang**: some ranks are inside collective n of a group and others
+    never entered it: the latter are missing (the suspects), the former stuck;
+    if every member entered, the collective itself is stuck (a link or NIC):
+    no rank is missing and the group is the suspect.
+  - **noncomm_hang**: no rank is inside a collective: the ranks with the
+    oldest op in flight (compute, data loading) are the suspects; with none in
+    flight, the whole job is.
+
+Defaults and why: ``floor_s = 120`` because checkpoint saves and evaluation
+legitimately stall steps for a minute or two; ``k = 10`` so a job whose steps
+take 30 s is not called hung before 5 minutes; ``heartbeat_timeout_s = 30``,
+six missed 5 s heartbeats, well beyond GC or scheduling jitter. All three are
+parameters (``HangParams``) set from the pipeline configuration.
+
+``evaluate`` also builds the evidence: the wait chain (for each rank, what it
+waits on and for whom, and the root of the chain) and the merged stacks of
+every rank that dumped them (``analyzers.stacks``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from analyzers.stacks import merge_stacks
+from ingest.schema import fold_ranks
+
+_NS = 1_000_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class HangParams:
+    floor_s: float = 120.0
+    k_steps: float = 10.0
+    heartbeat_timeout_s: float = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Hang:
+    job_id: str
+    attempt: int
+    kind: str  # comm_hang | noncomm_hang | node_loss
+    group: str
+    seq: int
+    op: str
+    stuck_ranks: list[int]
+    missing_ranks: list[int]
+    suspect_hosts: list[str]
+    since_ns: int
+    duration_s: float
+    evidence: dict
+
+    def summary(self) -> str:
+        what = {"comm_hang": "communication hang", "noncomm_hang": "non-communication hang",
+                "node_loss": "node loss"}[self.kind]
+        where = f" in {self.op} #{self.seq} of group {self.group}" if self.group else ""
+        missing = f"; missing ranks {fold_ranks(self.missing_ranks)}" if self.missing_ranks else ""
+        hosts = f" on {', '.join(self.suspect_hosts[:4])}" if self.suspect_hosts else ""
+        return f"{self.job_id}: {what}{where} for {self.duration_s:.0f} s{missing}{hosts}"
+
+    def row(self, now_ns: int) -> dict:
+        """A row of ``ingest.schema.HANG``."""
+        from ingest.schema import dumps
+
+        return dict(job_id=self.job_id, attempt=self.attempt, hang_id=now_ns, kind=self.kind, group=self.group,
+                    seq=self.seq, op=self.op, stuck_ranks=fold_ranks(self.stuck_ranks),
+                    missing_ranks=fold_ranks(self.missing_ranks), suspect_hosts=",".join(self.suspect_hosts),
+                    since_ns=self.since_ns, duration_s=self.duration_s, evidence_json=dumps(self.evidence))
+
+
+@dataclasses.dataclass
+class _Rank:
+    ts: int = -1
+    host: str = ""
+    step: int = -1
+    step_changed_ns: int = -1
+    last_progress_ns: int = -1
+    inflight_op: str = ""
+    inflight_group: str = ""
+    inflight_seq: int = -1
+    inflight_since_ns: int = -1
+    stack: str = ""
+
+
+class HangTracker:
+    """Hang state of one job attempt. Feed it tables; ask ``evaluate(now)``."""
+
+    def __init__(self, job_id: str, attempt: int = 0, params: HangParams = HangParams(), world_size: int = 0):
+        self.job_id, self.attempt, self.params = job_id, attempt, params
+        self.world_size = world_size
+        self.ranks: dict[int, _Rank] = {}
+        self.entered: dict[str, dict[int, int]] = {}
+        self.completed: dict[str, dict[int, int]] = {}
+        self.group_ranks: dict[str, set[int]] = {}
+        self.step_times: list[float] = []
+        self.reported: tuple | None = None
+
+    # -- input --------------------------------------------------------------
+    def add_heartbeats(self, hb: pa.Table) -> None:
+        for row in hb.to_pylist():
+            r = self.ranks.setdefault(row["rank"], _Rank())
+            if row["ts_ns"] < r.ts:
+                continue  # out of order: an older heartbeat says nothing new
+            if row["step"] != r.step:
+                if r.step >= 0 and row["step"] == r.step + 1 and r.step_changed_ns > 0:
+                    self.step_times.append((row["ts_ns"] - r.step_changed_ns) / _NS)
+                    del self.step_times[:-64]
+                r.step, r.step_changed_ns = row["step"], row["ts_ns"]
+            r.ts, r.host = row["ts_ns"], row["host"]
+            r.last_progress_ns = max(r.last_progress_ns, row["last_op_end_ns"])
+            r.inflight_op, r.inflight_group = row["inflight_op"], row["inflight_group"]
+            r.inflight_seq, r.inflight_since_ns = row["inflight_seq"], row["inflight_since_ns"]
+            if row["stack"]:
+                r.stack = row["stack"]
+
+    def add_ccl(self, ccl: pa.Table) -> None:
+        g = ccl["group"].to_pylist()
+        rank = ccl["rank"].to_numpy()
+        seq = ccl["seq"].to_numpy()
+        exit_ns = ccl["exit_ns"].to_numpy()
+        members = ccl["group_ranks"].to_pylist()
+        for i in range(ccl.num_rows):
+            grp, r, s = g[i], int(rank[i]), int(seq[i])
+            ent = self.entered.setdefault(grp, {})
+            ent[r] = max(ent.get(r, -1), s)
+            if exit_ns[i] >= 0:
+                done = self.completed.setdefault(grp, {})
+                done[r] = max(done.get(r, -1), s)
+                st = self.ranks.setdefault(r, _Rank())
+                st.last_progress_ns = max(st.last_progress_ns, int(exit_ns[i]))
+            gr = self.group_ranks.setdefault(grp, set())
+            gr.add(r)
+            if members[i]:
+                gr.update(members[i])
+
+    # -- output -------------------------------------------------------------
+    def threshold_s(self) -> float:
+        med = float(np.median(self.step_times)) if self.step_times else 0.0
+        return max(self.params.floor_s, self.params.k_steps * med)
+
+    def evaluate(self, now_ns: int, input_alive: bool = False) -> Hang | None:
+        """A hang if there is one now; the same hang is reported once (``None`` after).
+
+        ``input_alive``: the caller still receives heartbeats of other jobs, so a
+        job whose every rank fell silent lost its nodes (else our input may have
+        stopped, and silence proves nothing).
+        """
+        if not self.ranks:
+            return None
+        hang = self._node_loss(now_ns, input_alive) or self._stall(now_ns)
+        if hang is None:
+            self.reported = None
+            return None
+        key = (hang.kind, hang.group, hang.seq, tuple(hang.missing_ranks))
+        if key == self.reported:
+            return None
+        self.reported = key
+        return hang
+
+    def _node_loss(self, now_ns: int, input_alive: bool) -> Hang | None:
+        timeout = self.params.heartbeat_timeout_s * _NS
+        lost = sorted(r for r, st in self.ranks.items() if st.ts >= 0 and now_ns - st.ts > timeout)
+        alive = [r for r in self.ranks if r not in lost]
+        if not lost or (not alive and not input_alive):
+            return None
+        since = min(self.ranks[r].ts for r in lost)
+        hosts = sorted({self.ranks[r].host for r in lost})
+        evidence = self._evidence(now_ns, missing=lost)
+        return Hang(self.job_id, self.attempt, "node_loss", "", -1, "", sorted(alive), lost, hosts, since,
+                    (now_ns - since) / _NS, evidence)
+
+    def _stall(self, now_ns: int) -> Hang | None:
+        last = max(st.last_progress_ns for st in self.ranks.values())
+        stalled_s = (now_ns - last) / _NS
+        if last < 0 or stalled_s < self.threshold_s():
+            return None
+        inside = {r: st for r, st in self.ranks.items() if st.inflight_group and st.inflight_seq >= 0}
+        if inside:
+            # The collective the longest-waiting rank sits in is where the chain starts.
+            first = min(inside.values(), key=lambda st: st.inflight_since_ns)
+            grp, seq = first.inflight_group, first.inflight_seq
+            members = self.group_ranks.get(grp) or set(self.ranks)
+            ent = self.entered.get(grp, {})
+            stuck = sorted(r for r in members if ent.get(r, -1) >= seq and
+                           self.completed.get(grp, {}).get(r, -1) < seq)
+            missing = sorted(r for r in members if ent.get(r, -1) < seq)
+            op = next(st.inflight_op for st in inside.values() if st.inflight_group == grp)
+            hosts = sorted({self.ranks[r].host for r in missing if r in self.ranks})
+            return Hang(self.job_id, self.attempt, "comm_hang", grp, int(seq), op, stuck, missing, hosts, last,
+                        stalled_s, self._evidence(now_ns, missing=missing, group=grp, seq=seq))
+        busy = {r: st for r, st in self.ranks.items() if st.inflight_op and st.inflight_since_ns >= 0}
+        if busy:
+            oldest = min(st.inflight_since_ns for st in busy.values())
+            suspects = sorted(r for r, st in busy.items() if st.inflight_since_ns - oldest < 1 * _NS)
+            op = busy[suspects[0]].inflight_op
+        else:
+            suspects, op = sorted(self.ranks), ""
+        hosts = sorted({self.ranks[r].host for r in suspects})
+        return Hang(self.job_id, self.attempt, "noncomm_hang", "", -1, op, suspects, [], hosts, last, stalled_s,
+                    self._evidence(now_ns, missing=[]))
+
+    def _evidence(self, now_ns: int, missing: list[int], group: str = "", seq: int = -1) -> dict[str, Any]:
+        chain = self.wait_chain(missing, group, seq)
+        stacks = {r: st.stack for r, st in self.ranks.items() if st.stack}
+        merged = merge_stacks(stacks, all_ranks=sorted(self.ranks)) if stacks else None
+        return {"threshold_s": self.threshold_s(), "wait_chain": chain,
+                "stacks_folded": merged.folded() if merged else "", "ranks_with_stacks": fold_ranks(stacks)}
+
+    def wait_chain(self, missing: list[int], group: str, seq: int) -> dict[str, Any]:
+        """For each rank: the op it waits on and the ranks it waits for; the root of the chain."""
+        waits: dict[int, dict] = {}
+        ent = self.entered.get(group, {})
+        members = self.group_ranks.get(group, set())
+        absent: dict[tuple[str, int], str] = {}  # (group, seq) -> members that never entered it
+        for r, st in sorted(self.ranks.items()):
+            if st.inflight_group and st.inflight_seq >= 0:
+                gs = (st.inflight_group, st.inflight_seq)
+                if gs not in absent:
+                    g_ent = self.entered.get(gs[0], {})
+                    absent[gs] = fold_ranks(m for m in self.group_ranks.get(gs[0], ()) if g_ent.get(m, -1) < gs[1])
+                waits[r] = {"op": st.inflight_op, "group": gs[0], "seq": gs[1], "waits_for": absent[gs]}
+            else:
+                waits[r] = {"op": st.inflight_op or "(none)", "group": "", "seq": -1, "waits_for": ""}
+        root = missing or sorted(m for m in members if ent.get(m, -1) < seq)
+        # Collapse identical rows so an 8,192-rank chain stays readable: ranks -> what they wait on.
+        groups: dict[tuple, list[int]] = {}
+        for r, w in waits.items():
+            groups.setdefault((w["op"], w["group"], w["seq"], w["waits_for"]), []).append(r)
+        rows = [{"ranks": fold_ranks(rs), "op": k[0], "group": k[1], "seq": k[2], "waits_for": k[3]}
+                for k, rs in sorted(groups.items(), key=lambda kv: kv[1][0])]
+        return {"root": fold_ranks(root), "rows": rows}

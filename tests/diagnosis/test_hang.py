@@ -1,0 +1,79 @@
+"""Hang detection on generated incidents and on hand-made edge cases."""
+import pytest
+
+from analyzers.hang import HangParams, HangTracker
+from analyzers.stacks import merge_stacks
+from ingest.faultgen import hang_incident
+
+PARAMS = HangParams(floor_s=60, k_steps=10, heartbeat_timeout_s=30)
+
+
+def tracker_for(inc):
+    t = HangTracker("hangjob", params=PARAMS)
+    t.add_ccl(inc.ccl)
+    t.add_heartbeats(inc.heartbeats)
+    return t
+
+
+@pytest.mark.parametrize("n", [8, 64, 1024])
+@pytest.mark.parametrize("kind", ["comm_hang", "noncomm_hang", "node_loss"])
+def test_classifies_and_names_the_ranks(kind, n):
+    for seed in range(3):
+        inc = hang_incident(kind, n, seed)
+        hang = tracker_for(inc).evaluate(inc.now_ns, input_alive=True)
+        assert hang is not None and hang.kind == kind
+        assert hang.missing_ranks == inc.truth["missing"]
+        if kind != "node_loss":
+            assert hang.stuck_ranks == inc.truth["stuck"]
+        assert inc.truth["host"] in hang.suspect_hosts
+        assert hang.duration_s >= 60
+
+
+@pytest.mark.parametrize("n", [8, 1024])
+def test_a_progressing_job_is_not_hung(n):
+    for seed in range(3):
+        inc = hang_incident("healthy", n, seed)
+        assert tracker_for(inc).evaluate(inc.now_ns) is None
+
+
+def test_threshold_follows_the_step_time():
+    t = HangTracker("j", params=HangParams(floor_s=10, k_steps=10))
+    assert t.threshold_s() == 10
+    t.step_times = [5.0] * 10
+    assert t.threshold_s() == 50
+
+
+def test_reported_once_until_it_changes():
+    inc = hang_incident("comm_hang", 16, 0)
+    t = tracker_for(inc)
+    assert t.evaluate(inc.now_ns) is not None
+    assert t.evaluate(inc.now_ns + 10**9) is None
+
+
+def test_row_and_wait_chain():
+    inc = hang_incident("comm_hang", 16, 3)
+    hang = tracker_for(inc).evaluate(inc.now_ns)
+    culprit = inc.truth["missing"][0]
+    row = hang.row(inc.now_ns)
+    assert row["missing_ranks"] == str(culprit)
+    chain = hang.evidence["wait_chain"]
+    assert chain["root"] == str(culprit)
+    waiting = [r for r in chain["rows"] if r["waits_for"] == str(culprit)]
+    assert waiting and waiting[0]["op"] == "all_reduce"
+    assert "communication hang" in hang.summary()
+
+
+def test_merged_stacks_name_ranks_in_and_out():
+    stacks = {r: "MainThread;train.py:main:10;train.py:step:20;dist:all_reduce:5" for r in (0, 1, 3)}
+    stacks[2] = "MainThread;train.py:main:10;train.py:step:22;data.py:load:7"
+    m = merge_stacks(stacks)
+    text = m.folded()
+    assert "dist:all_reduce:5 [ranks 0-1,3 | not 2]" in text
+    assert "data.py:load:7 [ranks 2 | not 0-1,3]" in text
+    svg = m.svg()
+    assert svg.startswith("<svg") and "data.py:load:7" in svg
+
+
+def test_a_silent_job_is_not_node_loss_while_our_input_may_be_down():
+    inc = hang_incident("node_loss", 8, 0)  # one host: every rank silent
+    assert tracker_for(inc).evaluate(inc.now_ns, input_alive=False).kind != "node_loss"
