@@ -66,6 +66,42 @@ class AlertRules:
         return alerts
 
 
+    def evaluate_hang(self, row: dict, now: float, now_ns: int) -> list[dict]:
+        """The alert of one HANG row (``ray_jobs.hangs``): critical, cooled down per (job, kind)."""
+        rule = "node_loss" if row["kind"] == "node_loss" else "hang"
+        if not self._fire(row["job_id"], rule, now):
+            return []
+        return [dict(
+            alert_id=f"{row['job_id']}/{row['attempt']}/{rule}/{row['hang_id']}", job_id=row["job_id"],
+            attempt=row["attempt"], ts_ns=now_ns, rule=rule, severity="critical",
+            summary=row.get("summary") or f"{row['job_id']}: {row['kind']}",
+            details_json=S.dumps({k: row[k] for k in ("kind", "group", "seq", "op", "stuck_ranks", "missing_ranks",
+                                                     "suspect_hosts", "duration_s")}),
+        )]
+
+    def evaluate_links(self, rows: list[dict], now: float, now_ns: int, min_confidence: float = 0.5) -> list[dict]:
+        """One alert per window for its most confident link fault (LINK_FAULT rows)."""
+        rows = [r for r in rows if r["confidence"] >= min_confidence]
+        if not rows:
+            return []
+        top = max(rows, key=lambda r: (r["confidence"], r["slowdown"]))
+        rule = "link"
+        if not self._fire(top["job_id"], rule, now):
+            return []
+        where = {"link": f"link {top['src']}->{top['dst']}", "source": f"sender rank {top['src']}",
+                 "destination": f"receiver rank {top['dst']}",
+                 "noncomm_slow": f"rank {top['src']} late to send (its own compute)"}.get(top["kind"], top["kind"])
+        return [dict(
+            alert_id=f"{top['job_id']}/{top['attempt']}/link/{top['window_id']}", job_id=top["job_id"],
+            attempt=top["attempt"], ts_ns=now_ns, rule=rule,
+            severity="warning" if top["kind"] == "noncomm_slow" else "critical",
+            summary=f"{top['job_id']}: slow {where} in group {top['group']} "
+                    f"({top['slowdown']:.1f}x, confidence {top['confidence']:.2f}); {len(rows)} finding(s)",
+            details_json=S.dumps({k: top[k] for k in ("group", "kind", "src", "dst", "confidence", "slowdown",
+                                                     "window_id")}),
+        )]
+
+
 def post_webhook(url: str, alert: dict, timeout_s: float = 3.0) -> bool:
     """POST one alert as JSON; False (logged) on any failure, never raises."""
     try:
@@ -76,3 +112,4 @@ def post_webhook(url: str, alert: dict, timeout_s: float = 3.0) -> bool:
     except Exception as e:
         log.warning("webhook %s failed: %s", url, e)
         return False
+

@@ -31,9 +31,14 @@ def _finite(x: Any, default: float = float("nan")) -> float:
 
 
 def _window_row(info: JobInfo, key, ops: pa.Table, complete: bool, note: str) -> dict:
-    starts = ops["start_ns"].to_numpy()
-    ends = starts + ops["duration_ns"].to_numpy()
+    if "start_ns" in ops.column_names:
+        starts = ops["start_ns"].to_numpy()
+        ends = starts + ops["duration_ns"].to_numpy()
+    else:  # CCL records only
+        starts, ends = ops["enter_ns"].to_numpy(), ops["exit_ns"].to_numpy()
     steps = ops["step"].to_numpy()
+    if len(steps) == 0:
+        starts = ends = steps = np.zeros(1, np.int64)
     return dict(
         job_id=key[0], attempt=key[1], window_id=key[2],
         first_step=int(steps.min()), last_step=int(steps.max()), n_steps=int(len(np.unique(steps))),
@@ -48,8 +53,16 @@ def _window_row(info: JobInfo, key, ops: pa.Table, complete: bool, note: str) ->
 
 
 def analyze_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], complete: bool,
-                   note: str) -> dict[str, pa.Table]:
-    """What-if analysis of one window; returns {result kind: table} for the sink."""
+                   note: str, ccl: pa.Table | None = None) -> dict[str, pa.Table]:
+    """What-if analysis and link diagnosis of one window; returns {result kind: table} for the sink."""
+    links = _link_faults(ccl, key)
+    if ops.num_rows == 0:
+        row = _window_row(info, key, ccl if ccl is not None else ops, complete, note)
+        row["verdict"] = "no_op_spans"
+        row["complete"] = False
+        row["n_ops"] = 0
+        row["note"] = (note + "; " if note else "") + "no op spans in this window: link diagnosis only"
+        return _tables(row, {"optype_slowdown": [], "worker_slowdown": [], "step_result": []}, links)
     from analyzers.whatif import analyze  # heavy import kept out of the shard's import path
 
     row = _window_row(info, key, ops, complete, note)
@@ -61,7 +74,7 @@ def analyze_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], comp
         row["verdict"] = "analysis_failed"
         row["note"] = (note + "; " if note else "") + f"{type(e).__name__}: {e}"[:2000]
         row["complete"] = False
-        return _tables(row, out)
+        return _tables(row, out, links)
 
     actual = {int(k): float(v) for k, v in res["step_time"]["actual"].items()}
     sim = {int(k): float(v) for k, v in res["step_time"]["simulated"].items()}
@@ -104,7 +117,7 @@ def analyze_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], comp
             out["worker_slowdown"].append(dict(base, step=-1, dp_rank=dp, pp_rank=pp,
                                                s_dp=s_dp.get(dp, float("nan")), s_pp=s_pp.get(pp, float("nan")),
                                                s_w=_finite(v)))
-    return _tables(row, out)
+    return _tables(row, out, links)
 
 
 def failed_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], reason: str) -> dict[str, pa.Table]:
@@ -137,8 +150,25 @@ def _clean(obj):
     return obj
 
 
-def _tables(row: dict, out: dict[str, list[dict]]) -> dict[str, pa.Table]:
+def _link_faults(ccl: pa.Table | None, key) -> pa.Table:
+    """Link diagnosis of the window's CCL records (LINK_FAULT rows); never raises."""
+    if ccl is None or ccl.num_rows == 0:
+        return S.empty(S.LINK_FAULT)
+    from analyzers.links import diagnose
+
+    try:
+        faults = diagnose(ccl)
+    except Exception as e:  # bad records must not cost the window its what-if result
+        log.warning("link diagnosis of %s failed: %s", key, e)
+        return S.empty(S.LINK_FAULT)
+    return S.from_rows(S.LINK_FAULT, [dict(
+        job_id=key[0], attempt=key[1], window_id=key[2], group=f.group, kind=f.kind, src=f.src, dst=f.dst,
+        confidence=f.confidence, slowdown=f.slowdown, evidence_json=S.dumps(_clean(f.evidence))) for f in faults])
+
+
+def _tables(row: dict, out: dict[str, list[dict]], links: pa.Table | None = None) -> dict[str, pa.Table]:
     tables = {"window_result": S.from_rows(S.WINDOW_RESULT, [row])}
+    tables["link_fault"] = links if links is not None else S.empty(S.LINK_FAULT)
     tables["optype_slowdown"] = S.from_rows(S.OPTYPE_SLOWDOWN, out["optype_slowdown"])
     tables["worker_slowdown"] = S.from_rows(S.WORKER_SLOWDOWN, out["worker_slowdown"])
     tables["step_result"] = S.from_rows(S.STEP_RESULT, out["step_result"])

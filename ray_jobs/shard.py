@@ -25,7 +25,9 @@ import pyarrow as pa
 
 from ingest import schema as S
 from ray_jobs.alerts import AlertRules, post_webhook
+from analyzers.hang import HangParams
 from ray_jobs.analysis import analyze_window, failed_window
+from ray_jobs.hangs import HangMonitor, hang_table
 from ray_jobs.windows import JobInfo, ReadyWindow, WindowTracker
 from stragglerscope.config import Config
 
@@ -45,6 +47,7 @@ class ShardStats:
     windows_stored: int = 0
     windows_failed: int = 0
     alerts: int = 0
+    hangs: int = 0
     analyzer_seconds: float = 0.0
     window_latency_s_last: float = 0.0
     inflight: int = 0
@@ -60,7 +63,7 @@ class ShardWorker:
                  consumer_factory: Callable[[], Any] | None = None,
                  sink_factory: Callable[[], Any] | None = None,
                  submit: Callable[..., Any] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, wall_ns: Callable[[], int] = time.time_ns):
         self.index = index
         self.partitions = list(partitions)
         self.cfg = cfg
@@ -69,6 +72,7 @@ class ShardWorker:
         self._sink_factory = sink_factory
         self._submit = submit
         self._clock = clock
+        self._wall_ns = wall_ns  # the job clock is wall time: hang durations are measured on it
         self.stats = ShardStats(shard=index)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -84,6 +88,8 @@ class ShardWorker:
         self.sink.setup()
         self.tracker = WindowTracker(self.cfg.pipeline.idle_timeout_s, is_stored=self.sink.window_stored)
         self.rules = AlertRules(self.cfg.alerts)
+        h = self.cfg.hang
+        self.hangs = HangMonitor(HangParams(h.floor_s, h.k_steps, h.heartbeat_timeout_s))
         self.source = self._consumer_factory() if self._consumer_factory else KafkaSource(
             self.cfg.kafka.bootstrap, S.INPUT_TOPICS, self.partitions)
         stored = self.sink.load_offsets(self.source_id, S.INPUT_TOPICS, self.partitions)
@@ -138,6 +144,7 @@ class ShardWorker:
         for win in self.tracker.ready(now):
             self._dispatch(win)
         self._collect(block=busy)
+        self._check_hangs(now)
         self._commit()
         st = self.stats
         st.inflight = len(self._inflight)
@@ -171,9 +178,12 @@ class ShardWorker:
                 self.tracker.register(JobInfo.from_row(row))
                 self.stats.jobs_registered += 1
         elif kind == "heartbeat":
-            self.stats.heartbeats += table.num_rows  # hang tracking: analyzers/hang (issue 5)
+            self.stats.heartbeats += table.num_rows
+            self.hangs.add_heartbeats(table, now)
         elif kind == "ccl_record":
-            self.stats.ccl_records += table.num_rows  # link matrices: analyzers/links (issue 5)
+            self.stats.ccl_records += table.num_rows
+            self.hangs.add_ccl(table, now)
+            self.tracker.add_ccl(table, tp, msg.offset, now)
         self.source.advance(tp, msg.offset + 1)
 
     def _dead_letter(self, msg, reason: str) -> None:
@@ -187,7 +197,7 @@ class ShardWorker:
 
     def _dispatch(self, win: ReadyWindow) -> None:
         info = self.tracker.job(win.key[0], win.key[1]) or _unregistered(win)
-        args = (win.ops, info, win.key, win.complete, win.note)
+        args = (win.ops, info, win.key, win.complete, win.note, win.ccl)
         handle = self._submit(*args) if self._submit else analyze_window(*args)
         self._inflight.append((handle, win, self._clock()))
 
@@ -221,7 +231,11 @@ class ShardWorker:
         """
         if "alert" not in tables:
             row = tables["window_result"].to_pylist()[0]
-            tables["alert"] = S.from_rows(S.ALERT, self.rules.evaluate_window(row, time.time(), time.time_ns()))
+            wall, wall_ns = time.time(), time.time_ns()
+            alerts = self.rules.evaluate_window(row, wall, wall_ns)
+            if "link_fault" in tables and tables["link_fault"].num_rows:
+                alerts += self.rules.evaluate_links(tables["link_fault"].to_pylist(), wall, wall_ns)
+            tables["alert"] = S.from_rows(S.ALERT, alerts)
         for kind, table in tables.items():
             if table.num_rows:
                 self.sink.write(kind, table)
@@ -231,7 +245,23 @@ class ShardWorker:
         self.stats.windows_stored += 1
         self.stats.analyzer_seconds += self._clock() - t0
         self.stats.window_latency_s_last = self._clock() - t0
-        for a in tables["alert"].to_pylist():
+        self._publish(tables["alert"].to_pylist())
+
+    def _check_hangs(self, now: float) -> None:
+        """Store new hangs and their alerts (hangs must not wait for any window to close)."""
+        rows = self.hangs.evaluate(now, self._wall_ns())
+        if not rows:
+            return
+        alerts = [a for r in rows for a in self.rules.evaluate_hang(r, time.time(), time.time_ns())]
+        self.sink.write("hang", hang_table(rows))
+        if alerts:
+            self.sink.write("alert", S.from_rows(S.ALERT, alerts))
+        self.sink.flush()
+        self.stats.hangs += len(rows)
+        self._publish(alerts)
+
+    def _publish(self, alerts: list[dict]) -> None:
+        for a in alerts:
             self.stats.alerts += 1
             if self.alerts_out is not None:
                 self.alerts_out(a)
@@ -253,6 +283,9 @@ def _unregistered(win: ReadyWindow) -> JobInfo:
     """Layout inferred from the ranks seen, for a job whose registration never came."""
     from ingest.schema import JobLayout
 
+    if win.ops.num_rows == 0:  # CCL records only: no worker layout to infer
+        return JobInfo(job_id=win.key[0], attempt=win.key[1], layout=JobLayout(1, 1), profiled_steps=1,
+                       registered=False)
     dp = int(pa.compute.max(win.ops["dp_rank"]).as_py()) + 1
     pp = int(pa.compute.max(win.ops["pp_rank"]).as_py()) + 1
     steps = len(set(win.ops["step"].to_pylist()))

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ingest.schema import JobLayout
+from ingest.schema import OP_SPAN, JobLayout
 
 WindowKey = tuple[str, int, int]  # (job_id, attempt, window_id)
 TopicPartition = tuple[str, int]
@@ -55,6 +55,7 @@ class JobInfo:
 class OpenWindow:
     key: WindowKey
     tables: list[pa.Table] = dataclasses.field(default_factory=list)
+    ccl_tables: list[pa.Table] = dataclasses.field(default_factory=list)
     n_rows: int = 0
     first_offset: dict[TopicPartition, int] = dataclasses.field(default_factory=dict)
     step_ends: set = dataclasses.field(default_factory=set)  # (dp, pp, step) with an optimizer op
@@ -69,6 +70,7 @@ class ReadyWindow:
     ops: pa.Table
     complete: bool
     note: str
+    ccl: pa.Table | None = None
 
 
 @dataclasses.dataclass
@@ -106,32 +108,40 @@ class WindowTracker:
     def add_ops(self, table: pa.Table, tp: TopicPartition, offset: int, now: float) -> None:
         """Route one decoded op-span table (possibly several jobs and windows)."""
         self.counters.records += table.num_rows
-        keys = pa.Table.from_arrays(
-            [table["job_id"], table["attempt"], table["window_id"]], names=["j", "a", "w"]
-        ).group_by(["j", "a", "w"]).aggregate([])
-        if keys.num_rows == 1:
-            parts = [((keys["j"][0].as_py(), keys["a"][0].as_py(), keys["w"][0].as_py()), table)]
-        else:
-            parts = []
-            for j, a, w in zip(keys["j"].to_pylist(), keys["a"].to_pylist(), keys["w"].to_pylist()):
-                mask = pc.and_(pc.and_(pc.equal(table["job_id"], j), pc.equal(table["attempt"], a)),
-                               pc.equal(table["window_id"], w))
-                parts.append(((j, a, w), table.filter(mask)))
-        for key, part in parts:
+        for key, part in _split_by_window(table):
             self._add(key, part, tp, offset, now)
 
-    def _add(self, key: WindowKey, part: pa.Table, tp: TopicPartition, offset: int, now: float) -> None:
+    def add_ccl(self, table: pa.Table, tp: TopicPartition, offset: int, now: float) -> None:
+        """Route CCL records of profiled windows (``window_id >= 0``) for link diagnosis."""
+        table = table.filter(pc.greater_equal(table["window_id"], 0))
+        for key, part in _split_by_window(table):
+            win = self._open(key, part.num_rows)
+            if win is None:
+                continue
+            win.ccl_tables.append(part)
+            win.n_rows += part.num_rows
+            win.first_offset.setdefault(tp, offset)
+            win.last_seen = now
+
+    def _open(self, key: WindowKey, n_rows: int) -> OpenWindow | None:
+        """The open window of ``key`` (opened now if new), or None when its records are late."""
         win = self.open.get(key)
         if win is None:
             if key in self._stored or self._is_stored(key):
                 self._remember_stored(key)
-                self.counters.late_records += part.num_rows
-                return
+                self.counters.late_records += n_rows
+                return None
             win = self.open[key] = OpenWindow(key)
             self.counters.windows_opened += 1
         elif win.dispatched:
             # Arrived after the window was handed to the analyzer: late.
-            self.counters.late_records += part.num_rows
+            self.counters.late_records += n_rows
+            return None
+        return win
+
+    def _add(self, key: WindowKey, part: pa.Table, tp: TopicPartition, offset: int, now: float) -> None:
+        win = self._open(key, part.num_rows)
+        if win is None:
             return
         win.tables.append(part)
         win.n_rows += part.num_rows
@@ -160,12 +170,14 @@ class WindowTracker:
             idle = now - win.last_seen >= self.idle_timeout_s
             if complete or idle:
                 win.dispatched = True
-                ops = pa.concat_tables(win.tables) if len(win.tables) > 1 else win.tables[0]
+                ops = pa.concat_tables(win.tables) if win.tables else OP_SPAN.empty_table()
                 win.tables = [ops]
+                ccl = pa.concat_tables(win.ccl_tables) if win.ccl_tables else None
                 self.counters.windows_ready += 1
                 if not complete:
                     self.counters.windows_incomplete += 1
-                out.append(ReadyWindow(key, ops, complete, "" if complete else f"closed on idle timeout: {note}"))
+                out.append(ReadyWindow(key, ops, complete, "" if complete else f"closed on idle timeout: {note}",
+                                       ccl))
         return out
 
     def _completeness(self, win: OpenWindow, info: JobInfo | None) -> tuple[bool, str]:
@@ -211,3 +223,20 @@ class WindowTracker:
 
     def open_keys(self) -> Iterable[WindowKey]:
         return list(self.open)
+
+
+def _split_by_window(table: pa.Table) -> list[tuple[WindowKey, pa.Table]]:
+    """(window key, rows) for each (job_id, attempt, window_id) in ``table``; one pass when there is one key."""
+    if table.num_rows == 0:
+        return []
+    keys = pa.Table.from_arrays(
+        [table["job_id"], table["attempt"], table["window_id"]], names=["j", "a", "w"]
+    ).group_by(["j", "a", "w"]).aggregate([])
+    if keys.num_rows == 1:
+        return [((keys["j"][0].as_py(), keys["a"][0].as_py(), keys["w"][0].as_py()), table)]
+    parts = []
+    for j, a, w in zip(keys["j"].to_pylist(), keys["a"].to_pylist(), keys["w"].to_pylist()):
+        mask = pc.and_(pc.and_(pc.equal(table["job_id"], j), pc.equal(table["attempt"], a)),
+                       pc.equal(table["window_id"], w))
+        parts.append(((j, a, w), table.filter(mask)))
+    return parts

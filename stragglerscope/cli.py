@@ -110,7 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("--port", type=int, default=0, help="port (default: a free one)")
 
-    sub.add_parser("config", help="print every configuration key with its default and meaning")
+    sub.add_parser("config", help="print every configuration key with its default and meaning",
+                   description="Print every configuration key with its default and meaning. Keys are set in a "
+                               "TOML file given with --config (sections [kafka], [store], [ray], [pipeline], "
+                               "[alerts], [ui]) or by STRAGGLERSCOPE_<SECTION>_<KEY> environment variables.")
     return parser
 
 
@@ -162,15 +165,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_service(cfg)
     if cmd == "sql":
+        if not args.name and not args.query and not args.list:
+            raise CLIError("give a query name (see --list) or --query SQL")
+        if args.format == "parquet" and not args.out:
+            raise CLIError("--format parquet needs --out FILE")
         from storage.cli import list_queries, run_sql
 
         if args.list:
             print(list_queries())
             return 0
-        if not args.name and not args.query:
-            raise CLIError("give a query name (see --list) or --query SQL")
-        if args.format == "parquet" and not args.out:
-            raise CLIError("--format parquet needs --out FILE")
         out = run_sql(cfg.store.url, name=args.name, query=args.query, params=args.param, fmt=args.format)
         if args.out:
             with open(args.out, "wb") as f:

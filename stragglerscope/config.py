@@ -70,6 +70,16 @@ class AlertConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class HangConfig:
+    floor_s: float = 120.0
+    """No progress for at least this long can be a hang (checkpoints and evals stall steps for minutes)."""
+    k_steps: float = 10.0
+    """... and for at least this many median step times of the job."""
+    heartbeat_timeout_s: float = 30.0
+    """Ranks silent this long while others report are lost (six missed 5 s heartbeats)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class UIConfig:
     port: int = 8501
     """Port of the Streamlit console."""
@@ -84,6 +94,7 @@ class Config:
     ray: RayConfig = RayConfig()
     pipeline: PipelineConfig = PipelineConfig()
     alerts: AlertConfig = AlertConfig()
+    hang: HangConfig = HangConfig()
     ui: UIConfig = UIConfig()
 
     def replace(self, **sections: Mapping[str, Any]) -> "Config":

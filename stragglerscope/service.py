@@ -33,9 +33,6 @@ class Services:
 def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
     from ingest import schema as S
     from ingest.broker import LocalBroker, check_reachable, ensure_topics
-    from ray_jobs.pipeline import Pipeline
-    from storage import StoreDaemon, open_store
-
     bootstrap = cfg.kafka.bootstrap
     if not bootstrap:
         broker = stack.enter_context(LocalBroker())
@@ -47,6 +44,9 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
         source_id = cfg.kafka.source_id or bootstrap
         say(f"broker     {bootstrap}")
     ensure_topics(bootstrap, S.INPUT_TOPICS + (S.TOPIC_DEAD_LETTER, S.TOPIC_ALERTS), cfg.kafka.partitions)
+
+    from ray_jobs.pipeline import Pipeline
+    from storage import StoreDaemon, open_store
 
     store_url = cfg.store.url
     if store_url.startswith("chdb://"):

@@ -22,7 +22,7 @@ class Clock:
 
 
 def fake_analysis(calls):
-    def submit(ops, info, key, complete, note):
+    def submit(ops, info, key, complete, note, ccl=None):
         calls.append((key, complete, ops.num_rows))
         row = _window_row(info, key, ops, complete, note)
         row.update(slowdown=1.5, waste_fraction=1 / 3, launch_slowdown=1.0, verdict="worker")
@@ -140,7 +140,7 @@ def test_backpressure_stops_polling_at_max_inflight():
     tables = [a.registration(0, STEPS)] + [generate_window(a, 100 * i, STEPS, 0) for i in range(4)]
     pending = []
 
-    def never_done(ops, info, key, complete, note):
+    def never_done(ops, info, key, complete, note, ccl=None):
         pending.append(key)
         return _Pending()
 
@@ -188,3 +188,46 @@ def test_a_failed_store_write_is_retried_with_the_same_alerts():
     assert [r["job_id"] for r in sink.rows["window_result"]] == ["a"]
     assert [r["rule"] for r in sink.rows["alert"]] == ["slowdown"], "the alert survived the retry"
     assert sink.offsets["src-1"][(S.TOPIC_OPS, 0)] == 1
+
+
+def test_heartbeats_of_a_hung_job_become_a_hang_row_and_a_critical_alert():
+    from ingest.faultgen import hang_incident
+
+    inc = hang_incident("comm_hang", 16, 1)
+    cfg = Config().replace(hang={"floor_s": 60.0, "heartbeat_timeout_s": 30.0})
+    src = FakeSource(messages_for([inc.ccl, inc.heartbeats]))
+    sink = FakeSink()
+    clock = Clock()
+    w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: src, sink_factory=lambda: sink,
+                    submit=fake_analysis([]), clock=clock, wall_ns=lambda: inc.now_ns)
+    w.setup()
+    for i in range(5):
+        clock.t = i * 1.5
+        w.step(poll_timeout_ms=0)
+    (hang,) = sink.rows["hang"]
+    assert hang["kind"] == "comm_hang" and hang["missing_ranks"] == str(inc.truth["missing"][0])
+    (alert,) = sink.rows["alert"]
+    assert alert["rule"] == "hang" and alert["severity"] == "critical"
+    assert "missing ranks" in alert["summary"]
+
+
+def test_ccl_records_of_a_window_get_link_diagnosis():
+    from ingest.faultgen import link_incident
+    from ray_jobs.analysis import analyze_window
+
+    inc = link_incident("source", 32, 2)
+    clock = Clock()
+    cfg = Config().replace(pipeline={"idle_timeout_s": 5.0})
+    src = FakeSource(messages_for([inc.ccl]))
+    sink = FakeSink()
+    w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: src, sink_factory=lambda: sink,
+                    submit=analyze_window, clock=clock, wall_ns=lambda: 20 * 10**9)
+    w.setup()
+    run(w, 5)
+    clock.t = 6.0
+    run(w, 3)
+    (row,) = sink.rows["window_result"]
+    assert row["verdict"] == "no_op_spans"
+    top = max(sink.rows["link_fault"], key=lambda r: r["confidence"])
+    assert (top["kind"], top["src"]) == ("source", inc.truth["src"])
+    assert [a["rule"] for a in sink.rows["alert"]] == ["link"]

@@ -1,0 +1,81 @@
+"""Hang monitoring inside a shard: one ``HangTracker`` per job attempt it owns.
+
+Heartbeats and CCL records are fed as they arrive; ``evaluate(now_ns)`` runs
+at most every ``every_s`` and returns the new hangs as HANG rows with their
+alerts. "Now" is the shard's wall clock (job clocks are aligned to wall time
+by the exporters). A job whose heartbeats all stopped counts as node loss
+only while the shard still hears other jobs (``input_alive``), so a broken
+input does not page anyone about every job at once. Jobs silent for
+``forget_after_s`` are dropped so memory stays bounded.
+"""
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from analyzers.hang import HangParams, HangTracker
+from ingest import schema as S
+
+_NS = 1_000_000_000
+
+
+class HangMonitor:
+    def __init__(self, params: HangParams = HangParams(), every_s: float = 1.0, forget_after_s: float = 3600.0):
+        self.params = params
+        self.every_s = every_s
+        self.forget_after_s = forget_after_s
+        self.trackers: dict[tuple[str, int], HangTracker] = {}
+        self._last_seen: dict[tuple[str, int], float] = {}
+        self._last_eval = 0.0
+        self._last_input = 0.0
+        self.hangs_found = 0
+
+    def _by_job(self, table: pa.Table):
+        jobs = pc.unique(table["job_id"]).to_pylist()
+        for job in jobs:
+            part = table if len(jobs) == 1 else table.filter(pc.equal(table["job_id"], job))
+            for attempt in pc.unique(part["attempt"]).to_pylist():
+                sub = part.filter(pc.equal(part["attempt"], attempt)) if part.num_rows else part
+                key = (job, attempt)
+                tr = self.trackers.get(key)
+                if tr is None:
+                    tr = self.trackers[key] = HangTracker(job, attempt, self.params)
+                yield key, tr, sub
+
+    def add_heartbeats(self, table: pa.Table, now: float) -> None:
+        self._last_input = now
+        for key, tr, sub in self._by_job(table):
+            tr.add_heartbeats(sub)
+            self._last_seen[key] = now
+
+    def add_ccl(self, table: pa.Table, now: float) -> None:
+        for key, tr, sub in self._by_job(table):
+            tr.add_ccl(sub)
+            self._last_seen[key] = now
+
+    def evaluate(self, now: float, now_ns: int | None = None) -> list[dict]:
+        """HANG rows of hangs found since the last call (at most one evaluation per ``every_s``)."""
+        if now - self._last_eval < self.every_s:
+            return []
+        self._last_eval = now
+        now_ns = time.time_ns() if now_ns is None else now_ns
+        input_alive = now - self._last_input < self.params.heartbeat_timeout_s
+        rows = []
+        for key, tr in list(self.trackers.items()):
+            if now - self._last_seen.get(key, now) > self.forget_after_s:
+                del self.trackers[key]
+                self._last_seen.pop(key, None)
+                continue
+            hang = tr.evaluate(now_ns, input_alive=input_alive)
+            if hang is not None:
+                self.hangs_found += 1
+                row = hang.row(now_ns)
+                row["summary"] = hang.summary()
+                rows.append(row)
+        return rows
+
+
+def hang_table(rows: list[dict]) -> pa.Table:
+    return S.from_rows(S.HANG, [{k: v for k, v in r.items() if k != "summary"} for r in rows])
