@@ -42,6 +42,21 @@ from ingest.schema import fold_ranks
 _NS = 1_000_000_000
 
 
+def group_members(name: str, job_ranks) -> set[int]:
+    """Members of a group from its exporter name: 'world', 'ranks:0-3,8', 'p2p:3>5'."""
+    if name.startswith("p2p:"):
+        a, _, b = name[4:].partition(">")
+        return {int(a), int(b)} if a.isdigit() and b.isdigit() else set()
+    if name.startswith("ranks:"):
+        out: set[int] = set()
+        for part in name[6:].split(","):
+            lo, _, hi = part.partition("-")
+            if lo.isdigit():
+                out.update(range(int(lo), int(hi or lo) + 1))
+        return out
+    return set(job_ranks)
+
+
 @dataclasses.dataclass(frozen=True)
 class HangParams:
     floor_s: float = 120.0
@@ -116,8 +131,10 @@ class HangTracker:
             if row["ts_ns"] < r.ts:
                 continue  # out of order: an older heartbeat says nothing new
             if row["step"] != r.step:
-                if r.step >= 0 and row["step"] == r.step + 1 and r.step_changed_ns > 0:
-                    self.step_times.append((row["ts_ns"] - r.step_changed_ns) / _NS)
+                # Heartbeats are sparser than steps: a step time is the time between two
+                # heartbeats over the steps made in between.
+                if r.step >= 0 and row["step"] > r.step and r.step_changed_ns > 0:
+                    self.step_times.append((row["ts_ns"] - r.step_changed_ns) / _NS / (row["step"] - r.step))
                     del self.step_times[:-64]
                 r.step, r.step_changed_ns = row["step"], row["ts_ns"]
             r.ts, r.host = row["ts_ns"], row["host"]
@@ -126,6 +143,10 @@ class HangTracker:
             r.inflight_seq, r.inflight_since_ns = row["inflight_seq"], row["inflight_since_ns"]
             if row["stack"]:
                 r.stack = row["stack"]
+            if r.inflight_group and r.inflight_seq >= 0:
+                # Heartbeats are the live view: being inside collective n means having entered it.
+                ent = self.entered.setdefault(r.inflight_group, {})
+                ent[row["rank"]] = max(ent.get(row["rank"], -1), r.inflight_seq)
 
     def add_ccl(self, ccl: pa.Table) -> None:
         g = ccl["group"].to_pylist()
@@ -177,6 +198,12 @@ class HangTracker:
         alive = [r for r in self.ranks if r not in lost]
         if not lost or (not alive and not input_alive):
             return None
+        # A silent process on a host whose other ranks still report is a hung (or stopped)
+        # process, not a lost node: the stall analysis names it as missing.
+        alive_hosts = {self.ranks[r].host for r in alive}
+        lost = [r for r in lost if self.ranks[r].host not in alive_hosts]
+        if not lost:
+            return None
         since = min(self.ranks[r].ts for r in lost)
         hosts = sorted({self.ranks[r].host for r in lost})
         evidence = self._evidence(now_ns, missing=lost)
@@ -188,12 +215,16 @@ class HangTracker:
         stalled_s = (now_ns - last) / _NS
         if last < 0 or stalled_s < self.threshold_s():
             return None
-        inside = {r: st for r, st in self.ranks.items() if st.inflight_group and st.inflight_seq >= 0}
+        # A silent rank's last heartbeat is stale: where it says it is proves nothing now.
+        timeout = self.params.heartbeat_timeout_s * _NS
+        live = {r: st for r, st in self.ranks.items() if st.ts >= 0 and now_ns - st.ts <= timeout}
+        inside = {r: st for r, st in live.items() if st.inflight_group and st.inflight_seq >= 0
+                  and self.completed.get(st.inflight_group, {}).get(r, -1) < st.inflight_seq}
         if inside:
             # The collective the longest-waiting rank sits in is where the chain starts.
             first = min(inside.values(), key=lambda st: st.inflight_since_ns)
             grp, seq = first.inflight_group, first.inflight_seq
-            members = self.group_ranks.get(grp) or set(self.ranks)
+            members = self.group_ranks.get(grp) or group_members(grp, self.ranks)
             ent = self.entered.get(grp, {})
             stuck = sorted(r for r in members if ent.get(r, -1) >= seq and
                            self.completed.get(grp, {}).get(r, -1) < seq)
@@ -202,7 +233,7 @@ class HangTracker:
             hosts = sorted({self.ranks[r].host for r in missing if r in self.ranks})
             return Hang(self.job_id, self.attempt, "comm_hang", grp, int(seq), op, stuck, missing, hosts, last,
                         stalled_s, self._evidence(now_ns, missing=missing, group=grp, seq=seq))
-        busy = {r: st for r, st in self.ranks.items() if st.inflight_op and st.inflight_since_ns >= 0}
+        busy = {r: st for r, st in live.items() if st.inflight_op and st.inflight_since_ns >= 0}
         if busy:
             oldest = min(st.inflight_since_ns for st in busy.values())
             suspects = sorted(r for r, st in busy.items() if st.inflight_since_ns - oldest < 1 * _NS)
@@ -231,10 +262,12 @@ class HangTracker:
                 gs = (st.inflight_group, st.inflight_seq)
                 if gs not in absent:
                     g_ent = self.entered.get(gs[0], {})
-                    absent[gs] = fold_ranks(m for m in self.group_ranks.get(gs[0], ()) if g_ent.get(m, -1) < gs[1])
+                    g_mem = self.group_ranks.get(gs[0]) or group_members(gs[0], self.ranks)
+                    absent[gs] = fold_ranks(m for m in g_mem if g_ent.get(m, -1) < gs[1])
                 waits[r] = {"op": st.inflight_op, "group": gs[0], "seq": gs[1], "waits_for": absent[gs]}
             else:
                 waits[r] = {"op": st.inflight_op or "(none)", "group": "", "seq": -1, "waits_for": ""}
+        members = members or group_members(group, self.ranks)
         root = missing or sorted(m for m in members if ent.get(m, -1) < seq)
         # Collapse identical rows so an 8,192-rank chain stays readable: ranks -> what they wait on.
         groups: dict[tuple, list[int]] = {}

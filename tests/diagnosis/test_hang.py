@@ -77,3 +77,26 @@ def test_merged_stacks_name_ranks_in_and_out():
 def test_a_silent_job_is_not_node_loss_while_our_input_may_be_down():
     inc = hang_incident("node_loss", 8, 0)  # one host: every rank silent
     assert tracker_for(inc).evaluate(inc.now_ns, input_alive=False).kind != "node_loss"
+
+
+@pytest.mark.parametrize("name, members", [("world", {0, 1, 2, 3}), ("ranks:0-1,3", {0, 1, 3}), ("p2p:2>3", {2, 3})])
+def test_group_members_from_exporter_names(name, members):
+    from analyzers.hang import group_members
+
+    assert group_members(name, [0, 1, 2, 3]) == members
+
+
+def test_a_silent_process_on_a_live_host_is_a_hung_rank_not_node_loss():
+    import pyarrow as pa
+
+    # A SIGSTOPped rank: its heartbeats stop, but its host's other ranks still report.
+    inc = hang_incident("comm_hang", 16, 2, ranks_per_host=16)
+    culprit = inc.truth["missing"][0]
+    hb = inc.heartbeats
+    ts = hb["ts_ns"].to_numpy().copy()
+    ts[culprit] = inc.now_ns - 200 * 10**9
+    t = HangTracker("hangjob", params=PARAMS)
+    t.add_ccl(inc.ccl)
+    t.add_heartbeats(hb.set_column(hb.schema.get_field_index("ts_ns"), "ts_ns", pa.array(ts)))
+    hang = t.evaluate(inc.now_ns, input_alive=True)
+    assert hang.kind == "comm_hang" and hang.missing_ranks == [culprit]

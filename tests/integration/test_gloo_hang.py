@@ -1,0 +1,67 @@
+"""A real hang: a gloo DP2 x PP2 training job whose rank 1 is SIGSTOPped mid-training.
+
+Real processes, real gloo collectives, real exporter and producer, real Tansu.
+The shard's hang monitor, fed from Kafka, must call it a communication hang
+with rank 1 missing, and merge the stacks its peers dumped while waiting.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from analyzers.hang import HangParams
+from ingest import schema as S
+from ingest.broker import ensure_topics
+from ray_jobs.hangs import HangMonitor
+from ray_jobs.io import KafkaSource
+
+pytestmark = pytest.mark.integration
+
+
+def test_sigstopped_rank_is_the_missing_rank_of_a_comm_hang(broker):
+    pytest.importorskip("torch")
+    ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 4)
+    job = f"gloo-hang-{uuid.uuid4().hex[:6]}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ingest.train_gloo", "--bootstrap", broker.bootstrap, "--job-id", job,
+         "--steps", "8", "--stop-rank", "1", "--stop-at-step", "3", "--heartbeat-s", "0.5",
+         "--hang-dump-s", "2", "--dist-timeout", "90"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    monitor = HangMonitor(HangParams(floor_s=4.0, k_steps=10.0, heartbeat_timeout_s=3.0), every_s=0.5)
+    src = KafkaSource(broker.bootstrap, [S.TOPIC_HEARTBEATS, S.TOPIC_CCL], range(4))
+    src.seek({})
+    hangs = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not hangs:
+            for m in src.poll(300):
+                kind, t = S.decode(m.value)
+                t = t.filter(__import__("pyarrow.compute").compute.equal(t["job_id"], job))
+                if not t.num_rows:
+                    continue
+                if kind == "heartbeat":
+                    monitor.add_heartbeats(t, time.monotonic())
+                elif kind == "ccl_record":
+                    monitor.add_ccl(t, time.monotonic())
+            hangs = monitor.evaluate(time.monotonic())
+            assert proc.poll() is None or hangs, proc.stdout.read().decode()[-3000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        src.close()
+    assert hangs, "no hang detected within 120 s"
+    h = hangs[0]
+    assert h["kind"] == "comm_hang", h
+    assert h["missing_ranks"] == "1", h
+    assert "1" not in h["stuck_ranks"].split(",")
+    import json
+    evidence = json.loads(h["evidence_json"])
+    assert evidence["wait_chain"]["root"] == "1"
+    stacks = evidence["stacks_folded"]
+    assert stacks, "the waiting peers dumped their stacks"
+    assert "train_gloo.py" in stacks and "[ranks " in stacks
+    assert "1" not in evidence["ranks_with_stacks"].split(","), "a stopped rank cannot dump"
