@@ -34,7 +34,7 @@ class CLIError(Exception):
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input or an unreachable service, not a bug."""
     errs: list[type[BaseException]] = [CLIError, config_mod.ConfigError, FileNotFoundError, PermissionError]
-    for mod, name in (("ingest.broker", "BrokerError"), ("storage", "StoreError"),
+    for mod, name in (("ingest.broker", "BrokerError"), ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
                       ("analyzers.whatif", "WhatIfInputError"), ("ingest.schema", "DecodeError")):
         try:
             errs.append(getattr(__import__(mod, fromlist=[name]), name))
@@ -98,6 +98,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--meta", required=True, help="meta YAML with dp_size, pp_size, tp_size, vpp_size ...")
     p.add_argument("--json", required=True, dest="json_out", metavar="OUT.json", help="where to write the result")
     p.add_argument("--timeline", metavar="OUT.json.gz", help="also write actual and ideal timelines (Perfetto)")
+
+    p = sub.add_parser("import", help="convert existing traces to our records; optionally publish them",
+                       description="Convert traces (golden: the what-if paper's parquet + meta YAML; kineto: "
+                                   "PyTorch profiler Chrome-trace JSON; flight-recorder: PyTorch Flight Recorder "
+                                   "dumps) to op spans or CCL records; write them to parquet (--out) and/or "
+                                   "send them to the configured Kafka (--publish).")
+    _add_config(p)
+    p.add_argument("format", choices=("golden", "kineto", "flight-recorder"))
+    p.add_argument("paths", nargs="+", metavar="PATH")
+    p.add_argument("--job-id", help="job id of the records (default: from the file name)")
+    p.add_argument("--meta", help="golden: the meta YAML")
+    p.add_argument("--rank", type=int, help="global rank of the file's process when the file does not say it")
+    for dim in ("dp", "pp", "tp", "cp"):
+        p.add_argument(f"--{dim}", type=int, default=1, help=f"kineto: {dim} size of the job (default 1)")
+    p.add_argument("--out", metavar="FILE.parquet", help="write all records to this parquet file")
+    p.add_argument("--publish", action="store_true", help="send the records to kafka.bootstrap")
 
     p = sub.add_parser("console", help="start the Streamlit console on a store",
                        description="Serve the console on 127.0.0.1 (ui.address, ui.port) over the store.")
@@ -183,6 +199,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             if isinstance(out, str) and not out.endswith("\n"):
                 sys.stdout.write("\n")
         return 0
+    if cmd == "import":
+        return _import(args, cfg)
     if cmd == "console":
         from stragglerscope.demo import start_console
 
@@ -202,6 +220,47 @@ def _dispatch(args: argparse.Namespace) -> int:
               ready=lambda port: print(f"store {cfg.store.url} at http://127.0.0.1:{port}", flush=True))
         return 0
     raise CLIError(f"unknown command {cmd}")
+
+
+def _import(args: argparse.Namespace, cfg) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tqdm import tqdm
+
+    from ingest.importers import import_paths
+    from ingest.schema import JobLayout
+
+    if not args.out and not args.publish:
+        raise CLIError("say where the records go: --out FILE.parquet and/or --publish")
+    if args.publish and not cfg.kafka.bootstrap:
+        raise CLIError("--publish needs kafka.bootstrap (config file or STRAGGLERSCOPE_KAFKA_BOOTSTRAP)")
+    layout = JobLayout(dp_size=args.dp, pp_size=args.pp, tp_size=args.tp, cp_size=args.cp)
+    producer = None
+    if args.publish:
+        from ingest.broker import check_reachable
+        from ingest.producer import TelemetryProducer
+
+        check_reachable(cfg.kafka.bootstrap)
+        producer = TelemetryProducer(cfg.kafka.bootstrap, client_id="stragglerscope-import")
+    tables = []
+    for path in tqdm(args.paths, desc=f"import {args.format}", unit="file", file=sys.stderr):
+        (_, table), = import_paths(args.format, [path], job_id=args.job_id, layout=layout, meta=args.meta,
+                                  rank=args.rank)
+        tables.append(table)
+        if producer is not None:
+            producer.send(table)
+    n = sum(t.num_rows for t in tables)
+    if producer is not None:
+        producer.close(120)
+        st = producer.stats
+        print(f"published {st.records_sent:,} records to {cfg.kafka.bootstrap}"
+              f"{f', {st.records_dropped:,} DROPPED' if st.records_dropped else ''}", file=sys.stderr)
+        if st.records_dropped:
+            return 1
+    if args.out:
+        pq.write_table(pa.concat_tables(tables), args.out)
+        print(f"wrote {n:,} records to {args.out}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

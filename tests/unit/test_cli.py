@@ -3,7 +3,7 @@ import pytest
 
 from stragglerscope.cli import build_parser, main
 
-COMMANDS = ["demo", "run", "sql", "whatif", "console", "store", "config"]
+COMMANDS = ["demo", "run", "sql", "whatif", "import", "console", "store", "config"]
 
 
 def test_help_lists_every_command_and_the_configuration(capsys):
@@ -62,3 +62,12 @@ def test_bad_flag_is_rejected_by_argparse(capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args(["demo", "--frobnicate"])
     assert e.value.code == 2
+
+
+def test_import_needs_a_destination(capsys, tmp_path):
+    _one_line_error(capsys, ["import", "kineto", str(tmp_path / "x.json")], "say where the records go")
+
+
+def test_import_missing_file(capsys, tmp_path):
+    _one_line_error(capsys, ["import", "kineto", str(tmp_path / "x.json"), "--out", str(tmp_path / "o.parquet")],
+                    "no such file")
