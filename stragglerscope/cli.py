@@ -243,7 +243,7 @@ def _import(args: argparse.Namespace, cfg) -> int:
         check_reachable(cfg.kafka.bootstrap)
         producer = TelemetryProducer(cfg.kafka.bootstrap, client_id="stragglerscope-import")
     tables = []
-    for path in tqdm(args.paths, desc=f"import {args.format}", unit="file", file=sys.stderr):
+    for path in tqdm(args.paths, desc=f"import {args.format}", unit="file", file=sys.stderr, disable=None):
         (_, table), = import_paths(args.format, [path], job_id=args.job_id, layout=layout, meta=args.meta,
                                   rank=args.rank)
         tables.append(table)

@@ -91,14 +91,14 @@ def run_demo(cfg: Config, opts: DemoOptions) -> int:
         with contextlib.ExitStack() as stack:
             svc = start_services(cfg, stack)
             tag = run_tag()
-            bar = tqdm(total=opts.jobs * opts.windows, desc="produce", unit="window", file=sys.stderr)
+            bar = tqdm(total=opts.jobs * opts.windows, desc="produce", unit="window", file=sys.stderr, disable=None)
             keys, n_ops = produce_fleet(svc.cfg.kafka.bootstrap, opts, tag,
                                         progress=lambda n, total: bar.update(n - bar.n))
             bar.close()
             say(f"produced   {opts.jobs} jobs, {len(keys)} windows, {n_ops:,} op records (run {tag})")
 
             pending = set(keys)
-            bar = tqdm(total=len(keys), desc="analyse", unit="window", file=sys.stderr)
+            bar = tqdm(total=len(keys), desc="analyse", unit="window", file=sys.stderr, disable=None)
 
             def done(_status) -> bool:
                 pending.difference_update([k for k in list(pending) if svc.store.window_stored(k)])
