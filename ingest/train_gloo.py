@@ -122,7 +122,6 @@ def worker(rank: int, args: argparse.Namespace) -> None:
 
     def run_step(profiled: bool, step: int):
         inputs, outputs, grads_in = {}, {}, {}
-        opt.zero_grad(set_to_none=False)
         op = exp.op if profiled else _null_op
         for kind, i in acts:
             if kind == "recv_fwd":
@@ -163,9 +162,10 @@ def worker(rank: int, args: argparse.Namespace) -> None:
                         dist.send(inputs[i].grad, dst=prev_rank)
                 inputs.pop(i, None)
                 outputs.pop(i, None)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
         with op("layernorm-grads-all-reduce"):
-            pass  # TP is folded into the worker: no TP group here, a zero-length local op
+            # TP is folded into the worker: no TP group here; the op holds the local gradient
+            # flattening so that no CPU work stays outside the traced ops.
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
         if pp > 1 and pp_rank in (0, pp - 1):
             with op("embedding-grads-all-reduce"):
                 dist.all_reduce(flat[:hidden], group=emb_groups[dp_rank])
@@ -184,6 +184,7 @@ def worker(rank: int, args: argparse.Namespace) -> None:
                 offset += n
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
+            opt.zero_grad(set_to_none=False)
 
     for w in range(args.warmup):
         run_step(False, -1 - w)
