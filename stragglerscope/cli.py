@@ -35,6 +35,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input or an unreachable service, not a bug."""
     errs: list[type[BaseException]] = [CLIError, config_mod.ConfigError, FileNotFoundError, PermissionError]
     for mod, name in (("ingest.broker", "BrokerError"), ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
+                      ("stragglerscope.replay", "ReplayError"),
                       ("analyzers.whatif", "WhatIfInputError"), ("ingest.schema", "DecodeError")):
         try:
             errs.append(getattr(__import__(mod, fromlist=[name]), name))
@@ -78,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Consume the configured Kafka, analyse with shard actors on the configured "
                                    "Ray, store results; runs until Ctrl-C.")
     _add_config(p)
+
+    p = sub.add_parser("replay", help="backfill historical traces through the pipeline",
+                       description="Publish traces (golden trace folders or parquet files, or op-span parquet "
+                                   "files) through Kafka and let the pipeline analyse and store them like live "
+                                   "data; returns when every window is stored.")
+    _add_config(p)
+    p.add_argument("paths", nargs="+", metavar="PATH")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the analysis (default 1800)")
 
     p = sub.add_parser("sql", help="run a named query or read-only SQL against the store",
                        description="Named queries of the library (list them with `stragglerscope sql --list`) "
@@ -201,6 +210,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if cmd == "import":
         return _import(args, cfg)
+    if cmd == "replay":
+        from stragglerscope.replay import run_replay
+
+        return run_replay(cfg, args.paths, args.timeout)
     if cmd == "console":
         from stragglerscope.demo import start_console
 

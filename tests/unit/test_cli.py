@@ -3,7 +3,7 @@ import pytest
 
 from stragglerscope.cli import build_parser, main
 
-COMMANDS = ["demo", "run", "sql", "whatif", "import", "console", "store", "config"]
+COMMANDS = ["demo", "run", "replay", "sql", "whatif", "import", "console", "store", "config"]
 
 
 def test_help_lists_every_command_and_the_configuration(capsys):
@@ -71,3 +71,11 @@ def test_import_needs_a_destination(capsys, tmp_path):
 def test_import_missing_file(capsys, tmp_path):
     _one_line_error(capsys, ["import", "kineto", str(tmp_path / "x.json"), "--out", str(tmp_path / "o.parquet")],
                     "no such file")
+
+
+def test_replay_of_a_missing_path(capsys, tmp_path):
+    _one_line_error(capsys, ["replay", str(tmp_path / "nope")], "no such file or folder")
+
+
+def test_replay_of_a_folder_without_a_trace(capsys, tmp_path):
+    _one_line_error(capsys, ["replay", str(tmp_path)], "expected one trace-*.parquet")

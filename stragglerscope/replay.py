@@ -1,0 +1,127 @@
+"""`stragglerscope replay PATH...`: backfill historical traces through the live path.
+
+Each PATH is a golden-format trace folder (``trace-*.parquet`` with its
+``meta-*.yaml``), a golden trace parquet whose meta YAML lies beside it, or an
+op-span parquet (``ingest.schema.OP_SPAN``, as ``stragglerscope import --out``
+writes). Every trace is registered (its layout from the meta file, or from
+the ranks it contains) and published to Kafka by the same producer the
+exporters use, then the pipeline analyses and stores it like live data; the
+command returns when every replayed window is stored. Progress bars show
+publishing and analysis.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from ingest import schema as S
+from stragglerscope.config import Config
+
+
+class ReplayError(ValueError):
+    """A path that cannot be replayed; the message says why."""
+
+
+def _find_meta(trace: Path) -> Path | None:
+    tag = trace.stem.removeprefix("trace-")
+    for cand in (trace.with_name(f"meta-{tag}.yaml"), *sorted(trace.parent.glob("meta-*.yaml"))):
+        if cand.exists():
+            return cand
+    return None
+
+
+def load_trace(path: str) -> tuple[pa.Table, S.JobLayout]:
+    """Op spans and layout of one PATH (see the module docstring)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"no such file or folder: {path}")
+    if p.is_dir():
+        traces = sorted(p.glob("trace-*.parquet"))
+        if len(traces) != 1:
+            raise ReplayError(f"{path}: expected one trace-*.parquet in the folder, found {len(traces)}")
+        p = traces[0]
+    try:
+        schema = pq.read_schema(p)
+    except Exception as e:
+        raise ReplayError(f"{p}: not a parquet file: {e}") from None
+    if "start_ts" in schema.names:  # golden format
+        meta = _find_meta(p)
+        if meta is None:
+            raise ReplayError(f"{p}: golden trace without a meta-*.yaml beside it")
+        from analyzers.whatif import load_golden
+
+        return load_golden(str(p), str(meta))
+    try:
+        table = S.conform(pq.read_table(p), S.OP_SPAN)
+    except S.DecodeError as e:
+        raise ReplayError(f"{p}: neither a golden trace nor op spans: {e}") from None
+    dp = int(pc.max(table["dp_rank"]).as_py()) + 1
+    pp = int(pc.max(table["pp_rank"]).as_py()) + 1
+    return table, S.JobLayout(dp_size=dp, pp_size=pp)
+
+
+def registrations(table: pa.Table, layout: S.JobLayout) -> list[pa.Table]:
+    """One registration per (job, attempt) of the table, from its layout and window length."""
+    rows = []
+    keys = table.group_by(["job_id", "attempt"]).aggregate([("step", "count_distinct"), ("start_ns", "min"),
+                                                           ("window_id", "count_distinct")])
+    for r in keys.to_pylist():
+        n_windows = max(1, r["window_id_count_distinct"])
+        rows.append(dict(
+            job_id=r["job_id"], attempt=r["attempt"], ts_ns=r["start_ns_min"], team="replay", model="",
+            n_gpus=layout.world_size, dp_size=layout.dp_size, pp_size=layout.pp_size, tp_size=layout.tp_size,
+            cp_size=layout.cp_size, vpp_size=layout.vpp_size, num_microbatches=0,
+            profiled_steps=max(1, r["step_count_distinct"] // n_windows), gpu_type="", peak_flops=0.0,
+            flops_per_token=0.0, tokens_per_step=0))
+    return [S.from_rows(S.JOB_REGISTRATION, rows)]
+
+
+def run_replay(cfg: Config, paths: list[str], timeout_s: float = 1800.0) -> int:
+    from tqdm import tqdm
+
+    from ingest.producer import TelemetryProducer
+    from stragglerscope.service import say, sigterm_as_interrupt, start_services
+
+    loaded = [(p, *load_trace(p)) for p in paths]  # fail on bad input before starting anything
+    keys = set()
+    for _, table, _ in loaded:
+        k = table.group_by(["job_id", "attempt", "window_id"]).aggregate([])
+        keys.update(zip(k["job_id"].to_pylist(), k["attempt"].to_pylist(), k["window_id"].to_pylist()))
+    sigterm_as_interrupt()
+    try:
+        with contextlib.ExitStack() as stack:
+            svc = start_services(cfg, stack)
+            with TelemetryProducer(svc.cfg.kafka.bootstrap, client_id="stragglerscope-replay") as prod:
+                for path, table, layout in tqdm(loaded, desc="publish", unit="trace", file=sys.stderr,
+                                                disable=None):
+                    for reg in registrations(table, layout):
+                        prod.send(reg)
+                    prod.send(table)
+                if not prod.flush(300) or prod.stats.records_dropped:
+                    say(f"error: the broker did not take every record ({prod.stats.records_dropped} dropped)")
+                    return 1
+            say(f"replayed   {len(loaded)} traces, {len(keys)} windows, "
+                f"{sum(t.num_rows for _, t, _ in loaded):,} op records")
+            pending = set(keys)
+            bar = tqdm(total=len(keys), desc="analyse", unit="window", file=sys.stderr, disable=None)
+
+            def done(_status) -> bool:
+                pending.difference_update([k for k in list(pending) if svc.store.window_stored(k)])
+                bar.update(len(keys) - len(pending) - bar.n)
+                return not pending
+
+            ok = svc.pipeline.wait(done, timeout_s=timeout_s)
+            bar.close()
+            if not ok:
+                say(f"error: {len(pending)} of {len(keys)} windows not stored within {timeout_s:.0f} s")
+                return 1
+            say(f"stored     {len(keys)} windows")
+            return 0
+    except KeyboardInterrupt:
+        say("stopped")
+        return 130
