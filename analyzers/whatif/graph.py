@@ -1,0 +1,510 @@
+"""The dependency model of one chunk of steps (WHATIF.md section 2), as arrays.
+
+``build_graph`` takes a contiguous range of steps of ``PreparedOps`` and
+returns a ``Graph``: the ops in *level order* (every op comes after all ops it
+depends on; all members of a communication group share a level, and members of
+one group are contiguous), the predecessor lists as CSR, the group and
+DP-pair sub-group segments of every level, the no-delay ("original")
+durations and the launch delays measured on the trace.
+
+Model details fixed by the golden results:
+- a recv depends on the previous compute op of its own direction before its
+  consumer (forward-recv k waits for forward-compute k-1); the first
+  backward-recv waits for the second-to-last forward-compute before the first
+  backward-compute (1F1B warm-up);
+- a communication op's original duration is its transfer time, end minus the
+  latest start of its group;
+- a launch delay below -10 ms is clamped to 0.
+
+Raises ``WhatIfInputError`` naming the ops of a dependency cycle.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from . import optypes as T
+from .levels import levels_of_groups
+from .load import PreparedOps
+
+DELAY_CLAMP_NS = -10_000_000
+MAX_SLOTS = 4
+"""Launch delays below this are measurement noise (clock skew): set to 0."""
+
+
+@dataclasses.dataclass
+class Segments:
+    """Max over contiguous segments of a level's rows, cheap for the common pairs.
+
+    Rows of segments of size 2 read their partner (``partner``, self for
+    size 1); rows of larger segments (``big_idx``) use a reduceat.
+    """
+
+    partner: np.ndarray | None
+    big_idx: np.ndarray | None
+    big_off: np.ndarray | None
+    big_len: np.ndarray | None
+
+    @staticmethod
+    def of(off: np.ndarray, n: int) -> Segments | None:
+        length = np.diff(np.append(off, n))
+        if len(off) == n:
+            return None
+        partner = np.arange(n)
+        two = off[length == 2]
+        partner[two], partner[two + 1] = two + 1, two
+        bigs = length > 2
+        if bigs.any():
+            bo, bl = off[bigs], length[bigs]
+            idx = np.repeat(bo - np.concatenate([[0], np.cumsum(bl)[:-1]]), bl) + np.arange(int(bl.sum()))
+            return Segments(partner if (length == 2).any() else None, idx,
+                            np.concatenate([[0], np.cumsum(bl)[:-1]]), bl)
+        return Segments(partner, None, None, None)
+
+
+@dataclasses.dataclass
+class Level:
+    """One level: ops [a, b), pred entries [ea, eb), groups and DP-pair sub-groups."""
+
+    a: int
+    b: int
+    ea: int
+    eb: int
+    pred_off: np.ndarray  # reduceat offsets into the pred slice, one per op
+    slots: np.ndarray | None  # [b - a, d] predecessor rows, short lists padded with the first; None: use pred_off
+    groups: Segments | None  # None: all singletons
+    subgroups: Segments | None  # pair mode (DP-wide groups split by DP rank)
+    wide_rows: np.ndarray | None  # rows of DP-wide groups (pair mode joins the two columns there)
+
+
+@dataclasses.dataclass
+class Graph:
+    """Ops in level order. Time arrays are [n, B]: B batch columns of the same structure.
+
+    The general path has one graph per chunk of steps and B = 1; when every
+    step has the same ops (the usual case), one graph of one step serves all
+    steps, one step per column (``rows`` then maps each column to its step).
+    """
+
+    n: int
+    row_local: np.ndarray  # [n] int64: row in PreparedOps (of the first batch column)
+    code: np.ndarray
+    dp: np.ndarray
+    pp: np.ndarray
+    step: np.ndarray  # int32, index into PreparedOps.steps (B = 1 graphs)
+    is_comm: np.ndarray
+    in_group: np.ndarray  # member of a group of two or more (its duration is a transfer)
+    g_off: np.ndarray  # offsets of all groups in level order
+    g_len: np.ndarray
+    pred_idx: np.ndarray  # rows of E (0 = step start, op i = i + 1)
+    pred_ptr: np.ndarray  # CSR offsets into pred_idx, n + 1
+    levels: list[Level]
+    end_pos: np.ndarray  # positions of step-end ops, sorted by (step, dp)
+    end_off: np.ndarray  # reduceat offsets of end_pos per step
+    end_steps: np.ndarray  # steps (index into PreparedOps.steps) of end_off
+    end_sd_off: np.ndarray  # reduceat offsets of end_pos per (step, dp)
+    end_sd_step: np.ndarray
+    end_sd_dp: np.ndarray
+    counts: dict[str, int]
+    start: np.ndarray | None = None  # [n, B] int64 ns actual start from step start
+    end: np.ndarray | None = None
+    orig: np.ndarray | None = None  # [n, B] float64 ns: compute duration or transfer duration
+    delay: np.ndarray | None = None  # [n, B] float64 ns launch delay (clamped)
+
+    row_base: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(1, np.int64))  # [B] row offsets
+
+    @property
+    def batch(self) -> int:
+        return len(self.row_base)
+
+    def rows(self, b0: int = 0, b1: int | None = None) -> np.ndarray:
+        """[n, b1 - b0] rows in PreparedOps of every op of batch columns [b0, b1)."""
+        return self.row_base[None, b0:b1] + self.row_local[:, None]
+
+    def measure(self, start: np.ndarray, dur: np.ndarray, batch: int = 8) -> None:
+        """Original durations and launch delays from actual times [n, B] (level order).
+
+        Works on ``batch`` columns at a time to bound the temporaries.
+        """
+        n, B = start.shape
+        self.start, self.end = start, start + dur
+        self.orig = np.empty((n, B), np.float64)
+        self.delay = np.empty((n, B), np.float64)
+        neg_total = clamp_total = 0
+        for b0 in range(0, B, batch):
+            b1 = min(B, b0 + batch)
+            st, du, en = start[:, b0:b1], dur[:, b0:b1], self.end[:, b0:b1]
+            gmax = np.repeat(np.maximum.reduceat(st, self.g_off, axis=0), self.g_len, axis=0)
+            transfer = np.where(self.in_group[:, None], en - gmax, du).astype(np.float64)
+            del gmax
+            neg = transfer < 0
+            neg_total += int(neg.sum())
+            transfer[neg] = 0.0
+            self.orig[:, b0:b1] = np.where(self.is_comm[:, None], transfer, du)
+            del transfer
+            e_act = np.concatenate([np.zeros((1, b1 - b0), np.int64), en])
+            depmax = np.maximum.reduceat(e_act[self.pred_idx], self.pred_ptr[:-1], axis=0)
+            delay = (st - depmax).astype(np.float64)
+            clamp = delay < DELAY_CLAMP_NS
+            clamp_total += int(clamp.sum())
+            delay[clamp] = 0.0
+            self.delay[:, b0:b1] = delay
+        self.counts["negative_transfer"] = neg_total
+        self.counts["delay_clamped"] = clamp_total
+
+
+def _run_starts(sorted_keys: np.ndarray) -> np.ndarray:
+    flag = np.ones(len(sorted_keys), bool)
+    if len(sorted_keys) > 1:
+        flag[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    return flag
+
+
+def _ordinal(keys: np.ndarray) -> np.ndarray:
+    """Position of each element among the elements with the same key, in array order."""
+    if len(keys) == 0:
+        return np.zeros(0, np.int64)
+    order = np.argsort(keys, kind="stable")
+    sk = keys[order]
+    flag = _run_starts(sk)
+    idx = np.arange(len(keys))
+    run_start = np.maximum.accumulate(np.where(flag, idx, 0))
+    out = np.empty(len(keys), np.int64)
+    out[order] = idx - run_start
+    return out
+
+
+def _match(keys_a: np.ndarray, keys_b: np.ndarray) -> np.ndarray:
+    """For each key of a, the index of the equal key in b (unique keys), else -1."""
+    if len(keys_a) == 0 or len(keys_b) == 0:
+        return np.full(len(keys_a), -1, np.int64)
+    order = np.argsort(keys_b, kind="stable")
+    sb = keys_b[order]
+    pos = np.searchsorted(sb, keys_a)
+    pos_c = np.minimum(pos, len(sb) - 1)
+    hit = sb[pos_c] == keys_a
+    return np.where(hit, order[pos_c], -1)
+
+
+def _prev_same(mask: np.ndarray, ws: np.ndarray) -> np.ndarray:
+    """For each element, the index of the last earlier element with mask set in the same ws, else -1."""
+    idx = np.arange(len(mask))
+    last = np.maximum.accumulate(np.where(mask, idx, -1))
+    prev = np.full(len(mask), -1, np.int64)
+    if len(mask) > 1:
+        prev[1:] = last[:-1]
+    ok = prev >= 0
+    ok[ok] = ws[prev[ok]] == ws[ok]
+    return np.where(ok, prev, -1)
+
+
+class _Edges:
+    def __init__(self) -> None:
+        self.src: list[np.ndarray] = []
+        self.dst: list[np.ndarray] = []
+
+    def add(self, src: np.ndarray, dst: np.ndarray) -> None:
+        ok = (src >= 0) & (dst >= 0)
+        self.src.append(np.asarray(src)[ok].astype(np.int64))
+        self.dst.append(np.asarray(dst)[ok].astype(np.int64))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        if not self.src:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate(self.src), np.concatenate(self.dst)
+
+
+def _p2p_mapping(code, ws, fb, is_f_fb, gmc_fb, kind: int, direction_f: bool, eligible_fb: np.ndarray,
+                 n_ws: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Map the p2p ops of one kind to compute ops (positions in ``fb``).
+
+    Returns (rows of the p2p ops, fb position of their compute or -1 for a
+    no-op, number of no-ops). The k-th recorded op of a worker-step maps to its
+    k-th eligible compute (one whose peer chunk exists); when a worker-step
+    records one op per compute, those of ineligible computes are no-ops.
+    """
+    rows = np.flatnonzero(code == kind)
+    dir_mask = is_f_fb if direction_f else ~is_f_fb
+    cand_all = np.flatnonzero(dir_mask)
+    cand_el = np.flatnonzero(dir_mask & eligible_fb)
+    n_rec = np.bincount(ws[rows], minlength=n_ws)
+    n_all = np.bincount(ws[fb[cand_all]], minlength=n_ws)
+    n_el = np.bincount(ws[fb[cand_el]], minlength=n_ws)
+    use_all = (n_rec == n_all) & (n_rec != n_el)
+    k = _ordinal(ws[rows])
+    m = int(max(n_rec.max(initial=0), n_all.max(initial=0))) + 1
+    key_rows = ws[rows].astype(np.int64) * m + k
+    t_all = _match(key_rows, ws[fb[cand_all]].astype(np.int64) * m + _ordinal(ws[fb[cand_all]]))
+    t_el = _match(key_rows, ws[fb[cand_el]].astype(np.int64) * m + _ordinal(ws[fb[cand_el]]))
+    target = np.where(use_all[ws[rows]], np.where(t_all >= 0, cand_all[np.maximum(t_all, 0)], -1),
+                      np.where(t_el >= 0, cand_el[np.maximum(t_el, 0)], -1))
+    ok = target >= 0
+    ok[ok] = eligible_fb[target[ok]]
+    target = np.where(ok, target, -1)
+    return rows, target, int((~ok).sum())
+
+
+def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool) -> Graph:
+    """Dependency graph of rows [lo, hi) of ``p`` (whole steps)."""
+    lay = p.layout
+    DP, PP = lay.dp_size, lay.pp_size
+    n_chunks = max(lay.vpp_size * PP, int(p.gmc[lo:hi].max(initial=0)) + 1)
+    code = p.code[lo:hi].astype(np.int64)
+    dp = p.dp[lo:hi].astype(np.int64)
+    pp = p.pp[lo:hi].astype(np.int64)
+    step = p.step_idx[lo:hi].astype(np.int64)
+    s0 = int(step.min())
+    lstep = step - s0
+    n_steps = int(lstep.max()) + 1
+    start = p.start[lo:hi]
+    dur = p.dur[lo:hi]
+    seq_mc = p.mc[lo:hi].astype(np.int64)
+    gmc = p.gmc[lo:hi].astype(np.int64)
+    ws = (lstep * DP + dp) * PP + pp
+    n_ws = n_steps * DP * PP
+    n = hi - lo
+    counts: dict[str, int] = {}
+
+    # --- compute ops (forward/backward) in stream order -------------------------------
+    fb = np.flatnonzero((code == T.F) | (code == T.B))
+    is_f = code[fb] == T.F
+    ws_fb = ws[fb]
+    gmc_fb = gmc[fb]
+    prev_f = _prev_same(is_f, ws_fb)
+    prev_b = _prev_same(~is_f, ws_fb)
+    # Recv dependency of each compute consumer (positions in fb).
+    # At the last forward before the first backward, prev_f gives the forward before it.
+    prevprev_f = np.where(prev_f >= 0, prev_f[np.maximum(prev_f, 0)], -1)
+    recv_dep = np.where(is_f, prev_f, np.where(prev_b >= 0, prev_b, prevprev_f))
+
+    # --- p2p mapping --------------------------------------------------------------------
+    last_chunk = n_chunks - 1
+    fr_rows, fr_t, nf1 = _p2p_mapping(code, ws, fb, is_f, gmc_fb, T.FR, True, gmc_fb > 0, n_ws)
+    br_rows, br_t, nf2 = _p2p_mapping(code, ws, fb, is_f, gmc_fb, T.BR, False, gmc_fb < last_chunk, n_ws)
+    fs_rows, fs_t, nf3 = _p2p_mapping(code, ws, fb, is_f, gmc_fb, T.FS, True, gmc_fb < last_chunk, n_ws)
+    bs_rows, bs_t, nf4 = _p2p_mapping(code, ws, fb, is_f, gmc_fb, T.BS, False, gmc_fb > 0, n_ws)
+    counts["p2p_noop"] = nf1 + nf2 + nf3 + nf4
+
+    # Chunk ordinal of every compute: pairs peers across stages.
+    n_ord = int(np.bincount(ws_fb, minlength=1).max(initial=0)) + 1
+    ckey = ((lstep[fb] * DP + dp[fb]) * n_chunks + gmc_fb) * 2 + is_f
+    cord = _ordinal(ckey)
+
+    def peer_key(t: np.ndarray, delta: int, fwd: bool) -> np.ndarray:
+        tt = np.maximum(t, 0)
+        g = gmc_fb[tt] + delta
+        k = (((lstep[fb[tt]] * DP + dp[fb[tt]]) * (n_chunks + 2) + (g + 1)) * 2 + int(fwd)) * n_ord + cord[tt]
+        return np.where(t >= 0, k, -1 - np.arange(len(t)))
+
+    fs_peer = _match(peer_key(fs_t, +1, True), peer_key(fr_t, 0, True))
+    bs_peer = _match(peer_key(bs_t, -1, False), peer_key(br_t, 0, False))
+    fs_peer = np.where(fs_t >= 0, fs_peer, -1)
+    bs_peer = np.where(bs_t >= 0, bs_peer, -1)
+
+    # --- no-ops are dropped from the model ---------------------------------------------
+    keep = np.ones(n, bool)
+    keep[fr_rows[fr_t < 0]] = False
+    keep[br_rows[br_t < 0]] = False
+    keep[fs_rows[fs_t < 0]] = False
+    keep[bs_rows[bs_t < 0]] = False
+    newpos = np.cumsum(keep) - 1
+    newpos[~keep] = -1
+
+    def nr(x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x)
+        return np.where(x >= 0, newpos[np.maximum(x, 0)], -1)
+
+    kept = np.flatnonzero(keep)
+    code, dp, pp, lstep, start, dur, seq_mc, gmc, ws = (
+        a[kept] for a in (code, dp, pp, lstep, start, dur, seq_mc, gmc, ws))
+    fb = nr(fb)
+    n = len(kept)
+    rows = kept + lo
+
+    edges = _Edges()
+    # Stream order.
+    stream = T.STREAM_OF_CODE[code].astype(np.int64)
+    same = np.zeros(n, bool)
+    if n > 1:
+        same[1:] = (ws[1:] == ws[:-1]) & (stream[1:] == stream[:-1])
+    i = np.flatnonzero(same)
+    edges.add(i - 1, i)
+
+    # Recvs: recv -> consumer, consumer's recv dependency -> recv. Computes -> sends.
+    fb_recv_dep = np.where(recv_dep >= 0, fb[np.maximum(recv_dep, 0)], -1)
+    for r_rows, r_t in ((fr_rows, fr_t), (br_rows, br_t)):
+        ok = r_t >= 0
+        rr, tt = nr(r_rows[ok]), r_t[ok]
+        edges.add(rr, fb[tt])
+        edges.add(fb_recv_dep[tt], rr)
+    for s_rows, s_t in ((fs_rows, fs_t), (bs_rows, bs_t)):
+        ok = s_t >= 0
+        edges.add(fb[s_t[ok]], nr(s_rows[ok]))
+
+    # params-all-gather -> first forward of its chunk (first forward of the worker if none).
+    f_rows = fb[is_f]
+    big = np.iinfo(np.int64).max
+    tmp = np.full(n_ws, big, np.int64)
+    np.minimum.at(tmp, ws[f_rows], f_rows)
+    first_f_ws = np.where(tmp == big, -1, tmp)
+    mc_span = int(seq_mc.max(initial=0)) + 1
+    pag = np.flatnonzero(code == T.PAG)
+    if len(pag):
+        tmp = np.full(n_ws * mc_span, big, np.int64)
+        np.minimum.at(tmp, ws[f_rows] * mc_span + seq_mc[f_rows], f_rows)
+        tgt = tmp[ws[pag] * mc_span + np.minimum(seq_mc[pag], mc_span - 1)]
+        tgt = np.where(tgt == big, first_f_ws[ws[pag]], tgt)
+        edges.add(pag, tgt)
+
+    # Post-compute chain.
+    # The compute stream is sequential: its last forward/backward is the one that ends last.
+    last_fb = np.full(n_ws, -1, np.int64)
+    np.maximum.at(last_fb, ws[fb], fb)
+
+    def first_last(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        r = np.flatnonzero(mask)
+        fst = np.full(n_ws, big, np.int64)
+        lst = np.full(n_ws, -1, np.int64)
+        np.minimum.at(fst, ws[r], r)
+        np.maximum.at(lst, ws[r], r)
+        return np.where(fst == big, -1, fst), lst
+
+    _, rs_last = first_last(code == T.RS)
+    if overlapped_dp:
+        cats = [code == T.GC, code == T.LN, code == T.EMB, code == T.SAR, code == T.CLIP, code == T.OPT]
+        rs = np.flatnonzero(code == T.RS)
+        if len(rs):
+            b_rows = fb[~is_f]
+            tmp = np.full(n_ws * mc_span, -1, np.int64)
+            np.maximum.at(tmp, ws[b_rows] * mc_span + seq_mc[b_rows], b_rows)
+            src = tmp[ws[rs] * mc_span + np.minimum(seq_mc[rs], mc_span - 1)]
+            edges.add(src, rs)
+    else:
+        cats = [code == T.GC, code == T.LN, code == T.EMB, code == T.RS, code == T.CLIP, code == T.OPT]
+    prev_last = last_fb.copy()
+    pending_rs = rs_last.copy() if overlapped_dp else np.full(n_ws, -1, np.int64)
+    for ci, mask in enumerate(cats):
+        fst, lst = first_last(mask)
+        has = fst >= 0
+        edges.add(prev_last[has], fst[has])
+        if ci >= 3:  # overlapped: the first chain op after the embedding all-reduce waits for the last RS
+            w = (pending_rs >= 0) & has
+            edges.add(pending_rs[w], fst[w])
+            pending_rs = np.where(w, -1, pending_rs)
+        prev_last = np.where(has, lst, prev_last)
+
+    src, dst = edges.arrays()
+
+    # --- communication groups -----------------------------------------------------------
+    gkey = np.arange(n, dtype=np.int64) * 8  # local op: its own group
+    for s_rows, s_t, peer, r_rows in ((fs_rows, fs_t, fs_peer, fr_rows), (bs_rows, bs_t, bs_peer, br_rows)):
+        ok = (s_t >= 0) & (peer >= 0)
+        srow = nr(s_rows[ok])
+        rrow = nr(r_rows[peer[ok]])
+        good = (srow >= 0) & (rrow >= 0)
+        gkey[rrow[good]] = gkey[srow[good]]
+    ordn = np.zeros(n, np.int64)
+    wide = np.zeros(n, bool)
+    coll = np.flatnonzero(np.isin(code, (T.PAG, T.RS, T.SAR, T.EMB, T.CLIP)))
+    if len(coll):
+        ordn[coll] = _ordinal(ws[coll] * 16 + code[coll])
+        m_ord = int(ordn[coll].max()) + 1
+        c = code[coll]
+        # DP collectives: one stage, all DP ranks.  Embedding: one pipeline.  Clip: all.
+        a = np.where(np.isin(c, (T.PAG, T.RS, T.SAR)), pp[coll], np.where(c == T.EMB, dp[coll], 0))
+        k = ((lstep[coll] * 16 + c) * (max(DP, PP) + 1) + a) * m_ord + ordn[coll]
+        _, inv = np.unique(k, return_inverse=True)
+        gkey[coll] = (n + inv.reshape(-1)) * 8 + 1
+    _, gid = np.unique(gkey, return_inverse=True)
+    gid = gid.reshape(-1)
+    n_groups = int(gid.max()) + 1 if n else 0
+    gsize = np.bincount(gid, minlength=n_groups)
+    # DP-wide groups (DP collectives and clip spanning several DP ranks) split by DP rank in pair mode.
+    if len(coll):
+        gmin = np.full(n_groups, DP, np.int64)
+        gmax = np.full(n_groups, -1, np.int64)
+        np.minimum.at(gmin, gid[coll], dp[coll])
+        np.maximum.at(gmax, gid[coll], dp[coll])
+        c = code[coll]
+        wide[coll] = (c != T.EMB) & (gmax[gid[coll]] > gmin[gid[coll]])
+    counts["p2p_unpaired"] = int(np.isin(code, (T.FS, T.FR, T.BS, T.BR)).sum()
+                                 - 2 * int((np.isin(code, (T.FS, T.BS)) & (gsize[gid] == 2)).sum()))
+
+    # --- levels on the graph of groups ----------------------------------------------------
+    glevel = levels_of_groups(gid[src], gid[dst], n_groups, p, rows, code, gid)
+    # Sub-groups: a DP-wide group split by DP rank (pair mode).
+    sgkey = gid.astype(np.int64) * (DP + 1) + np.where(wide, dp + 1, 0)
+    _, sgid = np.unique(sgkey, return_inverse=True)
+    sgid = sgid.reshape(-1)
+    n_sg = int(sgid.max()) + 1 if n else 0
+    lvl = glevel[gid]
+    order = np.argsort(lvl.astype(np.int64) * (n_sg + 1) + sgid, kind="stable")
+    pos = np.empty(n, np.int64)
+    pos[order] = np.arange(n)
+
+    # Predecessors in level order, E rows shifted by one (row 0 is the step start).
+    psrc = pos[src] + 1
+    pdst = pos[dst]
+    has_pred = np.zeros(n, bool)
+    has_pred[pdst] = True
+    lone = np.flatnonzero(~has_pred)
+    psrc = np.concatenate([psrc, np.zeros(len(lone), np.int64)])
+    pdst = np.concatenate([pdst, lone])
+    eo = np.argsort(pdst, kind="stable")
+    pred_idx = psrc[eo]
+    pred_ptr = np.zeros(n + 1, np.int64)
+    np.cumsum(np.bincount(pdst, minlength=n), out=pred_ptr[1:])
+    idx_dtype = np.int32 if n + 1 < 2**31 else np.int64
+    pred_idx = pred_idx.astype(idx_dtype)
+    gflag_all = _run_starts(gid[order])
+    g_off_all = np.flatnonzero(gflag_all)
+
+    lvl_o = lvl[order]
+    sgid_o = sgid[order]
+    wide_o = wide[order]
+    n_levels = int(lvl_o.max()) + 1 if n else 0
+    lptr = np.searchsorted(lvl_o, np.arange(n_levels + 1))
+    gflag = gflag_all
+    sgflag = _run_starts(sgid_o)
+    levels = []
+    for L in range(n_levels):
+        a, b = int(lptr[L]), int(lptr[L + 1])
+        ea, eb = int(pred_ptr[a]), int(pred_ptr[b])
+        pred_off = (pred_ptr[a:b] - ea).astype(np.int64)
+        deg = np.diff(np.append(pred_off, eb - ea))
+        slots = None
+        if deg.max(initial=0) <= MAX_SLOTS:
+            # Fixed-width predecessor lists: a max over a few gathered rows beats reduceat.
+            j = np.minimum(np.arange(int(deg.max()))[None, :], deg[:, None] - 1)
+            slots = pred_idx[ea + pred_off[:, None] + j]
+        n_l = b - a
+        groups = Segments.of(np.flatnonzero(gflag[a:b]), n_l)
+        subgroups = Segments.of(np.flatnonzero(sgflag[a:b] | gflag[a:b]), n_l)
+        wide_rows = np.flatnonzero(wide_o[a:b])
+        levels.append(Level(a, b, ea, eb, pred_off, slots, groups, subgroups, wide_rows if len(wide_rows) else None))
+
+    # Step ends: the optimizer ops, or every op of a step without one.
+    step_o = lstep[order]
+    code_o = code[order]
+    has_opt = np.zeros(n_steps, bool)
+    has_opt[step_o[code_o == T.OPT]] = True
+    is_end = (code_o == T.OPT) | ~has_opt[step_o]
+    end_pos = np.flatnonzero(is_end)
+    dp_o = dp[order]
+    eo2 = np.argsort(step_o[end_pos] * (DP + 1) + dp_o[end_pos], kind="stable")
+    end_pos = end_pos[eo2]
+    es = step_o[end_pos]
+    end_off = np.flatnonzero(_run_starts(es))
+    sd_off = np.flatnonzero(_run_starts(es * (DP + 1) + dp_o[end_pos]))
+    g = Graph(
+        n=n, row_local=rows[order].astype(np.int64), code=code_o.astype(np.int8), dp=dp[order].astype(np.int32),
+        pp=pp[order].astype(np.int32), step=(step_o + s0).astype(np.int32), is_comm=T.IS_COMM[code_o],
+        in_group=(gsize[gid] > 1)[order], g_off=g_off_all, g_len=np.diff(np.append(g_off_all, n)),
+        pred_idx=pred_idx, pred_ptr=pred_ptr, levels=levels,
+        end_pos=end_pos, end_off=end_off, end_steps=(es[end_off] + s0).astype(np.int64),
+        end_sd_off=sd_off, end_sd_step=(es[sd_off] + s0).astype(np.int64), end_sd_dp=dp_o[end_pos[sd_off]],
+        counts=counts,
+    )
+    g.measure(start[order][:, None], dur[order][:, None])
+    return g

@@ -1,0 +1,73 @@
+"""``WhatIfResult``: the frozen outcome of one analysis and its JSON form.
+
+``to_json_dict`` returns plain JSON types only: step and rank keys are
+strings, NaN becomes None, times are seconds. The golden-result names are
+mapped as follows: ``step_t_base`` = step_time.actual, ``step_t_nodelay`` =
+step_time.simulated, ``step_t_noblk`` = step_time.ideal,
+``blocking_slowdown`` = slowdown, ``blocking_decompose_by_{optype,dp_rank,
+stage}`` = by_{optype,dp_rank,pp_rank}.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+def _clean(x: Any) -> Any:
+    """JSON-safe copy: NaN/inf -> None, numpy scalars -> Python, tuples -> lists."""
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+@dataclasses.dataclass(frozen=True)
+class WhatIfResult:
+    """Metrics of one window (WHATIF.md section 5), verdicts and data-quality notes."""
+
+    job_id: str
+    layout: dict[str, int]
+    steps: tuple[int, ...]
+    slowdown: float
+    launch_slowdown: float
+    waste_fraction: float
+    step_time: dict[str, dict[str, float]]
+    step_slowdown: dict[str, float]
+    by_optype: dict[str, float]
+    by_dp_rank: dict[str, float]
+    by_pp_rank: dict[str, float]
+    by_optype_per_step: dict[str, dict[str, float]]
+    by_dp_rank_per_step: dict[str, dict[str, float]]
+    by_pp_rank_per_step: dict[str, dict[str, float]]
+    worker_slowdown: list[list[float]]
+    M_W: float
+    M_S: float
+    mw: dict[str, Any]
+    ms: dict[str, Any]
+    verdicts: list[dict[str, Any]]
+    warnings: list[str]
+    unknown_optypes: list[str]
+    complete: bool
+    missing_workers: list[list[int]]
+    n_ops: int
+    gpu_hours: float
+    wasted_gpu_hours: float
+    ideal_durations: dict[str, float]
+    replay_error: float
+    _internals: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def verdict(self) -> str:
+        """Kind of the main verdict, '' when the window is not straggling."""
+        return self.verdicts[0]["kind"] if self.verdicts else ""
+
+    def to_json_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+        d["verdict"] = self.verdict
+        return _clean(d)
