@@ -114,6 +114,9 @@ def worker(rank: int, args: argparse.Namespace) -> None:
         delay_s = args.delay_ms / 1000.0 / world
     else:
         delay_s = args.delay_ms / 1000.0 if rank == args.slow_rank else 0.0
+    # Simulated accelerator time: the CPU waits (sleeps) as it would for a GPU kernel, so the
+    # measured durations do not depend on how the 2 cores are shared.
+    gpu_s = args.gpu_ms / 1000.0
     prev_rank = (pp_rank - 1) * dp + dp_rank
     next_rank = (pp_rank + 1) * dp + dp_rank
     acts = _order_exchange(_stage_schedule(pp_rank, pp, m), pp_rank)
@@ -135,6 +138,8 @@ def worker(rank: int, args: argparse.Namespace) -> None:
             elif kind == "F":
                 with op("forward-compute", mb_id=i):
                     outputs[i] = model(inputs[i])
+                    if gpu_s:
+                        time.sleep(gpu_s)
                     if delay_s:
                         time.sleep(delay_s)
             elif kind == "send_fwd":
@@ -154,6 +159,8 @@ def worker(rank: int, args: argparse.Namespace) -> None:
                         loss.backward()
                     else:
                         outputs[i].backward(grads_in.pop(i))
+                    if gpu_s:
+                        time.sleep(2 * gpu_s)
                     if delay_s:
                         time.sleep(delay_s)
             elif kind == "send_bwd":
@@ -234,6 +241,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--mb-rows", type=int, default=64)
+    p.add_argument("--gpu-ms", type=float, default=0.0,
+                   help="simulated accelerator time per forward (2x per backward), a sleep on every rank")
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--delay-ms", type=float, default=0.0)
     p.add_argument("--control", action="store_true", help="spread the delay over all workers (delay / W each)")
