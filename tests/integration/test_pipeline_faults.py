@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 PARTITIONS = 4
 
 
-def _produce(bootstrap, tag, n_jobs=8, windows=3, steps=2):
+def _produce(bootstrap, tag, n_jobs=16, windows=4, steps=2):
     import dataclasses
 
     jobs = [dataclasses.replace(j, job_id=f"{tag}-{i}") for i, j in enumerate(make_fleet(n_jobs, 7, 8, 64))]
@@ -57,23 +57,23 @@ def _run(broker, ray_local, tmp_path, tag, keys, kill: bool):
                                store={"url": daemon.url}, pipeline={"shards": 2, "idle_timeout_s": 30.0})
         pipe = Pipeline(cfg, source_id=f"src-{uuid.uuid4().hex[:6]}").start()
         kills = 0
+        kill_at = [0.1, 0.4, 0.7] if kill else []  # shares of the windows stored: kill mid-stream
         try:
-            deadline = time.monotonic() + 240
-            next_kill = time.monotonic() + 4
+            deadline = time.monotonic() + 300
             while time.monotonic() < deadline:
                 done = sum(store.window_stored(k) for k in keys)
                 if done == len(keys):
                     break
-                if kill and kills < 3 and time.monotonic() > next_kill:
+                if kill_at and done >= kill_at[0] * len(keys):
                     victim = pipe.actors[kills % len(pipe.actors)]
                     try:
                         pid = ray_local.get(victim.pid.remote(), timeout=30)
                         os.kill(pid, signal.SIGKILL)
                         kills += 1
+                        kill_at.pop(0)
                     except Exception:
-                        pass  # restarting right now; try again later
-                    next_kill = time.monotonic() + 6
-                time.sleep(0.5)
+                        pass  # restarting right now; try again on the next round
+                time.sleep(0.2)
             assert sum(store.window_stored(k) for k in keys) == len(keys), pipe.status()
         finally:
             pipe.stop()

@@ -1,0 +1,90 @@
+"""The console in a real browser: Debian's Chromium driven by Playwright, against a live Streamlit.
+
+The console reads a demo store through the store daemon (as in `stragglerscope demo`).
+Every page is visited; each must show real content and log no browser console
+error; a PNG of each lands in tests/artifacts/ for review.
+"""
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [("", "Jobs analysed"), ("alerts", "Alerts"), ("job", "Worker slowdown"), ("sql", "Named queries")]
+
+
+@pytest.fixture(scope="module")
+def console(tmp_path_factory):
+    from ingest.broker import free_port
+    from storage import StoreDaemon, open_store
+    from tests.ui.conftest import fill_demo_store
+
+    if not os.path.exists(CHROMIUM):
+        pytest.fail("Debian's chromium is not installed: run `make setup-test` (apt-get install chromium)")
+    path = tmp_path_factory.mktemp("browser-store") / "store"
+    with StoreDaemon(f"chdb://{path}") as daemon:
+        store = open_store(daemon.url)
+        store.setup()
+        fill_demo_store(store)
+        store.close()
+        port = free_port()
+        env = dict(os.environ, STRAGGLERSCOPE_STORE=daemon.url)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "streamlit", "run", str(ROOT / "ui" / "app.py"), "--server.address", "127.0.0.1",
+             "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url + "/_stcore/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.3)
+        else:
+            proc.kill()
+            pytest.fail("streamlit did not come up: " + proc.stdout.read().decode()[-2000:])
+        yield url
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync"])
+        yield b
+        b.close()
+
+
+@pytest.mark.parametrize("page_path, expect", PAGES, ids=[p or "fleet" for p, _ in PAGES])
+def test_page_renders_real_content_without_console_errors(console, browser, artifacts, page_path, expect):
+    page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    errors = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    t0 = time.perf_counter()
+    page.goto(f"{console}/{page_path}", wait_until="networkidle")
+    page.get_by_text(expect, exact=False).first.wait_for(timeout=30_000)
+    # Streamlit keeps running the script after the first element shows: wait for it to settle.
+    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=30_000)
+    elapsed = time.perf_counter() - t0
+    page.screenshot(path=str(artifacts / f"console-{page_path or 'fleet'}.png"), full_page=True)
+    body = page.inner_text("body")
+    assert "Traceback" not in body, body[:2000]
+    assert expect in body
+    assert not errors, errors
+    (artifacts / "console-timings.txt").open("a").write(f"{page_path or 'fleet'} {elapsed:.2f}\n")
+    page.close()

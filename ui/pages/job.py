@@ -1,0 +1,107 @@
+"""One job in depth: S over its windows, the worker heatmap, per-step slowdown, verdicts, links, hangs."""
+import json
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from ui.data import named
+from ui.widgets import heatmap
+
+st.title("Job")
+top = named("top_wasting_jobs", limit=200)
+jobs = top["job_id"].tolist() if "job_id" in top else []
+default = st.query_params.get("job", jobs[0] if jobs else "")
+job = st.selectbox("Job", jobs, index=jobs.index(default) if default in jobs else 0, key="job") if jobs else None
+if not job:
+    st.info("No analysed jobs yet.")
+    st.stop()
+st.query_params["job"] = job
+
+windows = named("job_windows", job_id=job)
+if windows.empty:
+    st.info("No windows stored for this job.")
+    st.stop()
+last = windows.sort_values("window_id").iloc[-1]
+c = st.columns(5)
+c[0].metric("S (last window)", f"{last['slowdown']:.3f}")
+c[1].metric("Waste", f"{100 * last['waste_fraction']:.1f}%")
+c[2].metric("GPUs", int(last["n_gpus"]))
+c[3].metric("Verdict", last["verdict"] or "none")
+c[4].metric("Windows", len(windows))
+
+st.subheader("S per window")
+st.altair_chart(alt.Chart(windows).mark_line(point=True).encode(
+    x=alt.X("window_id:Q", title="window (first step)"), y=alt.Y("slowdown:Q", scale=alt.Scale(zero=False)),
+    tooltip=["window_id", "slowdown", "waste_fraction", "verdict", "complete"]), use_container_width=True)
+
+window_ids = windows["window_id"].tolist()
+wid = st.selectbox("Window", window_ids, index=len(window_ids) - 1)
+row = windows[windows["window_id"] == wid].iloc[0]
+
+left, right = st.columns(2)
+with left:
+    st.subheader("Worker slowdown S_w (x = DP rank, y = PP rank)")
+    cells = named("job_workers", job_id=job, window_id=int(wid))
+    heatmap(cells, "dp_rank", "pp_rank", "s_w")
+with right:
+    st.subheader("Per-step slowdown")
+    steps = named("job_step_trend", job_id=job)
+    if not steps.empty and "window_id" in steps:
+        steps = steps[steps["window_id"] == wid]
+    if steps.empty:
+        st.info("No steps stored.")
+    else:
+        st.altair_chart(alt.Chart(steps).mark_bar().encode(
+            x=alt.X("step:O"), y=alt.Y("slowdown:Q", scale=alt.Scale(zero=False)),
+            tooltip=list(steps.columns)), use_container_width=True)
+
+st.subheader("Verdicts")
+try:
+    verdicts = json.loads(row.get("verdicts_json") or "[]")
+except ValueError:
+    verdicts = []
+if not verdicts:
+    st.write("No straggler verdict for this window.")
+for v in verdicts:
+    with st.expander(f"{v.get('kind', '?')}: {v.get('summary', '')}", expanded=True):
+        st.json(v.get("evidence", {}))
+if row.get("note"):
+    st.caption(f"Note: {row['note']}")
+
+st.subheader("Link matrix")
+links = named("job_links", job_id=job, window_id=int(wid))
+if links.empty:
+    st.write("No link fault found in this window (or no collective records were sampled).")
+else:
+    for _, f in links.iterrows():
+        where = {"link": f"link {f['src']} → {f['dst']}", "source": f"source rank {f['src']} (a row)",
+                 "destination": f"destination rank {f['dst']} (a column)",
+                 "noncomm_slow": f"rank {f['src']} late to send (non-communication slow)"}.get(f["kind"], f["kind"])
+        st.markdown(f"**{where}** in group `{f['group']}`: {f['slowdown']:.2f}x, confidence {f['confidence']:.2f}")
+    cells = []
+    for _, f in links.iterrows():
+        cells.append({"src": int(f["src"]), "dst": int(f["dst"]), "slowdown": float(f["slowdown"]), "kind": f["kind"]})
+    heatmap(pd.DataFrame(cells), "dst", "src", "slowdown", title="flagged cells (src x dst)")
+
+st.subheader("Hangs")
+hangs = named("job_hangs", job_id=job)
+if hangs.empty:
+    st.write("No hang or node loss recorded for this job.")
+for _, h in hangs.iterrows():
+    kind = {"comm_hang": "communication hang", "noncomm_hang": "non-communication hang",
+            "node_loss": "node loss"}.get(h["kind"], h["kind"])
+    with st.expander(f"{kind}: missing ranks {h['missing_ranks'] or '–'}, {h['duration_s']:.0f} s", expanded=True):
+        c = st.columns(4)
+        c[0].metric("Missing ranks", h["missing_ranks"] or "–")
+        c[1].metric("Stuck ranks", h["stuck_ranks"] or "–")
+        c[2].metric("Suspect hosts", h["suspect_hosts"] or "–")
+        c[3].metric("Collective", f"{h['op']} #{h['seq']}" if h["group"] else (h["op"] or "–"))
+        ev = json.loads(h.get("evidence_json") or "{}")
+        chain = ev.get("wait_chain") or {}
+        if chain:
+            st.markdown(f"**Wait chain** — root: ranks `{chain.get('root') or '?'}`")
+            st.dataframe(pd.DataFrame(chain.get("rows", [])), use_container_width=True, hide_index=True)
+        if ev.get("stacks_folded"):
+            st.markdown("**Merged stacks** (each frame: the ranks in it | the ranks not in it)")
+            st.code(ev["stacks_folded"], language=None)
