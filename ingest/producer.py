@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 
 import pyarrow as pa
 
@@ -96,6 +97,7 @@ class TelemetryProducer:
         self._idle = threading.Event()
         self._idle.set()
         self._client = None
+        self._seq = 0
         self._thread = threading.Thread(target=self._run, name="ss-producer", daemon=True)
         self._thread.start()
 
@@ -103,8 +105,10 @@ class TelemetryProducer:
         from kafka import KafkaProducer
 
         timeout_ms = int(self._delivery_timeout_s * 1000)
+        # Idempotent: the broker drops a batch the client retries after a lost acknowledgement.
         return KafkaProducer(
-            bootstrap_servers=self.bootstrap, client_id=self.client_id, acks=1, linger_ms=self._linger_ms,
+            bootstrap_servers=self.bootstrap, client_id=self.client_id, acks="all", enable_idempotence=True,
+            linger_ms=self._linger_ms,
             max_request_size=max(S.MAX_MESSAGE_BYTES + 65536, 1 << 20), retries=3,
             request_timeout_ms=min(timeout_ms, 5000), delivery_timeout_ms=max(timeout_ms, 5000 + self._linger_ms),
             max_block_ms=5000,
@@ -139,12 +143,18 @@ class TelemetryProducer:
             self._idle.clear()
         rows_each = table.num_rows / len(payloads)
         for p in payloads:
-            self._q.put((topic, key.encode(), p, rows_each))
+            self._q.put((topic, key.encode(), p, rows_each, self._next_seq()))
         return len(payloads)
+
+    def _next_seq(self) -> int:
+        """Increasing message numbers that keep increasing across restarts (spool file order)."""
+        with self._lock:
+            self._seq = max(self._seq + 1, time.time_ns())
+            return self._seq
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until everything queued so far is acknowledged or spooled; True if it was."""
-        self._q.put(("__flush__", None, None, 0))
+        self._q.put(("__flush__", None, None, 0, 0))
         return self._idle.wait(timeout_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
@@ -162,14 +172,19 @@ class TelemetryProducer:
     def _run(self) -> None:
         pending: list = []
         while True:
+            waiting = bool(self.spooled or pending)
             try:
-                item = self._q.get(timeout=self._retry_s if self.spooled else None)
+                item = self._q.get(timeout=min(self._retry_s, 0.2) if waiting else None)
             except queue.Empty:
-                self._replay()
+                item = ()
+            pending = self._reap(pending)
+            if item == ():  # a tick: retry the spool once the in-flight sends are settled
+                if not pending:
+                    self._replay()
                 continue
             if item is None:
                 break
-            topic, key, payload, rows = item
+            topic, key, payload, rows, seq = item
             if topic == "__flush__":
                 self._drain(pending)
                 pending = []
@@ -180,13 +195,13 @@ class TelemetryProducer:
             with self._lock:
                 self._queued_bytes -= len(payload)
             if self.spooled:  # keep order: behind what is already waiting
-                self._spool_or_drop(topic, key, payload, rows)
+                self._spool_or_drop(topic, key, payload, rows, seq)
                 continue
             fut = self._try_send(topic, key, payload)
             if fut is None:
-                self._spool_or_drop(topic, key, payload, rows)
+                self._spool_or_drop(topic, key, payload, rows, seq)
             else:
-                pending.append((fut, topic, key, payload, rows))
+                pending.append((fut, topic, key, payload, rows, seq))
             if len(pending) >= 256:
                 self._drain(pending)
                 pending = []
@@ -198,6 +213,32 @@ class TelemetryProducer:
             except Exception:
                 pass
         self._idle.set()
+
+    def _reap(self, pending: list) -> list:
+        """Settle the sends that finished, in order: count the delivered, spool the failed.
+
+        Stops at the first send still in flight, so nothing in flight is ever spooled
+        (it could still succeed, and its replay would then be a duplicate).
+        """
+        for i, (fut, topic, key, payload, rows, seq) in enumerate(pending):
+            if not getattr(fut, "is_done", True):
+                return pending[i:]
+            try:
+                fut.get(timeout=0)
+                self._count_sent(len(payload), rows)
+            except Exception as e:
+                log.warning("producer delivery failed: %s", e)
+                self.stats.send_errors += 1
+                self._spool_or_drop(topic, key, payload, rows, seq)
+        return []
+
+    def _reset_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close(timeout=0)
+            except Exception:
+                pass
 
     def _connect(self):
         if self._client is None:
@@ -226,14 +267,14 @@ class TelemetryProducer:
                 self._client.flush(timeout=self._delivery_timeout_s + 5)
             except Exception as e:
                 log.warning("producer flush failed: %s", e)
-        for fut, topic, key, payload, rows in pending:
+        for fut, topic, key, payload, rows, seq in pending:
             try:
                 fut.get(timeout=self._delivery_timeout_s + 5)
                 self._count_sent(len(payload), rows)
             except Exception as e:
                 self.stats.send_errors += 1
                 log.warning("producer delivery failed: %s", e)
-                self._spool_or_drop(topic, key, payload, rows)
+                self._spool_or_drop(topic, key, payload, rows, seq)
 
     def _replay(self) -> None:
         """Send the spool oldest first; stop at the first failure (the broker is still away)."""
@@ -251,6 +292,8 @@ class TelemetryProducer:
                     fut.get(timeout=self._delivery_timeout_s + 5)
                 except Exception as e:
                     log.info("spool replay paused: %s", e)
+                    # A restarted broker does not know this client's producer id: start afresh.
+                    self._reset_client()
                     return
                 self._spool.remove(path)
                 self.stats.batches_replayed += 1
@@ -261,8 +304,8 @@ class TelemetryProducer:
         self.stats.records_sent += int(round(rows))
         self.stats.bytes_sent += size
 
-    def _spool_or_drop(self, topic, key, payload, rows) -> None:
-        if self._spool is not None and self._spool.put(topic, key, payload, rows):
+    def _spool_or_drop(self, topic, key, payload, rows, seq) -> None:
+        if self._spool is not None and self._spool.put(topic, key, payload, rows, seq):
             self.stats.batches_spooled += 1
             self.stats.records_spooled += int(round(rows))
             return

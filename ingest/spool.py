@@ -1,7 +1,9 @@
 """A bounded on-disk spool of Kafka messages that could not be delivered.
 
-One file per message, named by a monotonically increasing sequence number so
-that replay is oldest first; written to a temporary name and renamed, so a
+One file per message, named by the message's sequence number (given by the
+producer when the message was first sent, a nanosecond timestamp, so it keeps
+growing across restarts) so that replay is oldest first even when a message
+fails, and is spooled, after a younger one; written to a temporary name and renamed, so a
 crash never leaves a half message behind. When the spool would exceed its
 byte bound the message is refused (the producer counts it as dropped):
 training must never fill a disk because the broker is down.
@@ -26,9 +28,7 @@ class Spool:
         self._lock = threading.Lock()
         for tmp in self.dir.glob("*.tmp"):  # left by a crash mid-write
             tmp.unlink(missing_ok=True)
-        files = sorted(self.dir.glob("*.msg"))
-        self._bytes = sum(f.stat().st_size for f in files)
-        self._next = int(files[-1].stem) + 1 if files else 0
+        self._bytes = sum(f.stat().st_size for f in self.dir.glob("*.msg"))
 
     def __len__(self) -> int:
         return sum(1 for _ in self.dir.glob("*.msg"))
@@ -37,17 +37,15 @@ class Spool:
     def bytes(self) -> int:
         return self._bytes
 
-    def put(self, topic: str, key: bytes | None, payload: bytes, rows: float) -> bool:
-        """Spool one message; False when the bound would be exceeded."""
+    def put(self, topic: str, key: bytes | None, payload: bytes, rows: float, seq: int) -> bool:
+        """Spool one message under its sequence number; False when the bound would be exceeded."""
         header = json.dumps({"topic": topic, "key": key.decode() if key else None, "rows": rows}).encode()
         blob = struct.pack(">I", len(header)) + header + payload
         with self._lock:
             if self._bytes + len(blob) > self.max_bytes:
                 return False
-            seq = self._next
-            self._next += 1
             self._bytes += len(blob)
-        path = self.dir / f"{seq:016d}.msg"
+        path = self.dir / f"{seq:020d}.msg"
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(blob)
         os.replace(tmp, path)
