@@ -1,0 +1,85 @@
+"""Storage: ClickHouse tables derived from ``ingest.schema``, one Store API, the named query library.
+
+    store = open_store("chdb://./.stragglerscope/store")   # embedded chDB
+    store = open_store("clickhouse://default:@127.0.0.1:9000/default")  # a server (native protocol)
+    store = open_store("http://127.0.0.1:8123")            # a store daemon (storage.daemon)
+    store.setup()                                         # tables, views, forward migrations; idempotent
+    store.insert("window_result", table)                  # a table of ingest.schema.WINDOW_RESULT
+    store.run_named("fleet_summary", {"team": "llm"})     # -> pyarrow.Table
+    store.query("SELECT job_id FROM windows WHERE slowdown > {s:Float64}", {"s": 1.2})
+
+Store methods (the same behaviour on every backend):
+
+- ``setup()``: create the database, tables and views; apply forward migrations.
+- ``insert(kind, table)``: ``kind`` is a key of ``ingest.schema.ALL_SCHEMAS``
+  that has a table (every result kind, ``job_registration``, ``op_span``);
+  the table is conformed to the schema (StoreError otherwise). Writing the
+  same keys again stores nothing new (see ``storage.store``).
+- ``query(sql, params)``: one reading statement; DDL/DML refused with
+  StoreError; parameters are ``{name:Type}`` placeholders, bound by the engine.
+- ``run_named(name, params)``: a query of ``NAMED_QUERIES``.
+- ``window_stored((job_id, attempt, window_id))``, ``load_offsets``,
+  ``store_offsets`` (latest stored value wins), ``load_jobs`` (latest
+  registration per (job_id, attempt)), ``close()``.
+
+Tables readers query: jobs, windows, optype_slowdown, worker_slowdown,
+step_slowdown, hangs, link_faults, alerts, dead_letters, op_spans,
+optype_waste, offsets, schema_version.
+"""
+from __future__ import annotations
+
+from storage.errors import StoreError
+from storage.store import Store
+
+DEFAULT_URL = "chdb://./.stragglerscope/store"
+
+__all__ = ["open_store", "Store", "StoreError", "NAMED_QUERIES", "NamedQuery", "serve", "StoreDaemon",
+           "DEFAULT_URL"]
+
+
+def open_store(url: str = DEFAULT_URL) -> Store:
+    """Open a store by URL (see the module docstring); StoreError with one line when it cannot.
+
+    ``chdb://PATH`` uses the daemon serving PATH when ``PATH/daemon.json``
+    names a live one, and opens the path in this process otherwise.
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise StoreError("empty store URL: use chdb://PATH, clickhouse://user:pass@host:port/db "
+                         "or http://127.0.0.1:PORT")
+    url = url.strip()
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme == "chdb":
+        path = url[len("chdb://"):]
+        if not path:
+            raise StoreError(f"bad store URL {url!r}: chdb:// needs a path, e.g. chdb://./.stragglerscope/store")
+        from storage.daemon import HttpStore, discover
+
+        served = discover(path)
+        if served:
+            return HttpStore(served)
+        from storage.chdb_backend import ChdbStore
+
+        return ChdbStore(path, url)
+    if scheme == "clickhouse":
+        from storage.server_backend import ServerStore
+
+        return ServerStore(url)
+    if scheme == "http":
+        from storage.daemon import HttpStore
+
+        return HttpStore(url)
+    raise StoreError(f"unsupported store URL {url!r}: use chdb://PATH, clickhouse://user:pass@host:port/db "
+                     "or http://127.0.0.1:PORT")
+
+
+def __getattr__(name: str):
+    # Lazy: importing storage must not import chDB, clickhouse-driver or http.server.
+    if name in ("NAMED_QUERIES", "NamedQuery"):
+        from storage import queries
+
+        return getattr(queries, name)
+    if name in ("serve", "StoreDaemon", "HttpStore"):
+        from storage import daemon
+
+        return getattr(daemon, name)
+    raise AttributeError(f"module 'storage' has no attribute {name!r}")

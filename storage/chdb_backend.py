@@ -1,0 +1,155 @@
+"""The embedded backend: chDB (ClickHouse engine 26.x in this process), data under a path.
+
+chDB allows one data path per process, and one process per path. Here:
+
+- Stores of the same path in one process share one chDB session and one
+  lock (every call is serialised: chDB is not used from two threads at once).
+- Opening a second path while one is open raises StoreError.
+- A process that opens a path holds an exclusive ``flock`` on ``PATH/.lock``
+  for as long as it has it open; another process gets StoreError naming the
+  holder's pid. To share a path between processes, serve it with the store
+  daemon (``storage.daemon``); ``open_store("chdb://PATH")`` finds a running
+  daemon by its discovery file and talks to it instead.
+
+Inserts pass Arrow tables straight to the engine through chDB's ``Python()``
+table function; parameters are bound by the engine (``{name:Type}``).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from storage import ddl
+from storage.errors import StoreError, first_line
+from storage.sqltext import read_only_wrapped, replace_identifier
+from storage.store import SQLStore
+
+DATABASE = "stragglerscope"
+LOCK_FILE = ".lock"
+
+
+class _Shared:
+    """One chDB session of this process, with its lock and the path lock file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.refs = 0
+        self.lock = threading.RLock()
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self._lock_fd)
+            raise StoreError(f"chDB path {path} is in use by process {holder}; chDB allows one process per path: "
+                             f"serve it with `stragglerscope store` and open http://127.0.0.1:PORT") from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, str(os.getpid()).encode(), 0)
+        try:
+            from chdb import session as chdb_session
+
+            self.session = chdb_session.Session(path)
+            self.session.query(f"CREATE DATABASE IF NOT EXISTS {DATABASE}")
+            self.session.query(f"USE {DATABASE}")
+            # Exact because inserts check keys under this process's lock (see storage.store).
+            self.session.query("SET do_not_merge_across_partitions_select_final = 1")
+            self.version = str(self.session.query("SELECT version()", "CSV")).strip().strip('"')
+        except StoreError:
+            self._unlock()
+            raise
+        except Exception as e:
+            self._unlock()
+            raise StoreError(f"cannot open chDB at {path}: {first_line(e)}") from e
+
+    def _unlock(self) -> None:
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self._lock_fd)
+
+    def close(self) -> None:
+        try:
+            self.session.close()
+        finally:
+            self._unlock()
+
+
+_REGISTRY: dict[str, _Shared] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def _acquire(path: str) -> _Shared:
+    with _REGISTRY_LOCK:
+        shared = _REGISTRY.get(path)
+        if shared is None:
+            if _REGISTRY:
+                other = next(iter(_REGISTRY))
+                raise StoreError(f"chDB allows one data path per process: {other} is open here, cannot open {path}")
+            shared = _REGISTRY[path] = _Shared(path)
+        shared.refs += 1
+        return shared
+
+
+def _release(shared: _Shared) -> None:
+    with _REGISTRY_LOCK:
+        shared.refs -= 1
+        if shared.refs <= 0:
+            _REGISTRY.pop(shared.path, None)
+            shared.close()
+
+
+class ChdbStore(SQLStore):
+    """Store on an embedded chDB at ``path``."""
+
+    def __init__(self, path: str, url: str | None = None, **kw) -> None:
+        self.path = os.path.abspath(path)
+        super().__init__(url or f"chdb://{path}", **kw)
+        self._shared = _acquire(self.path)
+        self._lock = self._shared.lock
+        self.caps = ddl.Capabilities.from_version(self._shared.version, embedded=True)
+
+    def _run(self, sql: str, fmt: str, params: dict | None = None, tables: dict[str, pa.Table] | None = None):
+        self._check_open()
+        # chDB's Python() table function finds Arrow tables by variable name in this frame.
+        tables = tables or {}
+        _ext_keys = tables.get("_ext_keys")  # noqa: F841 - read by chDB
+        _ext_rows = tables.get("_ext_rows")  # noqa: F841 - read by chDB
+        for name in tables:
+            sql = replace_identifier(sql, name, f"Python({name})")
+        with self._lock:
+            try:
+                return self._shared.session.query(sql, fmt, params=params or None)
+            except Exception as e:
+                raise StoreError(first_line(e)) from e
+
+    def _execute(self, sql: str) -> None:
+        self._run(sql, "CSV")
+
+    def _select(self, sql: str, params: dict[str, tuple[str, Any]] | None = None,
+                tables: dict[str, pa.Table] | None = None, read_only: str | None = None) -> pa.Table:
+        if read_only:
+            sql = read_only_wrapped(sql, read_only)
+        values = {n: (v.isoformat() if hasattr(v, "isoformat") else v) for n, (_t, v) in (params or {}).items()}
+        return self._run(sql, "ArrowTable", values, tables)
+
+    def _insert(self, table_name: str, rows: pa.Table) -> None:
+        cols = ", ".join(ddl.quote(c) for c in rows.column_names)
+        self._run(f"INSERT INTO {ddl.quote(table_name)} ({cols}) SELECT * FROM _ext_rows "
+                  "SETTINGS max_partitions_per_insert_block = 0", "CSV", tables={"_ext_rows": rows})
+
+    def _insert_select(self, spec: ddl.TableSpec, select: str, params: dict, tables: dict) -> None:
+        cols = ", ".join(ddl.quote(f.name) for f in ddl.storage_schema(spec))
+        values = {n: v for n, (_t, v) in params.items()}
+        self._run(f"INSERT INTO {ddl.quote(spec.data)} ({cols}) {select} "
+                  "SETTINGS max_partitions_per_insert_block = 0", "CSV", values, tables)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            _release(self._shared)

@@ -1,0 +1,309 @@
+"""ClickHouse tables derived from the record schemas of ``ingest.schema``.
+
+One pure function, ``clickhouse_type``, maps an Arrow type to a ClickHouse
+type; every table below is built from the Arrow fields of a schema (plus a few
+storage-only columns), so a field added to the schema module becomes a column
+here. ``arrow_type`` is the inverse used to read results of a server.
+
+Layout (the same DDL on chDB 26.x and the Debian 18.16 server):
+
+- Each stored kind has a data table ``<name>_data`` (MergeTree family,
+  partitioned by UTC day of a nanosecond column, ordered by its natural key)
+  and a view ``<name>`` that readers query: the view removes duplicates
+  (``FINAL`` over a ReplacingMergeTree, or the latest row per key), so
+  nothing a reader sees is counted twice.
+- Every data table has ``stored_ns``: when the store wrote the row (wall
+  clock, ns). It is the ReplacingMergeTree version and the partition column
+  of tables without a time of their own.
+- Modern-only features are applied only where ``Capabilities`` says the
+  engine has them: ``LowCardinality`` (18.16 needs an experimental setting),
+  ``TTL`` for op-span retention (18.16 has none: the store drops old
+  partitions instead).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pyarrow as pa
+
+from ingest import schema as S
+
+# --------------------------------------------------------------------------
+# Engine capabilities
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What the connected ClickHouse supports, from ``SELECT version()``."""
+
+    version: tuple[int, ...]
+    embedded: bool = False
+
+    @classmethod
+    def from_version(cls, version: str, embedded: bool = False) -> "Capabilities":
+        nums = tuple(int(x) for x in re.findall(r"\d+", version)[:4]) or (0,)
+        return cls(nums, embedded)
+
+    @property
+    def low_cardinality(self) -> bool:
+        """LowCardinality without ``allow_experimental_low_cardinality_type`` (19.x+)."""
+        return self.version >= (19, 6)
+
+    @property
+    def ttl(self) -> bool:
+        """Table TTL expressions (19.6+; we require 20.1 to stay clear of early bugs)."""
+        return self.version >= (20, 1)
+
+    @property
+    def partition_local_final(self) -> bool:
+        """``do_not_merge_across_partitions_select_final`` exists (20.11+)."""
+        return self.version >= (20, 11)
+
+    @property
+    def query_parameters(self) -> bool:
+        """``{name:Type}`` placeholders bound by the engine itself (chDB passes them in-process)."""
+        return self.embedded and self.version >= (22, 1)
+
+    @property
+    def label(self) -> str:
+        return ("chDB " if self.embedded else "server ") + ".".join(map(str, self.version))
+
+
+MODERN = Capabilities((26, 1), embedded=True)
+LEGACY = Capabilities((18, 16, 1))
+
+# --------------------------------------------------------------------------
+# Arrow <-> ClickHouse types
+# --------------------------------------------------------------------------
+_INTS = {
+    pa.int8(): "Int8", pa.int16(): "Int16", pa.int32(): "Int32", pa.int64(): "Int64",
+    pa.uint8(): "UInt8", pa.uint16(): "UInt16", pa.uint32(): "UInt32", pa.uint64(): "UInt64",
+    pa.float32(): "Float32", pa.float64(): "Float64",
+}
+
+
+def clickhouse_type(
+    typ: pa.DataType,
+    *,
+    nullable: bool = False,
+    low_cardinality: bool = False,
+    caps: Capabilities = MODERN,
+) -> str:
+    """The ClickHouse column type for an Arrow type.
+
+    Pure and total over the types our schemas use; anything else raises
+    TypeError naming the type. Booleans are ``UInt8`` (18.16 has no Bool, and
+    both backends then return the same result types); binary is ``String``;
+    ``low_cardinality`` wraps strings in ``LowCardinality`` where the engine
+    supports it without a setting.
+    """
+    if typ in _INTS:
+        inner = _INTS[typ]
+    elif pa.types.is_boolean(typ):
+        inner = "UInt8"
+    elif pa.types.is_string(typ) or pa.types.is_large_string(typ):
+        inner = "String"
+    elif pa.types.is_binary(typ) or pa.types.is_large_binary(typ) or pa.types.is_fixed_size_binary(typ):
+        inner = "String"
+        low_cardinality = False
+    elif pa.types.is_date32(typ) or pa.types.is_date64(typ):
+        inner = "Date"
+    elif pa.types.is_timestamp(typ):
+        inner = "Int64"  # ns since the epoch, like every time in our schemas (18.16 has no DateTime64)
+    elif pa.types.is_dictionary(typ):
+        return clickhouse_type(typ.value_type, nullable=nullable, low_cardinality=True, caps=caps)
+    elif pa.types.is_list(typ) or pa.types.is_large_list(typ) or pa.types.is_fixed_size_list(typ):
+        # ClickHouse arrays cannot be Nullable; their elements carry the nullability.
+        return f"Array({clickhouse_type(typ.value_type, nullable=typ.value_field.nullable, caps=caps)})"
+    else:
+        raise TypeError(f"no ClickHouse type for Arrow type {typ}")
+    if nullable:
+        inner = f"Nullable({inner})"
+    if low_cardinality and inner in ("String", "Nullable(String)") and caps.low_cardinality:
+        inner = f"LowCardinality({inner})"
+    return inner
+
+
+_CH_TO_ARROW = {v: k for k, v in _INTS.items()}
+_CH_TO_ARROW.update({"String": pa.string(), "Date": pa.date32(), "Date32": pa.date32(), "Bool": pa.bool_(),
+                     "UUID": pa.string(), "IPv4": pa.string(), "IPv6": pa.string()})
+
+
+def arrow_type(ch_type: str) -> pa.DataType:
+    """The Arrow type that holds values of a ClickHouse result column (server results).
+
+    Wrappers are unwrapped (``Nullable``, ``LowCardinality``), ``DateTime`` is
+    seconds since the epoch as ``uint32`` (as chDB returns it), arrays become
+    lists; unknown types (Decimal, Enum, Tuple, Map) are returned as strings.
+    """
+    t = ch_type.strip()
+    m = re.fullmatch(r"(Nullable|LowCardinality)\((.*)\)", t)
+    if m:
+        return arrow_type(m.group(2))
+    m = re.fullmatch(r"Array\((.*)\)", t)
+    if m:
+        return pa.list_(arrow_type(m.group(1)))
+    if t.startswith("DateTime64"):
+        return pa.int64()
+    if t.startswith("DateTime"):
+        return pa.uint32()
+    if t.startswith("FixedString"):
+        return pa.string()
+    return _CH_TO_ARROW.get(t, pa.string())
+
+
+def quote(name: str) -> str:
+    """A backquoted identifier (``group`` and ``partition`` are keywords)."""
+    return "`" + name.replace("`", "") + "`"
+
+
+# --------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------
+STORED_NS = pa.field("stored_ns", pa.int64(), nullable=False,
+                     metadata={"unit": "ns", "doc": "when the store wrote the row, wall clock"})
+
+LOW_CARDINALITY = frozenset({
+    "team", "model", "verdict", "optype", "kind", "rule", "severity", "gpu_type", "source_topic", "topic",
+    "op", "group", "algorithm", "host",
+})
+
+OFFSETS = pa.schema([
+    pa.field("source_id", pa.string(), nullable=False, metadata={"unit": "", "doc": "names the Kafka cluster"}),
+    pa.field("topic", pa.string(), nullable=False, metadata={"unit": "", "doc": "Kafka topic"}),
+    pa.field("partition", pa.int32(), nullable=False, metadata={"unit": "", "doc": "Kafka partition"}),
+    pa.field("next_offset", pa.int64(), nullable=False, metadata={"unit": "", "doc": "next offset to read"}),
+])
+
+_WR = S.WINDOW_RESULT
+OPTYPE_WASTE = pa.schema(
+    [S.OPTYPE_SLOWDOWN.field(n) for n in ("job_id", "attempt", "window_id", "optype", "slowdown")]
+    + [_WR.field(n) for n in ("analyzed_ns", "team", "model", "n_gpus", "gpu_hours")]
+    + [pa.field("wasted_gpu_hours", pa.float64(), nullable=False,
+                metadata={"unit": "GPU-h", "doc": "gpu_hours x (1 - 1/S_t), at least 0"})]
+)
+"""Derived at write time: op-type S_t of a window joined with the window's GPU-hours and owner.
+
+A join of op-type rows with windows at query time takes seconds at a year of
+fleet; the store writes this table when the second of the two arrives.
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    """One stored table: its fields, natural key, partition column and duplicate rule.
+
+    ``mode``: ``first`` - a row whose key is stored already is dropped at
+    insert (a replay writes nothing) and the view reads ``FINAL``;
+    ``latest`` - the view shows the latest row per key (``latest_by``, then
+    ``stored_ns``); ``replace`` - ReplacingMergeTree and ``FINAL`` only (raw
+    high-volume data).
+    """
+
+    name: str
+    schema: pa.Schema
+    key: tuple[str, ...]
+    mode: str
+    kind: str | None = None
+    partition_ns: str = "stored_ns"
+    latest_by: tuple[str, ...] = ()
+    view_exprs: tuple[tuple[str, str], ...] = ()
+    retention: bool = False
+
+    @property
+    def data(self) -> str:
+        return f"{self.name}_data"
+
+    @property
+    def fields(self) -> list[pa.Field]:
+        return list(self.schema) + [STORED_NS]
+
+    @property
+    def columns(self) -> list[str]:
+        return [f.name for f in self.fields]
+
+
+TABLES: tuple[TableSpec, ...] = (
+    TableSpec("jobs", S.JOB_REGISTRATION, ("job_id", "attempt"), "latest", kind="job_registration",
+              latest_by=("ts_ns",)),
+    TableSpec("windows", S.WINDOW_RESULT, ("job_id", "attempt", "window_id"), "first", kind="window_result",
+              partition_ns="analyzed_ns"),
+    TableSpec("optype_slowdown", S.OPTYPE_SLOWDOWN, ("job_id", "attempt", "window_id", "step", "optype"), "first",
+              kind="optype_slowdown"),
+    TableSpec("worker_slowdown", S.WORKER_SLOWDOWN,
+              ("job_id", "attempt", "window_id", "step", "dp_rank", "pp_rank"), "first", kind="worker_slowdown"),
+    TableSpec("step_slowdown", S.STEP_RESULT, ("job_id", "attempt", "window_id", "step"), "first",
+              kind="step_result"),
+    TableSpec("hangs", S.HANG, ("job_id", "attempt", "hang_id"), "first", kind="hang", partition_ns="hang_id"),
+    TableSpec("link_faults", S.LINK_FAULT, ("job_id", "attempt", "window_id", "group", "kind", "src", "dst"),
+              "first", kind="link_fault"),
+    TableSpec("alerts", S.ALERT, ("alert_id",), "first", kind="alert", partition_ns="ts_ns"),
+    TableSpec("dead_letters", S.DEAD_LETTER, ("source_topic", "source_partition", "source_offset", "reason"),
+              "first", kind="dead_letter", partition_ns="ts_ns",
+              view_exprs=(("payload", "hex(payload) AS payload_hex"),)),
+    TableSpec("op_spans", S.OP_SPAN,
+              ("job_id", "attempt", "window_id", "rank", "step", "optype", "seq_id", "mc", "mb_id"), "replace",
+              kind="op_span", retention=True),
+    TableSpec("optype_waste", OPTYPE_WASTE, ("job_id", "attempt", "window_id", "optype"), "first",
+              partition_ns="analyzed_ns"),
+    TableSpec("offsets", OFFSETS, ("source_id", "topic", "partition"), "latest"),
+)
+TABLE_BY_NAME = {t.name: t for t in TABLES}
+TABLE_OF_KIND = {t.kind: t for t in TABLES if t.kind}
+SCHEMA_VERSION_TABLE = "schema_version"
+
+
+def day_expr(ns_column: str) -> str:
+    """UTC day of a nanosecond column (both engines; 18.16 has no DateTime64)."""
+    return f"toDate(toDateTime(intDiv({quote(ns_column)}, 1000000000), 'UTC'))"
+
+
+def column_sql(field: pa.Field, caps: Capabilities) -> str:
+    typ = clickhouse_type(field.type, nullable=field.nullable, low_cardinality=field.name in LOW_CARDINALITY,
+                          caps=caps)
+    return f"{quote(field.name)} {typ}"
+
+
+def create_table_sql(spec: TableSpec, caps: Capabilities, *, exclude: frozenset[str] = frozenset(),
+                     retention_days: int | None = None) -> str:
+    """``CREATE TABLE IF NOT EXISTS`` of a data table; ``exclude`` leaves out columns added by later migrations."""
+    cols = ",\n    ".join(column_sql(f, caps) for f in spec.fields if f.name not in exclude)
+    engine = "ReplacingMergeTree(`stored_ns`)"
+    order = ", ".join(quote(k) for k in spec.key)
+    sql = (f"CREATE TABLE IF NOT EXISTS {quote(spec.data)} (\n    {cols}\n) ENGINE = {engine}\n"
+           f"PARTITION BY {day_expr(spec.partition_ns)}\nORDER BY ({order})")
+    if spec.retention and retention_days and caps.ttl:
+        sql += "\n" + ttl_clause(retention_days)
+    return sql
+
+
+def ttl_clause(retention_days: int) -> str:
+    return f"TTL toDateTime(intDiv(`stored_ns`, 1000000000)) + INTERVAL {int(retention_days)} DAY"
+
+
+def view_sql(spec: TableSpec) -> str:
+    """``CREATE VIEW IF NOT EXISTS`` of the deduplicating view readers query."""
+    exprs = dict(spec.view_exprs)
+    cols = ", ".join(exprs.get(f.name, quote(f.name)) for f in spec.schema)
+    if spec.mode == "latest":
+        key = ", ".join(quote(k) for k in spec.key)
+        order = ", ".join([key] + [f"{quote(c)} DESC" for c in spec.latest_by] + ["`stored_ns` DESC"])
+        body = f"SELECT {cols} FROM {quote(spec.data)} ORDER BY {order} LIMIT 1 BY {key}"
+    else:
+        body = f"SELECT {cols} FROM {quote(spec.data)} FINAL"
+    return f"CREATE VIEW IF NOT EXISTS {quote(spec.name)} AS {body}"
+
+
+def schema_version_sql() -> str:
+    return (f"CREATE TABLE IF NOT EXISTS {quote(SCHEMA_VERSION_TABLE)} "
+            "(`version` UInt32, `description` String, `applied_ns` Int64) ENGINE = MergeTree ORDER BY `version`")
+
+
+def storage_schema(spec: TableSpec) -> pa.Schema:
+    """The Arrow schema of rows as inserted into the data table (booleans as uint8, plus stored_ns)."""
+    fields = []
+    for f in spec.fields:
+        fields.append(f.with_type(pa.uint8()) if pa.types.is_boolean(f.type) else f)
+    return pa.schema(fields)

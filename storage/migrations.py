@@ -1,0 +1,130 @@
+"""Forward migrations of the stored schema, applied in order by ``Store.setup()``.
+
+The table ``schema_version`` holds one row per applied step (version,
+description, when). ``migrate`` reads the highest version, applies every
+later step of ``MIGRATIONS`` in order and records each, then reconciles:
+any column the schema module has and a data table lacks is added (a field
+added to ``ingest.schema`` reaches the tables without a hand-written step),
+and the views readers query are rebuilt from the columns the tables have.
+
+Every step is idempotent (``CREATE ... IF NOT EXISTS``; a column is added
+only if ``system.columns`` lacks it), so two processes that set up the same
+store at once, or a step interrupted half-way, end in the same state. Steps
+only add: no column is dropped or retyped, so old rows survive with the
+type's default (0, '') in new columns.
+
+To change the schema: append a ``Migration`` with the next version; list the
+columns it adds in ``adds`` so that version 1 (created from today's schema
+module) leaves them out and the step adds them, exactly as on a store made
+before the change.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+from storage import ddl
+from storage.errors import StoreError
+
+
+@dataclasses.dataclass(frozen=True)
+class Migration:
+    version: int
+    description: str
+    apply: Callable[["object"], None]
+    adds: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (table, columns) this step adds
+
+
+def _added_later(table: str, after: int) -> frozenset[str]:
+    return frozenset(c for m in MIGRATIONS if m.version > after for t, cols in m.adds if t == table for c in cols)
+
+
+def _v1_base_tables(store) -> None:
+    for spec in ddl.TABLES:
+        store._execute(ddl.create_table_sql(spec, store.caps, exclude=_added_later(spec.name, 1)))
+
+
+def _add_columns(store, table: str, names: tuple[str, ...]) -> None:
+    spec = ddl.TABLE_BY_NAME[table]
+    have = store.table_columns().get(spec.data, {})
+    fields = {f.name: f for f in spec.fields}
+    for name in names:
+        if name in have:
+            continue
+        try:
+            store._execute(f"ALTER TABLE {ddl.quote(spec.data)} ADD COLUMN {ddl.column_sql(fields[name], store.caps)}")
+        except StoreError:
+            if name not in store.table_columns().get(spec.data, {}):  # not a concurrent setup() that won
+                raise
+
+
+def _v2_attribution(store) -> None:
+    _add_columns(store, "windows", ("m_w", "m_s"))
+
+
+def _v3_op_span_ttl(store) -> None:
+    if store.caps.ttl:
+        spec = ddl.TABLE_BY_NAME["op_spans"]
+        store._execute(f"ALTER TABLE {ddl.quote(spec.data)} MODIFY {ddl.ttl_clause(store.retention_days)}")
+    # Engines without TTL: Store.enforce_retention drops old day partitions.
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "base tables derived from ingest.schema", _v1_base_tables),
+    Migration(2, "windows: M_W and M_S attribution columns", _v2_attribution, adds=(("windows", ("m_w", "m_s")),)),
+    Migration(3, "op spans: retention by TTL where the engine has it", _v3_op_span_ttl),
+)
+LATEST = MIGRATIONS[-1].version
+
+
+def migrate(store, target: int | None = None) -> list[int]:
+    """Bring the store to ``target`` (default latest); returns the versions applied now."""
+    target = LATEST if target is None else int(target)
+    if not 1 <= target <= LATEST:
+        raise StoreError(f"schema version {target} is unknown (1..{LATEST})")
+    store._execute(ddl.schema_version_sql())
+    current = store.schema_version()
+    if current > LATEST:
+        raise StoreError(f"store schema version {current} is newer than this program ({LATEST}); upgrade it")
+    applied = []
+    for m in MIGRATIONS:
+        if current < m.version <= target:
+            m.apply(store)
+            store._insert(ddl.SCHEMA_VERSION_TABLE, _version_row(m))
+            applied.append(m.version)
+    changed = bool(applied)
+    if target == LATEST:
+        for spec in ddl.TABLES:  # columns added to the schema module since the last step
+            have = store.table_columns().get(spec.data, {})
+            missing = tuple(f.name for f in spec.fields if f.name not in have)
+            if missing:
+                _add_columns(store, spec.name, missing)
+                changed = True
+    _ensure_views(store, rebuild=changed)
+    return applied
+
+
+def _version_row(m: Migration):
+    import pyarrow as pa
+
+    return pa.table({"version": pa.array([m.version], pa.uint32()), "description": [m.description],
+                     "applied_ns": pa.array([time.time_ns()], pa.int64())})
+
+
+def _ensure_views(store, rebuild: bool) -> None:
+    import pyarrow as pa
+
+    columns = store.table_columns()
+    names = set(store._select("SELECT name FROM system.tables WHERE database = currentDatabase()")
+                .column("name").to_pylist())
+    for spec in ddl.TABLES:
+        have = columns.get(spec.data, {})
+        view_exists = spec.name in names
+        if view_exists and not rebuild:
+            continue
+        present = pa.schema([f for f in spec.schema if f.name in have])
+        view = dataclasses.replace(spec, schema=present)
+        if view_exists:
+            store._execute(f"DROP TABLE IF EXISTS {ddl.quote(spec.name)}")
+        store._execute(ddl.view_sql(view))

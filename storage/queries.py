@@ -1,0 +1,184 @@
+"""The named query library: the questions the console and ``stragglerscope sql`` ask.
+
+Each query is SQL text with ``{name:Type}`` placeholders, its parameters
+(type, default, meaning) and a one-line description. The same text runs on
+chDB (26.x) and the 18.16 server, so it avoids what 18.16 lacks: no WITH
+clauses, no window functions (the CDF is built with arrays), no DateTime64,
+JSON functions or Map. Parameters are bound by the engine, never spliced
+into the text: chDB binds ``{name:Type}`` itself; for the server each
+placeholder becomes a scalar subquery over a one-row external table
+``_params`` sent beside the query (see ``storage.params``).
+
+Fleet queries read the deduplicating views (``windows``, ``optype_waste``)
+and share these optional filters: ``since``/``until`` (ns since the epoch or
+an ISO date, on the analysis wall clock ``analyzed_ns``), ``team``, ``model``,
+``min_gpus``, ``job_id``.
+
+The slowdown of a job, S_job, is the total simulated step time over the
+total ideal step time of its windows (the paper's S = mean T / mean T_ideal
+over all profiled steps), or the mean window S where step times are 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from storage.params import NS_MAX, ParamSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedQuery:
+    name: str
+    sql: str
+    params: tuple[ParamSpec, ...]
+    description: str
+
+    def describe(self) -> str:
+        ps = ", ".join(f"{p.name}:{p.type}={'required' if p.default is None else p.default!r}" for p in self.params)
+        return f"{self.name}({ps}): {self.description}"
+
+
+SINCE = ParamSpec("since", "Int64", 0, "from this time (ns since the epoch or ISO date), analysis wall clock", True)
+UNTIL = ParamSpec("until", "Int64", NS_MAX, "before this time (ns since the epoch or ISO date)", True)
+TEAM = ParamSpec("team", "String", "", "only this team (empty: all)")
+MODEL = ParamSpec("model", "String", "", "only this model (empty: all)")
+MIN_GPUS = ParamSpec("min_gpus", "Int32", 0, "only jobs with at least this many GPUs")
+JOB = ParamSpec("job_id", "String", "", "only this job (empty: all)")
+FLEET = (SINCE, UNTIL, TEAM, MODEL, MIN_GPUS, JOB)
+
+
+def _limit(default: int) -> ParamSpec:
+    return ParamSpec("limit", "UInt64", default, "at most this many rows")
+
+
+def _job_required() -> ParamSpec:
+    return ParamSpec("job_id", "String", None, "the job")
+
+
+WHERE_FLEET = (
+    "analyzed_ns >= {since:Int64} AND analyzed_ns < {until:Int64} "
+    "AND ({team:String} = '' OR team = {team:String}) "
+    "AND ({model:String} = '' OR model = {model:String}) "
+    "AND n_gpus >= {min_gpus:Int32} "
+    "AND ({job_id:String} = '' OR job_id = {job_id:String})"
+)
+JOB_S = ("if(sum(step_time_ideal * n_steps) > 0, sum(step_time_sim * n_steps) / sum(step_time_ideal * n_steps), "
+         "avg(slowdown))")
+PER_JOB = (f"SELECT job_id, count() AS n_windows, {JOB_S} AS s, sum(gpu_hours) AS gh, "
+           f"sum(wasted_gpu_hours) AS wh FROM windows WHERE {WHERE_FLEET} GROUP BY job_id")
+AGG = ("uniqExact(job_id) AS n_jobs, count() AS n_windows, sum(gpu_hours) AS gh, sum(wasted_gpu_hours) AS wh, "
+       "avg(slowdown) AS mean_s")
+AGG_OUT = ("n_jobs AS jobs, n_windows AS windows, gh AS gpu_hours, wh AS wasted_gpu_hours, "
+           "if(gh > 0, wh / gh, nan) AS waste_share, mean_s AS mean_slowdown")
+
+
+def _wasted_by(key_expr: str, key: str, order: str = "wh DESC", outer_expr: str = "") -> str:
+    """Aggregates per ``key_expr`` (named ``key``); ``outer_expr`` relabels keys after grouping (cheaper)."""
+    return (f"SELECT {outer_expr or key} AS {key}, {AGG_OUT} FROM (SELECT {key_expr} AS g, {AGG} FROM windows "
+            f"WHERE {WHERE_FLEET} GROUP BY g) ORDER BY {order}, {key}")
+
+
+_QUERIES = [
+    NamedQuery(
+        "fleet_summary",
+        "SELECT count() AS jobs, sum(n_windows) AS windows, if(count() = 0, nan, avg(s)) AS mean_slowdown, "
+        "if(count() = 0, nan, quantileExact(0.9)(s)) AS p90_slowdown, sum(wh) AS wasted_gpu_hours, "
+        f"sum(gh) AS gpu_hours FROM ({PER_JOB})",
+        FLEET,
+        "jobs analysed, windows, mean and p90 of S_job, wasted GPU-hours and GPU-hours",
+    ),
+    NamedQuery(
+        "slowdown_cdf",
+        "SELECT tupleElement(p, 1) AS slowdown, tupleElement(p, 2) AS share FROM ("
+        "SELECT arrayMap((x, i) -> (x, i / length(xs)), xs, arrayEnumerate(xs)) AS ps FROM ("
+        f"SELECT arraySort(groupArray(s)) AS xs FROM ({PER_JOB}))) ARRAY JOIN ps AS p",
+        FLEET,
+        "CDF of S_job over jobs (the paper's Figure 3): share of jobs with S_job <= slowdown",
+    ),
+    NamedQuery(
+        "straggling_share",
+        "SELECT count() AS jobs, countIf(s >= {threshold:Float64}) AS straggling_jobs, "
+        "if(count() = 0, nan, countIf(s >= {threshold:Float64}) / count()) AS share, "
+        f"{{threshold:Float64}} AS threshold FROM ({PER_JOB})",
+        FLEET + (ParamSpec("threshold", "Float64", 1.1, "S_job at or above this counts as straggling"),),
+        "share of jobs whose S_job is at least a threshold (default 1.1)",
+    ),
+    NamedQuery(
+        "waste_share",
+        "SELECT gh AS gpu_hours, wh AS wasted_gpu_hours, if(gh > 0, wh / gh, nan) AS share FROM ("
+        f"SELECT sum(gpu_hours) AS gh, sum(wasted_gpu_hours) AS wh FROM windows WHERE {WHERE_FLEET})",
+        FLEET,
+        "share of GPU-hours wasted by stragglers (sum W x GPU-hours over GPU-hours)",
+    ),
+    NamedQuery(
+        "wasted_by_day",
+        _wasted_by("toDate(toDateTime(intDiv(analyzed_ns, 1000000000), 'UTC'))", "day", order="g", outer_expr="g"),
+        FLEET,
+        "wasted GPU-hours per UTC day of analysis",
+    ),
+    NamedQuery("wasted_by_team", _wasted_by("team", "team", outer_expr="g"), FLEET, "wasted GPU-hours per team"),
+    NamedQuery("wasted_by_model", _wasted_by("model", "model", outer_expr="g"), FLEET, "wasted GPU-hours per model"),
+    NamedQuery(
+        "wasted_by_cause",
+        _wasted_by("verdict", "cause", outer_expr="if(g = '', 'none', g)"),
+        FLEET,
+        "wasted GPU-hours per main root cause (window verdict; 'none' without one)",
+    ),
+    NamedQuery(
+        "wasted_by_optype",
+        "SELECT optype, n_windows AS windows, wh AS wasted_gpu_hours, mean_s AS mean_slowdown FROM ("
+        "SELECT optype, count() AS n_windows, sum(wasted_gpu_hours) AS wh, avg(slowdown) AS mean_s "
+        f"FROM optype_waste WHERE {WHERE_FLEET} GROUP BY optype) ORDER BY wh DESC, optype",
+        FLEET,
+        "GPU-hours wasted per op type: window GPU-hours x (1 - 1/S_t), and the mean S_t",
+    ),
+    NamedQuery(
+        "top_wasting_jobs",
+        "SELECT job_id, last_team AS team, last_model AS model, max_gpus AS n_gpus, n_windows AS windows, "
+        "gh AS gpu_hours, wh AS wasted_gpu_hours, s AS slowdown, if(gh > 0, wh / gh, nan) AS waste_share FROM ("
+        "SELECT job_id, argMax(team, analyzed_ns) AS last_team, argMax(model, analyzed_ns) AS last_model, "
+        f"max(n_gpus) AS max_gpus, count() AS n_windows, {JOB_S} AS s, sum(gpu_hours) AS gh, "
+        f"sum(wasted_gpu_hours) AS wh FROM windows WHERE {WHERE_FLEET} GROUP BY job_id) "
+        "ORDER BY wh DESC, job_id LIMIT {limit:UInt64}",
+        FLEET + (_limit(20),),
+        "jobs that wasted the most GPU-hours, with S_job",
+    ),
+    NamedQuery(
+        "job_windows",
+        "SELECT * FROM windows WHERE job_id = {job_id:String} AND analyzed_ns >= {since:Int64} "
+        "AND analyzed_ns < {until:Int64} ORDER BY attempt, window_id LIMIT {limit:UInt64}",
+        (_job_required(), SINCE, UNTIL, _limit(10_000)),
+        "every window of one job: S, W, T, T_ideal, fidelity (launch_slowdown), GPU-hours, verdicts",
+    ),
+    NamedQuery(
+        "job_step_trend",
+        "SELECT attempt, window_id, step, actual_s, sim_s, ideal_s, slowdown FROM step_slowdown "
+        "WHERE job_id = {job_id:String} AND ({window_id:Int64} < 0 OR window_id = {window_id:Int64}) "
+        "ORDER BY attempt, window_id, step LIMIT {limit:UInt64}",
+        (_job_required(), ParamSpec("window_id", "Int64", -1, "only this window (-1: all)"), _limit(100_000)),
+        "per-step actual, simulated and ideal step times and slowdown of one job",
+    ),
+    NamedQuery(
+        "job_workers",
+        "SELECT attempt, dp_rank, pp_rank, s_dp, s_pp, s_w FROM worker_slowdown "
+        "WHERE job_id = {job_id:String} AND window_id = {window_id:Int64} AND step = {step:Int64} "
+        "AND attempt = if({attempt:Int32} >= 0, {attempt:Int32}, (SELECT max(attempt) FROM worker_slowdown "
+        "WHERE job_id = {job_id:String} AND window_id = {window_id:Int64})) ORDER BY pp_rank, dp_rank",
+        (_job_required(), ParamSpec("window_id", "Int64", None, "the window (its first step)"),
+         ParamSpec("step", "Int64", -1, "one step, or -1 for the whole window"),
+         ParamSpec("attempt", "Int32", -1, "the attempt (-1: the latest with this window)")),
+        "S_w heatmap cells (dp_rank x pp_rank) of one window of one job",
+    ),
+    NamedQuery(
+        "alert_history",
+        "SELECT alert_id, job_id, attempt, ts_ns, rule, severity, summary, details_json FROM alerts "
+        "WHERE ts_ns >= {since:Int64} AND ts_ns < {until:Int64} "
+        "AND ({job_id:String} = '' OR job_id = {job_id:String}) AND ({rule:String} = '' OR rule = {rule:String}) "
+        "AND ({severity:String} = '' OR severity = {severity:String}) "
+        "ORDER BY ts_ns DESC, alert_id LIMIT {limit:UInt64}",
+        (SINCE, UNTIL, JOB, ParamSpec("rule", "String", "", "only this rule (empty: all)"),
+         ParamSpec("severity", "String", "", "only this severity (empty: all)"), _limit(500)),
+        "alerts, newest first",
+    ),
+]
+
+NAMED_QUERIES: dict[str, NamedQuery] = {q.name: q for q in _QUERIES}

@@ -1,0 +1,230 @@
+"""Start and stop a loopback-only ClickHouse server (tests, demo, benchmarks).
+
+``ClickHouseServer`` writes a config and a users file rendered from the
+templates in ``infra/clickhouse/`` into a data directory, starts
+``clickhouse-server --config-file=...`` as a child process, waits until its
+HTTP ``/ping`` answers and stops it again. It listens on 127.0.0.1 only, on
+free ports picked at start. Debian's ``clickhouse-server`` package (18.16)
+installs the binary into ``/usr/sbin``; newer packages use ``/usr/bin``.
+
+    with ClickHouseServer() as srv:
+        store = open_store(srv.url)      # clickhouse://default:@127.0.0.1:PORT/default
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import string
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from xml.sax.saxutils import escape
+
+_INFRA = Path(__file__).resolve().parent.parent / "infra" / "clickhouse"
+_CANDIDATES = ("/usr/bin/clickhouse-server", "/usr/sbin/clickhouse-server")
+
+# Used when infra/ is not shipped next to the package (an installed wheel).
+_FALLBACK_CONFIG = """<?xml version="1.0"?>
+<yandex>
+    <logger><level>warning</level><log>$data_dir/log/server.log</log>
+        <errorlog>$data_dir/log/server.err.log</errorlog><size>100M</size><count>2</count></logger>
+    <listen_host>127.0.0.1</listen_host>
+    <tcp_port>$tcp_port</tcp_port>
+    <http_port>$http_port</http_port>
+    <mark_cache_size>268435456</mark_cache_size>
+    <path>$data_dir/data/</path>
+    <tmp_path>$data_dir/tmp/</tmp_path>
+    <user_files_path>$data_dir/user_files/</user_files_path>
+    <format_schema_path>$data_dir/format_schemas/</format_schema_path>
+    <users_config>$users_path</users_config>
+    <default_profile>default</default_profile>
+    <default_database>default</default_database>
+    <timezone>UTC</timezone>
+</yandex>
+"""
+_FALLBACK_USERS = """<?xml version="1.0"?>
+<yandex>
+    <profiles><default><max_memory_usage>8000000000</max_memory_usage></default></profiles>
+    <users><$user><password>$password</password><networks><ip>127.0.0.1</ip></networks>
+        <profile>default</profile><quota>default</quota></$user></users>
+    <quotas><default><interval><duration>3600</duration><queries>0</queries><errors>0</errors>
+        <result_rows>0</result_rows><read_rows>0</read_rows><execution_time>0</execution_time>
+    </interval></default></quotas>
+</yandex>
+"""
+
+
+def find_server_binary() -> str | None:
+    """Path of ``clickhouse-server``, or None when it is not installed."""
+    found = shutil.which("clickhouse-server")
+    if found:
+        return found
+    for cand in _CANDIDATES:
+        if os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _template(name: str, fallback: str) -> string.Template:
+    path = _INFRA / name
+    return string.Template(path.read_text() if path.exists() else fallback)
+
+
+class ClickHouseServer:
+    """One ClickHouse server process on 127.0.0.1 with its data in ``data_dir``.
+
+    ``start()`` returns once the server answers ``/ping`` or raises
+    RuntimeError with the tail of its error log. ``stop()`` terminates it
+    (SIGTERM, then SIGKILL after ``stop_timeout``) and, when the data
+    directory was a temporary one made here, removes it.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike | None = None,
+        tcp_port: int | None = None,
+        http_port: int | None = None,
+        user: str = "default",
+        password: str = "",
+        binary: str | None = None,
+        start_timeout: float = 30.0,
+        stop_timeout: float = 10.0,
+    ) -> None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", user):
+            raise ValueError(f"user name must be an identifier, got {user!r}")
+        self.user = user
+        self.password = password
+        self._data_dir = Path(data_dir) if data_dir else None
+        self._own_dir = data_dir is None
+        self.tcp_port = tcp_port
+        self.http_port = http_port
+        self.binary = binary
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def data_dir(self) -> Path:
+        if self._data_dir is None:
+            raise RuntimeError("server not started")
+        return self._data_dir
+
+    @property
+    def url(self) -> str:
+        """Store URL for ``open_store``, database ``default``."""
+        return self.store_url("default")
+
+    def store_url(self, database: str) -> str:
+        from urllib.parse import quote
+
+        return (
+            f"clickhouse://{quote(self.user, safe='')}:{quote(self.password, safe='')}"
+            f"@127.0.0.1:{self.tcp_port}/{database}"
+        )
+
+    def write_config(self) -> Path:
+        """Render config and users files into the data dir; returns the config path."""
+        d = self.data_dir
+        for sub in ("data", "tmp", "user_files", "format_schemas", "log"):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        users_path = d / "users.xml"
+        users_path.write_text(
+            _template("users.xml.tmpl", _FALLBACK_USERS).substitute(user=self.user, password=escape(self.password))
+        )
+        config_path = d / "config.xml"
+        config_path.write_text(
+            _template("config.xml.tmpl", _FALLBACK_CONFIG).substitute(
+                data_dir=escape(str(d)),
+                tcp_port=self.tcp_port,
+                http_port=self.http_port,
+                users_path=escape(str(users_path)),
+            )
+        )
+        return config_path
+
+    def start(self) -> "ClickHouseServer":
+        if self._proc is not None:
+            return self
+        binary = self.binary or find_server_binary()
+        if not binary:
+            raise RuntimeError("clickhouse-server is not installed (apt-get install clickhouse-server)")
+        if self._data_dir is None:
+            self._data_dir = Path(tempfile.mkdtemp(prefix="ss-clickhouse-"))
+        self.tcp_port = self.tcp_port or free_port()
+        self.http_port = self.http_port or free_port()
+        config = self.write_config()
+        log = open(self.data_dir / "log" / "stdout.log", "ab")
+        self._proc = subprocess.Popen(
+            [binary, f"--config-file={config}"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=self.data_dir,
+            start_new_session=True,  # a Ctrl-C in the test runner does not reach it first
+        )
+        log.close()
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"clickhouse-server exited with {self._proc.returncode}: {self._log_tail()}")
+            if self.ping():
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"clickhouse-server did not answer within {self.start_timeout} s: {self._log_tail()}")
+
+    def ping(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/ping", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if self._own_dir and self._data_dir is not None:
+            shutil.rmtree(self._data_dir, ignore_errors=True)
+            self._data_dir = None
+
+    def _log_tail(self, n: int = 2000) -> str:
+        texts = []
+        for name in ("server.err.log", "stdout.log"):
+            p = self.data_dir / "log" / name
+            if p.exists():
+                texts.append(p.read_text(errors="replace")[-n:])
+        return " | ".join(t.strip() for t in texts if t.strip()) or "(no log)"
+
+    def __enter__(self) -> "ClickHouseServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":  # pragma: no cover - manual helper
+    import sys
+
+    srv = ClickHouseServer(data_dir=sys.argv[1] if len(sys.argv) > 1 else None).start()
+    print(srv.url, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        srv.stop()

@@ -1,0 +1,385 @@
+"""The store API and its SQL implementation shared by the chDB and server backends.
+
+``Store`` is the one API (see ``storage/__init__.py``). ``SQLStore``
+implements it over four primitives a backend provides: the engine version,
+executing a statement, selecting into an Arrow table (with bound parameters
+and Arrow tables sent along as external data) and inserting an Arrow table.
+
+Idempotence (a crash replays and nothing is counted twice):
+
+1. Check before insert. For every kind keyed by its natural key (windows and
+   their per-op-type, per-worker and per-step rows, hangs, link faults,
+   alerts, dead letters) ``insert`` drops rows whose key is in the batch
+   twice or is stored already, under the store's lock. With chDB every
+   writer goes through one process (the store daemon), so check and insert
+   are atomic and a key is stored at most once.
+2. Deduplication on read. Data tables are ReplacingMergeTree on the natural
+   key, and readers query views that read ``FINAL`` (or the latest row per
+   key for jobs and offsets). Two servers' clients racing on the same key
+   (which check-before-insert cannot exclude) still count once.
+   On chDB the views merge within a day partition only
+   (``do_not_merge_across_partitions_select_final``), which is exact
+   because (1) is atomic there; the server merges across partitions.
+
+Job registrations and offsets are "latest wins": every write is kept and the
+view (and ``load_*``) return the row with the largest ``ts_ns`` /
+``stored_ns``.
+"""
+from __future__ import annotations
+
+import abc
+import datetime as dt
+import re
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ingest import schema as S
+from storage import ddl
+from storage.errors import StoreError
+from storage.params import bind, bind_free
+from storage.sqltext import check_read_only, placeholders
+
+DEFAULT_RETENTION_DAYS = 7
+RETENTION_CHECK_S = 3600.0
+
+
+class Store(abc.ABC):
+    """One API over every backend; see ``storage/__init__.py`` for the contract of each method."""
+
+    url: str = ""
+
+    @abc.abstractmethod
+    def setup(self, target_version: int | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def insert(self, kind: str, table: pa.Table) -> None: ...
+
+    @abc.abstractmethod
+    def query(self, sql: str, params: dict | None = None) -> pa.Table: ...
+
+    @abc.abstractmethod
+    def run_named(self, name: str, params: dict | None = None) -> pa.Table: ...
+
+    @abc.abstractmethod
+    def window_stored(self, key: tuple[str, int, int]) -> bool: ...
+
+    @abc.abstractmethod
+    def load_offsets(self, source_id: str, topics, partitions) -> dict[tuple[str, int], int]: ...
+
+    @abc.abstractmethod
+    def store_offsets(self, source_id: str, offsets: dict[tuple[str, int], int]) -> None: ...
+
+    @abc.abstractmethod
+    def load_jobs(self) -> list[dict]: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+def normalise(table: pa.Table) -> pa.Table:
+    """Results look the same from every backend: plain (non-dictionary) types, nullable fields, no metadata."""
+    fields, cols = [], []
+    for f, col in zip(table.schema, table.columns):
+        if pa.types.is_dictionary(col.type):
+            col = col.cast(col.type.value_type)
+        fields.append(pa.field(f.name, col.type, nullable=True))
+        cols.append(col)
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields))
+
+
+def filter_offsets(rows: list[dict], topics, partitions) -> dict[tuple[str, int], int]:
+    topics = None if topics is None else {str(t) for t in topics}
+    parts = None if partitions is None else {int(p) for p in partitions}
+    out = {}
+    for r in rows:
+        if (topics is None or r["topic"] in topics) and (parts is None or r["partition"] in parts):
+            out[(r["topic"], int(r["partition"]))] = int(r["next_offset"])
+    return out
+
+
+class SQLStore(Store):
+    """The store over a ClickHouse engine; subclasses provide the primitives below."""
+
+    def __init__(self, url: str, retention_days: int = DEFAULT_RETENTION_DAYS) -> None:
+        self.url = url
+        self.retention_days = retention_days
+        self.caps: ddl.Capabilities | None = None
+        self._lock = threading.RLock()
+        self._last_ns = 0
+        self._last_retention = 0.0
+        self._closed = False
+
+    # -- primitives -------------------------------------------------------
+    @abc.abstractmethod
+    def _execute(self, sql: str) -> None:
+        """Run a statement that returns nothing (DDL, ALTER); errors raise StoreError."""
+
+    @abc.abstractmethod
+    def _select(self, sql: str, params: dict[str, tuple[str, Any]] | None = None,
+                tables: dict[str, pa.Table] | None = None, read_only: str | None = None) -> pa.Table:
+        """Run a query; ``params`` bind ``{name:Type}`` placeholders; ``tables`` are sent as external
+        data named ``_ext_keys`` / ``_ext_rows``; ``read_only`` (the statement's first keyword) makes
+        the engine refuse writes for this query."""
+
+    @abc.abstractmethod
+    def _insert(self, table_name: str, rows: pa.Table) -> None:
+        """Insert ``rows`` (columns named as in the table) into a data table."""
+
+    # -- helpers ----------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"store {self.url} is closed")
+
+    def _now_ns(self) -> int:
+        """Wall clock, strictly increasing within this store (``stored_ns`` orders writes)."""
+        with self._lock:
+            self._last_ns = max(time.time_ns(), self._last_ns + 1)
+            return self._last_ns
+
+    def _with_stored_ns(self, spec: ddl.TableSpec, table: pa.Table) -> pa.Table:
+        target = ddl.storage_schema(spec)
+        cols = []
+        for f in target:
+            if f.name == "stored_ns":
+                cols.append(pa.array(np.full(table.num_rows, self._now_ns(), dtype=np.int64)))
+            else:
+                col = table.column(f.name)
+                cols.append(col if col.type.equals(f.type) else col.cast(f.type))
+        return pa.Table.from_arrays(cols, schema=target.remove_metadata())
+
+    def table_columns(self) -> dict[str, dict[str, str]]:
+        """``{table: {column: type}}`` of the current database."""
+        t = self._select("SELECT table, name, type FROM system.columns WHERE database = currentDatabase()")
+        out: dict[str, dict[str, str]] = {}
+        for table, name, typ in zip(*(t.column(i).to_pylist() for i in range(3))):
+            out.setdefault(table, {})[name] = typ
+        return out
+
+    # -- API --------------------------------------------------------------
+    def setup(self, target_version: int | None = None) -> None:
+        """Create tables and views, apply forward migrations up to ``target_version`` (default: latest)."""
+        from storage.migrations import migrate
+
+        self._check_open()
+        with self._lock:
+            migrate(self, target_version)
+
+    def schema_version(self) -> int:
+        t = self._select("SELECT max(version) AS v, count() AS n FROM schema_version")
+        return int(t.column("v")[0].as_py() or 0) if t.column("n")[0].as_py() else 0
+
+    def insert(self, kind: str, table: pa.Table) -> None:
+        self._check_open()
+        spec = ddl.TABLE_OF_KIND.get(kind)
+        if spec is None:
+            raise StoreError(f"unknown record kind {kind!r}; known: {', '.join(sorted(ddl.TABLE_OF_KIND))}")
+        if not isinstance(table, (pa.Table, pa.RecordBatch)):
+            raise StoreError(f"insert({kind!r}) needs a pyarrow Table, got {type(table).__name__}")
+        if isinstance(table, pa.RecordBatch):
+            table = pa.Table.from_batches([table])
+        try:
+            table = S.conform(table, S.ALL_SCHEMAS[kind])
+        except S.DecodeError as e:
+            raise StoreError(f"insert({kind!r}): {e}") from None
+        if table.num_rows == 0:
+            return
+        rows = self._with_stored_ns(spec, table)
+        with self._lock:
+            if spec.mode == "first":
+                rows = self._drop_stored(spec, rows)
+            if rows.num_rows:
+                self._insert(spec.data, rows)
+                if kind == "window_result":
+                    self._derive_optype_waste(windows=rows)
+                elif kind == "optype_slowdown":
+                    self._derive_optype_waste(optypes=rows)
+            if spec.retention:
+                self._maybe_enforce_retention()
+
+    def _drop_stored(self, spec: ddl.TableSpec, rows: pa.Table) -> pa.Table:
+        """Rows whose key is neither earlier in the batch nor stored already (the caller holds the lock)."""
+        key = list(spec.key)
+        if rows.num_rows > 1:
+            idx = pa.array(np.arange(rows.num_rows, dtype=np.int64))
+            firsts = rows.select(key).append_column("__i", idx).group_by(key, use_threads=False) \
+                .aggregate([("__i", "min")])
+            if firsts.num_rows < rows.num_rows:
+                first = firsts.column("__i_min").combine_chunks()
+                rows = rows.take(first.take(pc.array_sort_indices(first)))
+        keys = rows.select(key)
+        cols = ", ".join(ddl.quote(k) for k in key)
+        # The ranges of the integer key columns let the engine skip most stored rows before the tuple lookup.
+        ranges, params = [], {}
+        for i, k in enumerate(key):
+            if pa.types.is_integer(keys.schema.field(k).type):
+                mm = pc.min_max(keys.column(k))
+                params[f"lo{i}"], params[f"hi{i}"] = ("Int64", mm["min"].as_py()), ("Int64", mm["max"].as_py())
+                ranges.append(f"{ddl.quote(k)} >= {{lo{i}:Int64}} AND {ddl.quote(k)} <= {{hi{i}:Int64}} AND ")
+        stored = self._select(
+            f"SELECT {cols} FROM {ddl.quote(spec.data)} WHERE {''.join(ranges)}"
+            f"({cols}) IN (SELECT {cols} FROM _ext_keys)", params, tables={"_ext_keys": keys})
+        if stored.num_rows == 0:
+            return rows
+        stored = pa.Table.from_arrays([stored.column(i).cast(keys.schema.field(i).type) for i in range(len(key))],
+                                      names=key)
+        return rows.join(stored, keys=key, join_type="left anti", use_threads=False).select(rows.column_names)
+
+    _WASTE_SELECT = (
+        "SELECT job_id, attempt, window_id, optype, slowdown, analyzed_ns, team, model, n_gpus, gpu_hours, "
+        "greatest(0, if(slowdown > 0, gpu_hours * (1 - 1 / slowdown), 0)) AS wasted_gpu_hours"
+    )
+
+    def _derive_optype_waste(self, windows: pa.Table | None = None, optypes: pa.Table | None = None) -> None:
+        """Write ``optype_waste`` rows for newly stored windows or newly stored whole-window S_t rows.
+
+        No key check here: these rows come only from windows or S_t rows stored just now, so their keys
+        are new (under the lock); the view's FINAL covers concurrent writers on a server.
+        """
+        key = "job_id, attempt, window_id"
+        w_cols = "job_id, attempt, window_id, analyzed_ns, team, model, n_gpus, gpu_hours"
+        o_cols = "job_id, attempt, window_id, optype, slowdown"
+        if windows is not None:
+            ext = windows.select(["job_id", "attempt", "window_id", "analyzed_ns", "team", "model", "n_gpus",
+                                  "gpu_hours"])
+        else:
+            ext = optypes.filter(pc.equal(optypes.column("step"), -1)).select(
+                ["job_id", "attempt", "window_id", "optype", "slowdown"])
+            if ext.num_rows == 0:
+                return
+        wid = pc.min_max(ext.column("window_id"))
+        params = {"lo": ("Int64", wid["min"].as_py()), "hi": ("Int64", wid["max"].as_py()),
+                  "now": ("Int64", self._now_ns())}
+        in_batch = (f"window_id >= {{lo:Int64}} AND window_id <= {{hi:Int64}} "
+                    f"AND ({key}) IN (SELECT {key} FROM _ext_rows)")
+        if windows is not None:
+            source = (f"(SELECT {o_cols} FROM optype_slowdown_data WHERE step = -1 AND {in_batch}) AS o "
+                      f"ALL INNER JOIN (SELECT {w_cols} FROM _ext_rows) AS w USING (job_id, attempt, window_id)")
+        else:
+            source = (f"(SELECT {o_cols} FROM _ext_rows) AS o ALL INNER JOIN "
+                      f"(SELECT {w_cols} FROM windows_data WHERE {in_batch}) AS w USING (job_id, attempt, window_id)")
+        spec = ddl.TABLE_BY_NAME["optype_waste"]
+        select = (f"{self._WASTE_SELECT}, {{now:Int64}} AS stored_ns FROM {source}")
+        self._insert_select(spec, select, params, {"_ext_rows": ext})
+
+    def _insert_select(self, spec: ddl.TableSpec, select: str, params: dict, tables: dict) -> None:
+        """Insert the rows of ``select`` (columns in ``storage_schema(spec)`` order) into the data table.
+
+        This version moves the rows through Arrow; a backend that can run INSERT ... SELECT with its
+        external data overrides it.
+        """
+        rows = self._select(select, params, tables)
+        if rows.num_rows:
+            target = ddl.storage_schema(spec).remove_metadata()
+            self._insert(spec.data, pa.Table.from_arrays(
+                [rows.column(i).cast(f.type) for i, f in enumerate(target)], schema=target))
+
+    def _maybe_enforce_retention(self) -> None:
+        if time.monotonic() - self._last_retention >= RETENTION_CHECK_S:
+            self.enforce_retention()
+
+    def enforce_retention(self, now_ns: int | None = None) -> list[str]:
+        """Drop op-span partitions (UTC days of ``stored_ns``) older than ``retention_days``.
+
+        Runs on every engine (TTL, where the engine has it, also expires rows
+        on merges). Returns the dropped partitions, e.g. ``['2024-01-01']``.
+        """
+        self._check_open()
+        now_ns = time.time_ns() if now_ns is None else now_ns
+        cutoff = dt.datetime.fromtimestamp(now_ns / 1e9, dt.timezone.utc).date() - dt.timedelta(
+            days=self.retention_days)
+        dropped = []
+        with self._lock:
+            self._last_retention = time.monotonic()
+            for spec in ddl.TABLES:
+                if not spec.retention:
+                    continue
+                parts = self._select(
+                    "SELECT DISTINCT partition FROM system.parts WHERE database = currentDatabase() "
+                    "AND table = {t:String} AND active", {"t": ("String", spec.data)})
+                for p in parts.column("partition").to_pylist():
+                    day = p.strip("'")
+                    if re.fullmatch(r"\d{4}-\d{2}-\d{2}", day) and dt.date.fromisoformat(day) < cutoff:
+                        # The partition id comes from system.parts and matched a date pattern above.
+                        self._execute(f"ALTER TABLE {ddl.quote(spec.data)} DROP PARTITION '{day}'")
+                        dropped.append(day)
+        return dropped
+
+    def query(self, sql: str, params: dict | None = None) -> pa.Table:
+        self._check_open()
+        if not isinstance(sql, str):
+            raise StoreError("query() needs SQL text")
+        text, first = check_read_only(sql)
+        bound = bind_free(placeholders(text), params)
+        with self._lock:
+            return normalise(self._select(text, bound, read_only=first))
+
+    def run_named(self, name: str, params: dict | None = None) -> pa.Table:
+        from storage.queries import NAMED_QUERIES
+
+        self._check_open()
+        q = NAMED_QUERIES.get(name)
+        if q is None:
+            raise StoreError(f"unknown query {name!r}; known: {', '.join(sorted(NAMED_QUERIES))}")
+        bound = bind(q.params, params, name)
+        with self._lock:
+            return normalise(self._select(q.sql, bound))
+
+    def window_stored(self, key: tuple[str, int, int]) -> bool:
+        self._check_open()
+        job_id, attempt, window_id = key
+        t = self._select(
+            "SELECT count() AS n FROM windows_data WHERE job_id = {job_id:String} "
+            "AND attempt = {attempt:Int32} AND window_id = {window_id:Int64}",
+            {"job_id": ("String", str(job_id)), "attempt": ("Int32", int(attempt)),
+             "window_id": ("Int64", int(window_id))})
+        return bool(t.column("n")[0].as_py())
+
+    def load_offsets(self, source_id: str, topics, partitions) -> dict[tuple[str, int], int]:
+        self._check_open()
+        t = self._select(
+            "SELECT topic, `partition`, argMax(next_offset, stored_ns) AS next_offset FROM offsets_data "
+            "WHERE source_id = {source_id:String} GROUP BY topic, `partition`",
+            {"source_id": ("String", str(source_id))})
+        return filter_offsets(t.to_pylist(), topics, partitions)
+
+    def store_offsets(self, source_id: str, offsets: dict[tuple[str, int], int]) -> None:
+        self._check_open()
+        if not offsets:
+            return
+        items = sorted(offsets.items())
+        spec = ddl.TABLE_BY_NAME["offsets"]
+        table = pa.table({
+            "source_id": pa.array([str(source_id)] * len(items)),
+            "topic": pa.array([str(tp[0]) for tp, _ in items]),
+            "partition": pa.array([int(tp[1]) for tp, _ in items], pa.int32()),
+            "next_offset": pa.array([int(off) for _, off in items], pa.int64()),
+        }, schema=spec.schema)
+        with self._lock:
+            self._insert(spec.data, self._with_stored_ns(spec, table))
+
+    def load_jobs(self) -> list[dict]:
+        self._check_open()
+        cols = ", ".join(ddl.quote(f.name) for f in S.JOB_REGISTRATION)
+        with self._lock:
+            return self._select(f"SELECT {cols} FROM jobs ORDER BY job_id, attempt").to_pylist()
+
+    def optimize(self) -> None:
+        """Merge parts of every data table now (benchmarks; ClickHouse does it in the background)."""
+        with self._lock:
+            for spec in ddl.TABLES:
+                self._execute(f"OPTIMIZE TABLE {ddl.quote(spec.data)} FINAL")
+
