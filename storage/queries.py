@@ -169,6 +169,22 @@ _QUERIES = [
         "S_w heatmap cells (dp_rank x pp_rank) of one window of one job",
     ),
     NamedQuery(
+        "job_links",
+        "SELECT attempt, window_id, group, kind, src, dst, confidence, slowdown, evidence_json FROM link_faults "
+        "WHERE job_id = {job_id:String} AND ({window_id:Int64} < 0 OR window_id = {window_id:Int64}) "
+        "ORDER BY attempt, window_id, confidence DESC, slowdown DESC LIMIT {limit:UInt64}",
+        (_job_required(), ParamSpec("window_id", "Int64", -1, "only this window (-1: all)"), _limit(1_000)),
+        "slow links, sources, destinations and late senders found in one job's latency matrices",
+    ),
+    NamedQuery(
+        "job_hangs",
+        "SELECT attempt, hang_id, kind, group, seq, op, stuck_ranks, missing_ranks, suspect_hosts, since_ns, "
+        "duration_s, evidence_json FROM hangs WHERE job_id = {job_id:String} "
+        "ORDER BY hang_id DESC LIMIT {limit:UInt64}",
+        (_job_required(), _limit(100)),
+        "hangs and node losses of one job, newest first, with wait chain and merged stacks",
+    ),
+    NamedQuery(
         "alert_history",
         "SELECT alert_id, job_id, attempt, ts_ns, rule, severity, summary, details_json FROM alerts "
         "WHERE ts_ns >= {since:Int64} AND ts_ns < {until:Int64} "

@@ -13,13 +13,13 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-st.set_page_config(page_title="stragglerscope", page_icon="🐢", layout="wide")
+st.set_page_config(page_title="stragglerscope", layout="wide")
 
 _PAGES = _ROOT / "ui" / "pages"
 nav = st.navigation([
-    st.Page(str(_PAGES / "fleet.py"), title="Fleet", icon="🌐", default=True),
-    st.Page(str(_PAGES / "alerts.py"), title="Alerts", icon="🚨"),
-    st.Page(str(_PAGES / "job.py"), title="Job", icon="🔎"),
-    st.Page(str(_PAGES / "sql.py"), title="SQL", icon="🧮"),
+    st.Page(str(_PAGES / "fleet.py"), title="Fleet", default=True),
+    st.Page(str(_PAGES / "alerts.py"), title="Alerts"),
+    st.Page(str(_PAGES / "job.py"), title="Job"),
+    st.Page(str(_PAGES / "sql.py"), title="SQL"),
 ])
 nav.run()

@@ -29,6 +29,8 @@ def fleet_filters() -> dict:
 
 
 def fmt(v) -> str:
+    if hasattr(v, "item"):  # numpy scalars
+        v = v.item()
     if v is None or (isinstance(v, float) and v != v):
         return "–"
     if isinstance(v, float):
@@ -38,15 +40,16 @@ def fmt(v) -> str:
     return str(v)
 
 
-def bar(df: pd.DataFrame, label: str, value: str, title: str = "") -> None:
+def bar(df: pd.DataFrame, label: str, value: str, title: str = "", zero: bool = True) -> None:
+    """Horizontal bars, largest first; ``zero=False`` for ratios near 1 (slowdowns)."""
     if df.empty or label not in df or value not in df:
         st.info("No data yet.")
         return
     chart = alt.Chart(df).mark_bar().encode(
-        x=alt.X(f"{value}:Q", title=value.replace("_", " ")),
-        y=alt.Y(f"{label}:N", sort="-x", title=None),
+        x=alt.X(f"{value}:Q", title=value.replace("_", " "), scale=alt.Scale(zero=zero)),
+        y=alt.Y(f"{label}:N", sort="-x", title=None, axis=alt.Axis(labelLimit=260, labelOverlap=False)),
         tooltip=list(df.columns),
-    ).properties(title=title, height=max(120, 24 * len(df)))
+    ).properties(title=title, height=max(160, 28 * len(df)))
     st.altair_chart(chart, use_container_width=True)
 
 

@@ -9,7 +9,7 @@ st.title("Fleet")
 params = fleet_filters()
 
 summary = named("fleet_summary", **params)
-row = summary.iloc[0].to_dict() if not summary.empty else {}
+row = summary.to_dict("records")[0] if not summary.empty else {}
 cols = st.columns(5)
 for c, (key, label) in zip(cols, [("jobs", "Jobs analysed"), ("windows", "Windows"),
                                   ("mean_slowdown", "Mean S"), ("p90_slowdown", "p90 S"),
@@ -42,9 +42,9 @@ with right:
 
 left, right = st.columns(2)
 with left:
-    st.subheader("Slowdown by op type")
+    st.subheader("Wasted GPU-hours by op type")
     by_op = named("wasted_by_optype", **params)
-    bar(by_op, by_op.columns[0] if len(by_op.columns) else "", by_op.columns[-1] if len(by_op.columns) else "")
+    bar(by_op, "optype", "wasted_gpu_hours")
 with right:
     st.subheader("Wasted GPU-hours by team")
     by_team = named("wasted_by_team", **params)
