@@ -1,0 +1,142 @@
+"""Fleet soak: many concurrent generated jobs through the whole pipeline, for a bounded time.
+
+    .venv/bin/python benchmarks/fleet_soak.py [--jobs 1000] [--minutes 30] [--session-every-s 600]
+
+Embedded services (Tansu, the chDB store behind its daemon, a local Ray with
+the configured shard actors). ``--jobs`` generated jobs of 128 to 8,192 GPUs
+(log-uniform, mixed straggler causes) each publish one profiling session
+(a window of 3 steps) every ``--session-every-s`` seconds on average,
+NDTimeline-like, with random phases, until ``--minutes`` have passed. Every
+straggling window raises an alert (cool-down 0 here, so each one counts).
+
+Reported every 30 s and at the end: windows published and stored, consumer
+lag, window latency (last record sent -> window row stored) and alert latency
+(last record sent -> alert row stored) as p50/p99, and the memory of the whole
+machine in use (MemTotal - MemAvailable), which must stay flat.
+Target (issue 4): alert latency p99 <= 5 s; flat memory; bounded lag.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import heapq
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+
+def mem_used_mb() -> float:
+    info = {}
+    for line in open("/proc/meminfo"):
+        k, v = line.split(":")
+        info[k] = int(v.split()[0])
+    return (info["MemTotal"] - info["MemAvailable"]) / 1024
+
+
+def pct(xs, q):
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--jobs", type=int, default=1000)
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--session-every-s", type=float, default=600.0)
+    ap.add_argument("--store", default="", help="store URL (default: a fresh chDB store in a temp dir)")
+    args = ap.parse_args()
+
+    import tempfile
+
+    from ingest.fleetgen import JobSpec, generate_window, make_fleet
+    from ingest.producer import TelemetryProducer
+    from ingest.schema import JobLayout
+    from stragglerscope.config import Config
+    from stragglerscope.service import start_services
+
+    tmp = tempfile.mkdtemp(prefix="ss-soak-")
+    cfg = Config().replace(store={"url": args.store or f"chdb://{tmp}/store"},
+                           alerts={"cooldown_s": 0.0}, pipeline={"metrics_port": -1})
+    rng = np.random.default_rng(0)
+    causes = make_fleet(args.jobs, seed=11, min_gpus=128, max_gpus=8192)
+    jobs = []
+    for i, spec in enumerate(causes):
+        n = int(2 ** rng.uniform(7, 13))
+        n = 1 << int(round(np.log2(n)))
+        tp, pp = 8, int(rng.choice([2, 4, 8]))
+        dp = max(1, n // (tp * pp))
+        jobs.append(dataclasses.replace(spec, job_id=f"soak-{i:04d}", layout=JobLayout(dp, pp, tp),
+                                        num_microbatches=2 * pp, cause_dp=int(rng.integers(dp)),
+                                        cause_pp=int(rng.integers(pp))))
+    t_end = time.monotonic() + args.minutes * 60
+    sent_at: dict[tuple, int] = {}
+    next_session = [(time.monotonic() + float(rng.uniform(0, args.session_every_s)), j) for j in range(len(jobs))]
+    heapq.heapify(next_session)
+    window_of = [0] * len(jobs)
+    mem0 = mem_used_mb()
+    print(f"{len(jobs)} jobs, {sum(j.n_gpus for j in jobs):,} GPUs, sizes {min(j.n_gpus for j in jobs)}-"
+          f"{max(j.n_gpus for j in jobs)}; one session per job every {args.session_every_s:.0f} s on average; "
+          f"{args.minutes:.0f} min", flush=True)
+    with contextlib.ExitStack() as stack:
+        svc = start_services(cfg, stack)
+        prod = stack.enter_context(TelemetryProducer(svc.cfg.kafka.bootstrap, client_id="soak",
+                                                     max_queue_bytes=512 << 20))
+        for j in jobs:
+            prod.send(j.registration(time.time_ns(), 3))
+        last_report = time.monotonic()
+        seen_windows: dict[tuple, int] = {}
+        seen_alerts: dict[str, int] = {}
+        published = ops_sent = 0
+        mem_samples = []
+        while time.monotonic() < t_end:
+            now = time.monotonic()
+            while next_session and next_session[0][0] <= now:
+                _, j = heapq.heappop(next_session)
+                spec = jobs[j]
+                wid = window_of[j]
+                window_of[j] += 100
+                table = generate_window(spec, wid, 3, time.time_ns())
+                prod.send(table)
+                sent_at[(spec.job_id, 0, wid)] = time.time_ns()
+                published += 1
+                ops_sent += table.num_rows
+                heapq.heappush(next_session, (now + float(rng.exponential(args.session_every_s)), j))
+            if now - last_report >= 30 or now >= t_end:
+                last_report = now
+                w = svc.store.query("SELECT job_id, attempt, window_id, analyzed_ns FROM windows "
+                                    "WHERE startsWith(job_id, 'soak-')")
+                for k0, k1, k2, ts in zip(*(w[c].to_pylist() for c in w.column_names)):
+                    seen_windows.setdefault((k0, k1, k2), ts)
+                a = svc.store.query("SELECT alert_id, job_id, ts_ns FROM alerts WHERE rule = 'slowdown' "
+                                    "AND startsWith(job_id, 'soak-')")
+                for aid, ts in zip(a["alert_id"].to_pylist(), a["ts_ns"].to_pylist()):
+                    seen_alerts.setdefault(aid, ts)
+                wl = [(ts - sent_at[k]) / 1e9 for k, ts in seen_windows.items() if k in sent_at]
+                al = []
+                for aid, ts in seen_alerts.items():
+                    job, att, _, wid = aid.split("/")
+                    k = (job, int(att), int(wid))
+                    if k in sent_at:
+                        al.append((ts - sent_at[k]) / 1e9)
+                lag = sum(s.get("lag", 0) for s in svc.pipeline.status())
+                mem = mem_used_mb()
+                mem_samples.append(mem)
+                print(f"t={args.minutes * 60 - (t_end - now):6.0f}s published={published} ({ops_sent:,} ops) "
+                      f"stored={len(seen_windows)} lag={lag} window p50/p99={pct(wl, 50):.2f}/{pct(wl, 99):.2f}s "
+                      f"alerts={len(al)} p50/p99={pct(al, 50):.2f}/{pct(al, 99):.2f}s "
+                      f"mem={mem:,.0f} MB (+{mem - mem0:,.0f})", flush=True)
+            time.sleep(0.05)
+        half = len(mem_samples) // 2
+        if half:
+            print(f"memory: first half median {np.median(mem_samples[:half]):,.0f} MB, second half median "
+                  f"{np.median(mem_samples[half:]):,.0f} MB")
+        print(f"dropped by the producer: {prod.stats.records_dropped}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
