@@ -223,12 +223,8 @@ class HangTracker:
         if inside:
             # The collective the longest-waiting rank sits in is where the chain starts.
             first = min(inside.values(), key=lambda st: st.inflight_since_ns)
-            grp, seq = first.inflight_group, first.inflight_seq
-            members = self.group_ranks.get(grp) or group_members(grp, self.ranks)
-            ent = self.entered.get(grp, {})
-            stuck = sorted(r for r in members if ent.get(r, -1) >= seq and
-                           self.completed.get(grp, {}).get(r, -1) < seq)
-            missing = sorted(r for r in members if ent.get(r, -1) < seq)
+            grp, seq, missing = self._follow_chain(first.inflight_group, first.inflight_seq, inside)
+            stuck = sorted(inside)
             op = next(st.inflight_op for st in inside.values() if st.inflight_group == grp)
             hosts = sorted({self.ranks[r].host for r in missing if r in self.ranks})
             return Hang(self.job_id, self.attempt, "comm_hang", grp, int(seq), op, stuck, missing, hosts, last,
@@ -243,6 +239,30 @@ class HangTracker:
         hosts = sorted({self.ranks[r].host for r in suspects})
         return Hang(self.job_id, self.attempt, "noncomm_hang", "", -1, op, suspects, [], hosts, last, stalled_s,
                     self._evidence(now_ns, missing=[]))
+
+    def _missing(self, grp: str, seq: int) -> list[int]:
+        members = self.group_ranks.get(grp) or group_members(grp, self.ranks)
+        ent = self.entered.get(grp, {})
+        return sorted(r for r in members if ent.get(r, -1) < seq)
+
+    def _follow_chain(self, grp: str, seq: int, inside: dict) -> tuple[str, int, list[int]]:
+        """From a collective someone waits in to the one whose absent ranks wait for nobody.
+
+        The ranks absent from collective n are the culprits only if they are not
+        themselves waiting inside another collective (then they are victims too,
+        and the chain goes on through theirs).
+        """
+        seen = {(grp, seq)}
+        missing = self._missing(grp, seq)
+        while missing and all(m in inside for m in missing):
+            st = inside[missing[0]]
+            nxt = (st.inflight_group, st.inflight_seq)
+            if nxt in seen:
+                break  # a cycle of waits: report where it was entered
+            seen.add(nxt)
+            grp, seq = nxt
+            missing = self._missing(grp, seq)
+        return grp, seq, missing
 
     def _evidence(self, now_ns: int, missing: list[int], group: str = "", seq: int = -1) -> dict[str, Any]:
         chain = self.wait_chain(missing, group, seq)

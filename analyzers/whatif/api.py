@@ -19,7 +19,13 @@ import pyarrow as pa
 from ingest.schema import JobLayout
 
 from . import optypes as T
-from .load import PreparedOps, WhatIfInputError, load_golden, prepare_ops
+from .load import (
+    PreparedOps,
+    WhatIfInputError,
+    load_golden,
+    prepare_ops,
+    release_memory,
+)
 from .result import WhatIfResult
 from .scenarios import Run, run_scenarios
 from .verdicts import verdicts as make_verdicts
@@ -45,8 +51,7 @@ def _metrics(p: PreparedOps, r: Run, gpu_hours: float | None) -> dict[str, Any]:
 
     by_dp = {str(k): total(v) for k, v in r.by_dp.items()}
     by_pp = {str(k): total(v) for k, v in r.by_pp.items()}
-    present = np.zeros((lay.dp_size, lay.pp_size), bool)
-    present[p.dp, p.pp] = True
+    present = p.workers_present()
     sw = [[min(by_dp.get(str(d), math.nan), by_pp.get(str(x), math.nan)) if present[d, x] else math.nan
            for d in range(lay.dp_size)] for x in range(lay.pp_size)]
     tori, tid = float(np.mean(r.sim)), mean_ideal
@@ -95,6 +100,7 @@ def _warnings(p: PreparedOps, r: Run) -> list[str]:
 def analyze(ops: pa.Table, layout: JobLayout, *, allow_incomplete: bool = True,
             gpu_hours: float | None = None, chunk_ops: int | None = None) -> WhatIfResult:
     """What-if analysis of one window of op spans (``ingest.schema.OP_SPAN``)."""
+    release_memory()  # pages freed since the last call (a previous analysis) would add to this one's peak
     p = prepare_ops(ops, layout, allow_incomplete=allow_incomplete)
     try:
         overlapped = bool(np.any(p.code == T.SAR))
@@ -107,6 +113,7 @@ def analyze(ops: pa.Table, layout: JobLayout, *, allow_incomplete: bool = True,
     except (ValueError, IndexError, ZeroDivisionError, FloatingPointError, OverflowError) as e:
         raise WhatIfInputError(f"cannot analyse these op spans: {type(e).__name__}: {e}".splitlines()[0]) from e
     lay = p.layout
+    release_memory()  # the passes' scratch memory
     return WhatIfResult(
         job_id=p.job_id,
         layout={"dp_size": lay.dp_size, "pp_size": lay.pp_size, "tp_size": lay.tp_size, "cp_size": lay.cp_size,

@@ -107,10 +107,9 @@ class Graph:
     end_sd_step: np.ndarray
     end_sd_dp: np.ndarray
     counts: dict[str, int]
-    start: np.ndarray | None = None  # [n, B] int64 ns actual start from step start
-    end: np.ndarray | None = None
     orig: np.ndarray | None = None  # [n, B] float64 ns: compute duration or transfer duration
-    delay: np.ndarray | None = None  # [n, B] float64 ns launch delay (clamped)
+    delay: np.ndarray | None = None  # [n, B] int32 ns launch delay (clamped); 0 where delay_over holds it
+    delay_over: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (row, column, ns) of delays > 2^31 ns
 
     row_base: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(1, np.int64))  # [B] row offsets
 
@@ -122,19 +121,43 @@ class Graph:
         """[n, b1 - b0] rows in PreparedOps of every op of batch columns [b0, b1)."""
         return self.row_base[None, b0:b1] + self.row_local[:, None]
 
-    def measure(self, start: np.ndarray, dur: np.ndarray, batch: int = 8) -> None:
-        """Original durations and launch delays from actual times [n, B] (level order).
+    def times(self, p: PreparedOps, b0: int = 0, b1: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Actual (start, duration) [n, b1 - b0] ns (``p``'s dtypes) of batch columns [b0, b1), read from ``p``."""
+        b1 = self.batch if b1 is None else b1
+        rl = self.row_local
+        lo = int(rl.min()) if len(rl) else 0
+        hi = int(rl.max()) + 1 if len(rl) else 0
+        local = rl - lo
+        # Column by column from the contiguous rows of one step: cache-friendly, no [n, B] index array.
+        st = np.empty((b1 - b0, len(rl)), p.start.dtype)
+        du = np.empty((b1 - b0, len(rl)), p.dur.dtype)
+        for j, base in enumerate(self.row_base[b0:b1].tolist()):
+            np.take(p.start[base + lo:base + hi], local, out=st[j])
+            np.take(p.dur[base + lo:base + hi], local, out=du[j])
+        return st.T, du.T
 
-        Works on ``batch`` columns at a time to bound the temporaries.
+    def actual_end(self, p: PreparedOps, b0: int = 0, b1: int | None = None) -> np.ndarray:
+        st, du = self.times(p, b0, b1)
+        st += du
+        return st
+
+    def measure(self, p: PreparedOps, batch: int = 8) -> None:
+        """Original durations and launch delays [n, B] (level order) from the trace times in ``p``.
+
+        Works on ``batch`` columns at a time to bound the temporaries; the actual
+        times are not kept (``times`` re-reads them).
         """
-        n, B = start.shape
-        self.start, self.end = start, start + dur
+        n, B = self.n, self.batch
         self.orig = np.empty((n, B), np.float64)
-        self.delay = np.empty((n, B), np.float64)
+        self.delay = np.empty((n, B), np.int32)  # int ns, exact; >= -10 ms after the clamp
         neg_total = clamp_total = 0
+        over: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        e_act = np.zeros((n + 1, min(batch, B)), np.int64)
         for b0 in range(0, B, batch):
             b1 = min(B, b0 + batch)
-            st, du, en = start[:, b0:b1], dur[:, b0:b1], self.end[:, b0:b1]
+            st, du = self.times(p, b0, b1)
+            en = e_act[1:, :b1 - b0]
+            np.add(st, du, out=en)
             gmax = np.repeat(np.maximum.reduceat(st, self.g_off, axis=0), self.g_len, axis=0)
             transfer = np.where(self.in_group[:, None], en - gmax, du).astype(np.float64)
             del gmax
@@ -142,14 +165,26 @@ class Graph:
             neg_total += int(neg.sum())
             transfer[neg] = 0.0
             self.orig[:, b0:b1] = np.where(self.is_comm[:, None], transfer, du)
-            del transfer
-            e_act = np.concatenate([np.zeros((1, b1 - b0), np.int64), en])
-            depmax = np.maximum.reduceat(e_act[self.pred_idx], self.pred_ptr[:-1], axis=0)
-            delay = (st - depmax).astype(np.float64)
+            del transfer, du
+            ea = e_act[:, :b1 - b0]
+            depmax = np.maximum.reduceat(ea[self.pred_idx], self.pred_ptr[:-1], axis=0)
+            delay = st - depmax
+            del st, depmax
             clamp = delay < DELAY_CLAMP_NS
             clamp_total += int(clamp.sum())
-            delay[clamp] = 0.0
+            delay[clamp] = 0
+            big = delay > np.iinfo(np.int32).max  # a delay over 2.1 s: rare, kept exactly on the side
+            if big.any():
+                r, c = np.nonzero(big)
+                over.append((r, c + b0, delay[r, c]))
+                delay[r, c] = 0
             self.delay[:, b0:b1] = delay
+        if over:
+            r, c, v = (np.concatenate(x) for x in zip(*over))
+            o = np.argsort(r, kind="stable")
+            self.delay_over = (r[o], c[o], v[o].astype(np.float64))
+        else:
+            self.delay_over = None
         self.counts["negative_transfer"] = neg_total
         self.counts["delay_clamped"] = clamp_total
 
@@ -245,7 +280,7 @@ def _p2p_mapping(code, ws, fb, is_f_fb, gmc_fb, kind: int, direction_f: bool, el
     return rows, target, int((~ok).sum())
 
 
-def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool) -> Graph:
+def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool, measure: bool = True) -> Graph:
     """Dependency graph of rows [lo, hi) of ``p`` (whole steps)."""
     lay = p.layout
     DP, PP = lay.dp_size, lay.pp_size
@@ -257,8 +292,6 @@ def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool) -> Gra
     s0 = int(step.min())
     lstep = step - s0
     n_steps = int(lstep.max()) + 1
-    start = p.start[lo:hi]
-    dur = p.dur[lo:hi]
     seq_mc = p.mc[lo:hi].astype(np.int64)
     gmc = p.gmc[lo:hi].astype(np.int64)
     ws = (lstep * DP + dp) * PP + pp
@@ -316,8 +349,7 @@ def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool) -> Gra
         return np.where(x >= 0, newpos[np.maximum(x, 0)], -1)
 
     kept = np.flatnonzero(keep)
-    code, dp, pp, lstep, start, dur, seq_mc, gmc, ws = (
-        a[kept] for a in (code, dp, pp, lstep, start, dur, seq_mc, gmc, ws))
+    code, dp, pp, lstep, seq_mc, gmc, ws = (a[kept] for a in (code, dp, pp, lstep, seq_mc, gmc, ws))
     fb = nr(fb)
     n = len(kept)
     rows = kept + lo
@@ -506,5 +538,6 @@ def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool) -> Gra
         end_sd_off=sd_off, end_sd_step=(es[sd_off] + s0).astype(np.int64), end_sd_dp=dp_o[end_pos[sd_off]],
         counts=counts,
     )
-    g.measure(start[order][:, None], dur[order][:, None])
+    if measure:
+        g.measure(p)
     return g

@@ -26,7 +26,14 @@ from ingest.schema import OPTYPES
 from . import optypes as T
 from .graph import Graph, build_graph
 from .load import PreparedOps
-from .simulate import Scenarios, pair_step_times, simulate, simulate_pairs, step_times
+from .simulate import (
+    Scenarios,
+    Work,
+    pair_step_times,
+    simulate,
+    simulate_pairs,
+    step_times,
+)
 
 CHUNK_OPS = 1_000_000
 """Ops per chunk of steps: bounds the memory of a pass (ops x columns x 8 bytes)."""
@@ -95,16 +102,12 @@ def build_graphs(p: PreparedOps, *, overlapped_dp: bool, chunk_ops: int = CHUNK_
         template = _regular(p)
     if template and _regular(p):
         bounds = p.step_bounds()
-        g = build_graph(p, 0, int(bounds[1]), overlapped_dp=overlapped_dp)
+        g = build_graph(p, 0, int(bounds[1]), overlapped_dp=overlapped_dp, measure=False)
         n_s = len(bounds) - 1
         for k in ("p2p_noop", "p2p_unpaired"):
             g.counts[k] = g.counts.get(k, 0) * n_s
         g.row_base = bounds[:-1].astype(np.int64) - bounds[0]
-        rows = g.rows()
-        start = p.start[rows]
-        dur = p.dur[rows]
-        del rows
-        g.measure(start, dur)
+        g.measure(p)
         return [g]
     return [build_graph(p, lo, hi, overlapped_dp=overlapped_dp) for lo, hi in _chunks(p, chunk_ops)]
 
@@ -169,19 +172,20 @@ def run_scenarios(p: PreparedOps, *, overlapped_dp: bool, chunk_ops: int = CHUNK
     per_step: dict[str, dict[int, float]] = {nm: {} for nm in names}
     pair: dict[tuple[int, int], float] = {}
     replay_err = 0.0
+    work = Work()
     for g, ideal in zip(graphs, ideals):
         keys = _keys(g, None)
         for b0, b1, bsteps in _batches(g, len(main)):
-            E, _ = simulate(g, ideal, keys, main, b0=b0, b1=b1)
+            E, _ = simulate(g, ideal, keys, main, b0=b0, b1=b1, work=work)
             st, tt = step_times(g, E, bsteps)
             for j, nm in enumerate(names):
                 _collect(per_step[nm], st, tt[:, j])
             # Fidelity of the model: the replay with delays must end every op where the trace does.
             if g.n:
-                replay_err = max(replay_err, float(np.max(np.abs(E[1:, :, 1] - g.end[:, b0:b1]))))
+                replay_err = max(replay_err, float(np.max(np.abs(E[1:, :, 1] - g.actual_end(p, b0, b1)))))
             del E
         for b0, b1, bsteps in _batches(g, 2):
-            s2, d2, t2 = pair_step_times(g, simulate_pairs(g, ideal, b0=b0, b1=b1), bsteps, n_dp)
+            s2, d2, t2 = pair_step_times(g, simulate_pairs(g, ideal, b0=b0, b1=b1, work=work), bsteps, n_dp)
             for s, d, v in zip(s2.tolist(), d2.tolist(), t2):
                 pair[(s, d)] = v
 
@@ -200,8 +204,7 @@ def run_scenarios(p: PreparedOps, *, overlapped_dp: bool, chunk_ops: int = CHUNK
     mean_ideal = float(np.mean(ideal_t))
     s_dp = {d: float(np.mean(v)) / mean_ideal for d, v in by_dp.items()}
     s_pp = {x: float(np.mean(v)) / mean_ideal for x, v in by_pp.items()}
-    present = np.zeros((lay.dp_size, lay.pp_size), bool)
-    present[p.dp, p.pp] = True
+    present = p.workers_present()
     sw = np.full((lay.pp_size, lay.dp_size), np.nan)
     for x in range(lay.pp_size):
         for d in range(lay.dp_size):
@@ -220,11 +223,12 @@ def run_scenarios(p: PreparedOps, *, overlapped_dp: bool, chunk_ops: int = CHUNK
     for g, ideal in zip(graphs, ideals):
         keys = _keys(g, top)
         for b0, b1, bsteps in _batches(g, 2):
-            E, _ = simulate(g, ideal, keys, mw_sc, b0=b0, b1=b1)
+            E, _ = simulate(g, ideal, keys, mw_sc, b0=b0, b1=b1, work=work)
             st, tt = step_times(g, E, bsteps)
             _collect(mw["mw_rem"], st, tt[:, 0])
             _collect(mw["mw_add"], st, tt[:, 1])
 
+    del work
     actual = _actual_step_times(p, steps_idx)
     return Run(
         steps=p.steps[steps_idx], actual=actual, sim=sim, replay=arr(per_step["replay"]), ideal=ideal_t,
@@ -239,5 +243,9 @@ def run_scenarios(p: PreparedOps, *, overlapped_dp: bool, chunk_ops: int = CHUNK
 def _actual_step_times(p: PreparedOps, steps_idx: np.ndarray) -> np.ndarray:
     """Last end minus first start per step (starts are already relative to the step start)."""
     bounds = p.step_bounds()
-    out = np.maximum.reduceat(p.start + p.dur, bounds[:-1])
+    out = np.zeros(len(bounds) - 1, np.int64)
+    for s in range(len(out)):  # one step at a time: no [n_ops] temporary
+        a, b = int(bounds[s]), int(bounds[s + 1])
+        if b > a:
+            out[s] = int(np.max(p.start[a:b] + p.dur[a:b]))
     return out[steps_idx] / 1e9

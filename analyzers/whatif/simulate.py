@@ -63,53 +63,115 @@ def _seg_max(seg, S: np.ndarray, tmp: np.ndarray) -> None:
         S[seg.big_idx] = np.repeat(G, seg.big_len, axis=0)
 
 
-def _buffers(g: Graph, nb: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+class Work:
+    """Reusable scratch memory for repeated passes: fresh large arrays cost page faults on every pass."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, np.ndarray] = {}
+        self.masks: tuple | None = None  # (graph, keys, scenarios, {nb: per-level cells}) of the last pass
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        size = int(np.prod(shape))
+        b = self._bufs.get(name)
+        if b is None or b.size < size:
+            b = self._bufs[name] = np.empty(size, np.float64)
+        return b[:size].reshape(shape)
+
+
+def _buffers(g: Graph, nb: int, k: int, work: Work | None) -> tuple[np.ndarray, np.ndarray]:
     m = max((lv.b - lv.a for lv in g.levels), default=0)
-    return np.empty((m, nb, k)), np.empty((m, nb, k))
+    if work is None:
+        return np.empty((m, nb, k)), np.empty((m, nb, k))
+    return work.get("S", (m, nb, k)), work.get("tmp", (m, nb, k))
+
+
+def _ends(g: Graph, nb: int, k: int, work: Work | None) -> np.ndarray:
+    E = np.empty((g.n + 1, nb, k), np.float64) if work is None else work.get("E", (g.n + 1, nb, k))
+    E[0] = 0.0
+    return E
 
 
 def simulate(g: Graph, ideal: np.ndarray, keys: np.ndarray, sc: Scenarios, *, b0: int = 0, b1: int | None = None,
-             want_start: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+             want_start: bool = False, work: Work | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """Run all scenario columns on batch columns [b0, b1).
 
     Returns (E, S): ends [n + 1, nb, k] (row 0 = step start) and, if asked, starts [n, nb, k].
     ``ideal`` is per op [n]; ``keys`` [n, n_keys] selects each column's original ops.
+    With ``work``, E lives in its reusable memory (valid until the next pass using it).
     """
     b1 = g.batch if b1 is None else b1
     nb, k = b1 - b0, len(sc)
-    E = np.zeros((g.n + 1, nb, k), np.float64)
+    E = _ends(g, nb, k, work)
     S_all = np.zeros((g.n, nb, k), np.float64) if want_start else None
     dcols = np.flatnonzero(sc.keep_delay)
-    cols = np.asarray(sc.key)
     orig = g.orig[:, b0:b1]
     delay = g.delay[:, b0:b1]
-    buf, tmp_buf = _buffers(g, nb, k)
-    for lv in g.levels:
+    buf, tmp_buf = _buffers(g, nb, k, work)
+    masks = _masks(g, keys, sc, nb, work)
+    over = g.delay_over  # delays too long for int32, sorted by row
+    for li, lv in enumerate(g.levels):
         a, b = lv.a, lv.b
         S, tmp = buf[:b - a], tmp_buf[:b - a]
         _pred_max(E, g, lv, S, tmp)
         for j in dcols:
             S[:, :, j] += delay[a:b]
+        if len(dcols) and over is not None:
+            lo, hi = np.searchsorted(over[0], (a, b))
+            if hi > lo:
+                r, c, v = over[0][lo:hi] - a, over[1][lo:hi], over[2][lo:hi]
+                ok = (c >= b0) & (c < b1)
+                for j in dcols:
+                    S[r[ok], c[ok] - b0, j] += v[ok]
         if want_start:
             S_all[a:b] = S
         _seg_max(lv.groups, S, tmp)
-        mask = keys[a:b][:, cols] == sc.value
-        mask ^= sc.invert
-        tmp[...] = ideal[a:b, None, None]
-        np.copyto(tmp, orig[a:b, :, None], where=mask[:, None, :])
-        np.add(S, tmp, out=E[a + 1:b + 1])
+        # Ideal durations in every column, then the (op, batch, column) cells whose column keeps the
+        # op's original duration, by flat index: each end is one rounding of start + duration.
+        Eo = E[a + 1:b + 1]
+        fidx, oidx = masks[li]
+        np.add(S, ideal[a:b, None, None], out=Eo)
+        if len(fidx):
+            Eo.reshape(-1)[fidx] = S.reshape(-1)[fidx] + orig[a:b].reshape(-1)[oidx]
     return E, S_all
 
 
-def simulate_pairs(g: Graph, ideal: np.ndarray, *, b0: int = 0, b1: int | None = None) -> np.ndarray:
+def _masks(g: Graph, keys: np.ndarray, sc: Scenarios, nb: int, work: Work | None) -> list[tuple]:
+    """Per level, flat indices of the cells that keep original durations: into [m, nb, k] and into [m, nb]."""
+    if work is not None and work.masks is not None:
+        g0, k0, s0, by_nb = work.masks
+        if g0 is g and k0 is keys and s0 is sc:
+            if nb in by_nb:
+                return by_nb[nb]
+        else:
+            work.masks = None  # other scenarios now: free the old cells before building the new
+    cols = np.asarray(sc.key)
+    k = len(sc)
+    masks = []
+    bs = np.arange(nb, dtype=np.intp)
+    for lv in g.levels:
+        mask = keys[lv.a:lv.b][:, cols] == sc.value
+        mask ^= sc.invert
+        ri, ci = np.nonzero(mask)
+        o = (ri.astype(np.intp) * nb)[:, None] + bs  # cell (r, b) of the level's [m, nb] originals
+        f = (o * k + ci[:, None]).ravel()
+        # int32 halves the cache (indices stay below m * nb * k).
+        it = np.int32 if (lv.b - lv.a) * nb * k < 2**31 else np.intp
+        masks.append((f.astype(it), o.ravel().astype(it)))
+    if work is not None:
+        if work.masks is None:
+            work.masks = (g, keys, sc, {})
+        work.masks[3][nb] = masks
+    return masks
+
+
+def simulate_pairs(g: Graph, ideal: np.ndarray, *, b0: int = 0, b1: int | None = None,
+                   work: Work | None = None) -> np.ndarray:
     """Pair mode: ends [n + 1, nb, 2] (column 0 original DP rank, column 1 its ideal stand-in)."""
     b1 = g.batch if b1 is None else b1
     nb = b1 - b0
-    E = np.zeros((g.n + 1, nb, 2), np.float64)
-    D = np.empty((g.n, nb, 2), np.float64)
-    D[:, :, 0] = g.orig[:, b0:b1]
-    D[:, :, 1] = ideal[:, None]
-    buf, tmp_buf = _buffers(g, nb, 2)
+    E = _ends(g, nb, 2, work)
+    orig = g.orig[:, b0:b1]
+    buf, tmp_buf = _buffers(g, nb, 2, work)
     for lv in g.levels:
         a, b = lv.a, lv.b
         S, tmp = buf[:b - a], tmp_buf[:b - a]
@@ -118,7 +180,9 @@ def simulate_pairs(g: Graph, ideal: np.ndarray, *, b0: int = 0, b1: int | None =
         if lv.wide_rows is not None:
             w = lv.wide_rows
             S[w] = S[w].max(axis=2, keepdims=True)
-        np.add(S, D[a:b], out=E[a + 1:b + 1])
+        Eo = E[a + 1:b + 1]
+        np.add(S[:, :, 0], orig[a:b], out=Eo[:, :, 0])
+        np.add(S[:, :, 1], ideal[a:b, None], out=Eo[:, :, 1])
     return E
 
 

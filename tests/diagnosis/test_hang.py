@@ -100,3 +100,36 @@ def test_a_silent_process_on_a_live_host_is_a_hung_rank_not_node_loss():
     t.add_heartbeats(hb.set_column(hb.schema.get_field_index("ts_ns"), "ts_ns", pa.array(ts)))
     hang = t.evaluate(inc.now_ns, input_alive=True)
     assert hang.kind == "comm_hang" and hang.missing_ranks == [culprit]
+
+
+def test_the_chain_is_followed_to_the_rank_that_waits_for_nobody():
+    """Rank 2 has waited longest, on rank 0; but rank 0 waits inside a collective for rank 1 (stopped)."""
+    import pyarrow as pa
+
+    from ingest import schema as S
+
+    now = 1_000 * 10**9
+    s = 10**9
+
+    def hb(rank, ts, group, seq, since, op="recv"):
+        return dict(job_id="j", attempt=0, rank=rank, host="h0", pid=rank, ts_ns=ts, step=6, last_op="x",
+                    last_op_end_ns=now - 200 * s, inflight_op=op if group else "", inflight_group=group,
+                    inflight_seq=seq, inflight_since_ns=since, clock_offset_ns=0, stack="")
+    rows = [hb(0, now, "ranks:0-1", 12, now - 190 * s, "all_reduce"),
+            hb(1, now - 195 * s, "ranks:0-1", 11, now - 196 * s, "all_reduce"),  # stopped: stale
+            hb(2, now, "p2p:0>2", 40, now - 199 * s),
+            hb(3, now, "p2p:1>3", 40, now - 198 * s)]
+    t = HangTracker("j", params=PARAMS)
+    t.add_heartbeats(S.from_rows(S.HEARTBEAT, rows))
+    # Rank 0 sent 39 messages to rank 2 and rank 1 completed all-reduce 11.
+    t.add_ccl(S.from_rows(S.CCL_RECORD, [
+        dict(job_id="j", attempt=0, rank=0, window_id=-1, step=5, group="p2p:0>2", group_ranks=[0, 2], seq=39,
+             op="send", algorithm="", nbytes=1, enter_ns=now - 201 * s, exit_ns=now - 200 * s, peers=[],
+             peer_transfer_ns=[], peer_bytes=[], recv_wait_ns=0),
+        dict(job_id="j", attempt=0, rank=1, window_id=-1, step=5, group="ranks:0-1", group_ranks=[0, 1], seq=11,
+             op="all_reduce", algorithm="", nbytes=1, enter_ns=now - 201 * s, exit_ns=now - 200 * s, peers=[],
+             peer_transfer_ns=[], peer_bytes=[], recv_wait_ns=0)]))
+    hang = t.evaluate(now, input_alive=True)
+    assert hang.kind == "comm_hang"
+    assert hang.missing_ranks == [1] and (hang.group, hang.seq) == ("ranks:0-1", 12)
+    assert hang.stuck_ranks == [0, 2, 3]
