@@ -115,16 +115,13 @@ class WindowTracker:
         """Route CCL records of profiled windows (``window_id >= 0``) for link diagnosis."""
         table = table.filter(pc.greater_equal(table["window_id"], 0))
         for key, part in _split_by_window(table):
-            win = self._open(key, part.num_rows)
-            if win is None:
-                continue
-            win.ccl_tables.append(part)
-            win.n_rows += part.num_rows
-            win.first_offset.setdefault(tp, offset)
-            win.last_seen = now
+            win = self._open(key, part.num_rows, tp, offset, now)
+            if win is not None:
+                win.ccl_tables.append(part)
 
-    def _open(self, key: WindowKey, n_rows: int) -> OpenWindow | None:
-        """The open window of ``key`` (opened now if new), or None when its records are late."""
+    def _open(self, key: WindowKey, n_rows: int, tp: TopicPartition, offset: int, now: float) -> OpenWindow | None:
+        """The open window that takes ``n_rows`` records of ``key`` (opened now if new), with its
+        bookkeeping done; None when the records are late (counted, to be dropped)."""
         win = self.open.get(key)
         if win is None:
             if key in self._stored or self._is_stored(key):
@@ -137,16 +134,16 @@ class WindowTracker:
             # Arrived after the window was handed to the analyzer: late.
             self.counters.late_records += n_rows
             return None
+        win.n_rows += n_rows
+        win.first_offset.setdefault(tp, offset)
+        win.last_seen = now
         return win
 
     def _add(self, key: WindowKey, part: pa.Table, tp: TopicPartition, offset: int, now: float) -> None:
-        win = self._open(key, part.num_rows)
+        win = self._open(key, part.num_rows, tp, offset, now)
         if win is None:
             return
         win.tables.append(part)
-        win.n_rows += part.num_rows
-        win.first_offset.setdefault(tp, offset)
-        win.last_seen = now
         steps = part["step"].to_numpy()
         win.steps.update(np.unique(steps).tolist())
         opt = pc.equal(part["optype"], "optimizer").to_numpy(zero_copy_only=False)

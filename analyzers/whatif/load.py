@@ -427,13 +427,7 @@ def _sort_order(step_idx, dp, pp, codes, rel, seq, layout: JobLayout) -> np.ndar
     """
     n = len(codes)
     idx_bits = max(1, (n - 1).bit_length())
-    major = step_idx.astype(np.int64)
-    major *= layout.dp_size
-    major += dp
-    major *= layout.pp_size
-    major += pp
-    major *= 8
-    major += STREAM_OF_CODE[codes]
+    major = _major_key(step_idx, dp, pp, codes, layout)
     rmin, rmax = (int(rel.min()), int(rel.max())) if n else (0, 0)
     major_bits = int(major.max(initial=0)).bit_length()
     rel_bits = max(rmax, 0).bit_length()
@@ -474,7 +468,8 @@ def _sort_order(step_idx, dp, pp, codes, rel, seq, layout: JobLayout) -> np.ndar
     return order
 
 
-def _lexsort(step_idx, dp, pp, codes, rel, seq, layout: JobLayout) -> np.ndarray:
+def _major_key(step_idx, dp, pp, codes, layout: JobLayout) -> np.ndarray:
+    """(step, dp, pp, stream) packed into one int64, built in place."""
     major = step_idx.astype(np.int64)
     major *= layout.dp_size
     major += dp
@@ -482,7 +477,11 @@ def _lexsort(step_idx, dp, pp, codes, rel, seq, layout: JobLayout) -> np.ndarray
     major += pp
     major *= 8
     major += STREAM_OF_CODE[codes]
-    return np.lexsort((seq, rel, major))
+    return major
+
+
+def _lexsort(step_idx, dp, pp, codes, rel, seq, layout: JobLayout) -> np.ndarray:
+    return np.lexsort((seq, rel, _major_key(step_idx, dp, pp, codes, layout)))
 
 
 _BLOCK = 1 << 20
