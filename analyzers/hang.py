@@ -269,7 +269,8 @@ class HangTracker:
         stacks = {r: st.stack for r, st in self.ranks.items() if st.stack}
         merged = merge_stacks(stacks, all_ranks=sorted(self.ranks)) if stacks else None
         return {"threshold_s": self.threshold_s(), "wait_chain": chain,
-                "stacks_folded": merged.folded() if merged else "", "ranks_with_stacks": fold_ranks(stacks)}
+                "stacks_folded": merged.folded() if merged else "", "stacks_svg": merged.svg() if merged else "",
+                "ranks_with_stacks": fold_ranks(stacks)}
 
     def wait_chain(self, missing: list[int], group: str, seq: int) -> dict[str, Any]:
         """For each rank: the op it waits on and the ranks it waits for; the root of the chain."""

@@ -65,3 +65,4 @@ def test_sigstopped_rank_is_the_missing_rank_of_a_comm_hang(broker):
     assert stacks, "the waiting peers dumped their stacks"
     assert "train_gloo.py" in stacks and "[ranks " in stacks
     assert "1" not in evidence["ranks_with_stacks"].split(","), "a stopped rank cannot dump"
+    assert evidence["stacks_svg"].startswith("<svg") and "train_gloo.py" in evidence["stacks_svg"]

@@ -105,3 +105,9 @@ for _, h in hangs.iterrows():
         if ev.get("stacks_folded"):
             st.markdown("**Merged stacks** (each frame: the ranks in it | the ranks not in it)")
             st.code(ev["stacks_folded"], language=None)
+            d1, d2 = st.columns(2)
+            d1.download_button("Folded stacks", ev["stacks_folded"], file_name=f"{job}-{h['hang_id']}.folded",
+                               key=f"folded-{h['hang_id']}")
+            if ev.get("stacks_svg"):
+                d2.download_button("Flame graph (SVG)", ev["stacks_svg"], file_name=f"{job}-{h['hang_id']}.svg",
+                                   mime="image/svg+xml", key=f"svg-{h['hang_id']}")
