@@ -116,6 +116,8 @@ def main() -> int:
                 for aid, ts in zip(a["alert_id"].to_pylist(), a["ts_ns"].to_pylist()):
                     seen_alerts.setdefault(aid, ts)
                 wl = [(ts - sent_at[k]) / 1e9 for k, ts in seen_windows.items() if k in sent_at]
+                recent = [(ts - sent_at[k]) / 1e9 for k, ts in seen_windows.items()
+                          if k in sent_at and sent_at[k] >= time.time_ns() - 60 * 10**9]
                 al = []
                 for aid, ts in seen_alerts.items():
                     job, att, _, wid = aid.split("/")
@@ -127,6 +129,7 @@ def main() -> int:
                 mem_samples.append(mem)
                 print(f"t={args.minutes * 60 - (t_end - now):6.0f}s published={published} ({ops_sent:,} ops) "
                       f"stored={len(seen_windows)} lag={lag} window p50/p99={pct(wl, 50):.2f}/{pct(wl, 99):.2f}s "
+                      f"(last 60 s: {pct(recent, 50):.2f}/{pct(recent, 99):.2f}s) "
                       f"alerts={len(al)} p50/p99={pct(al, 50):.2f}/{pct(al, 99):.2f}s "
                       f"mem={mem:,.0f} MB (+{mem - mem0:,.0f})", flush=True)
             time.sleep(0.05)
