@@ -34,9 +34,7 @@ def init_ray(cfg: Config) -> None:
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, log_to_driver=False)
         return
-    # Without this Ray binds the machine's external address even when told
-    # 127.0.0.1 (ARCHITECTURE.md, "Loopback only").
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set by ray_jobs/__init__.py, before Ray is imported.
     ray.init(
         num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
         log_to_driver=False, configure_logging=True, logging_level=logging.WARNING,

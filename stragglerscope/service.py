@@ -65,6 +65,7 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
     stack.callback(lambda: ray.shutdown() if ray.is_initialized() else None)
     pipeline = stack.enter_context(Pipeline(run_cfg, source_id))
     say(f"ray        {len(pipeline.actors)} shard actors on {cfg.ray.address or 'a local Ray (127.0.0.1)'}")
+    sigterm_as_interrupt()
     if cfg.pipeline.metrics_port >= 0:
         port = pipeline.serve_metrics(cfg.pipeline.metrics_port)
         say(f"metrics    http://127.0.0.1:{port}/metrics")
@@ -72,10 +73,16 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
 
 
 def sigterm_as_interrupt() -> None:
-    """SIGTERM unwinds like Ctrl-C, so every started process is stopped in order."""
+    """SIGTERM unwinds like Ctrl-C, so every started process is stopped in order.
+
+    Called again once Ray is up: Ray's core worker installs its own fatal-signal
+    handler for SIGTERM, which would end the process before anything is stopped.
+    """
     def handler(*_):
         raise KeyboardInterrupt()
     signal.signal(signal.SIGTERM, handler)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def run_service(cfg: Config) -> int:
