@@ -84,7 +84,7 @@ def start_console(store_url: str, cfg: Config) -> subprocess.Popen:
 def run_demo(cfg: Config, opts: DemoOptions) -> int:
     from tqdm import tqdm
 
-    from stragglerscope.service import say, sigterm_as_interrupt, start_services
+    from stragglerscope.service import say, sigterm_as_interrupt, start_services, wait_stored
 
     sigterm_as_interrupt()
     try:
@@ -97,17 +97,8 @@ def run_demo(cfg: Config, opts: DemoOptions) -> int:
             bar.close()
             say(f"produced   {opts.jobs} jobs, {len(keys)} windows, {n_ops:,} op records (run {tag})")
 
-            pending = set(keys)
-            bar = tqdm(total=len(keys), desc="analyse", unit="window", file=sys.stderr, disable=None)
-
-            def done(_status) -> bool:
-                pending.difference_update([k for k in list(pending) if svc.store.window_stored(k)])
-                bar.update(len(keys) - len(pending) - bar.n)
-                return not pending
-
-            ok = svc.pipeline.wait(done, timeout_s=opts.timeout_s)
-            bar.close()
-            if not ok:
+            pending = wait_stored(svc, keys, opts.timeout_s)
+            if pending:
                 say(f"error: {len(pending)} of {len(keys)} windows were not stored within "
                     f"{opts.timeout_s:.0f} s; shard status: {svc.pipeline.status()}")
                 return 1

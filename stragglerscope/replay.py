@@ -85,7 +85,7 @@ def run_replay(cfg: Config, paths: list[str], timeout_s: float = 1800.0) -> int:
     from tqdm import tqdm
 
     from ingest.producer import TelemetryProducer
-    from stragglerscope.service import say, sigterm_as_interrupt, start_services
+    from stragglerscope.service import say, sigterm_as_interrupt, start_services, wait_stored
 
     loaded = [(p, *load_trace(p)) for p in paths]  # fail on bad input before starting anything
     keys = set()
@@ -107,17 +107,8 @@ def run_replay(cfg: Config, paths: list[str], timeout_s: float = 1800.0) -> int:
                     return 1
             say(f"replayed   {len(loaded)} traces, {len(keys)} windows, "
                 f"{sum(t.num_rows for _, t, _ in loaded):,} op records")
-            pending = set(keys)
-            bar = tqdm(total=len(keys), desc="analyse", unit="window", file=sys.stderr, disable=None)
-
-            def done(_status) -> bool:
-                pending.difference_update([k for k in list(pending) if svc.store.window_stored(k)])
-                bar.update(len(keys) - len(pending) - bar.n)
-                return not pending
-
-            ok = svc.pipeline.wait(done, timeout_s=timeout_s)
-            bar.close()
-            if not ok:
+            pending = wait_stored(svc, keys, timeout_s)
+            if pending:
                 say(f"error: {len(pending)} of {len(keys)} windows not stored within {timeout_s:.0f} s")
                 return 1
             say(f"stored     {len(keys)} windows")

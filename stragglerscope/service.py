@@ -72,6 +72,24 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
     return Services(run_cfg, source_id, store, pipeline)
 
 
+def wait_stored(svc: Services, keys, timeout_s: float) -> set:
+    """Wait until every window key is stored, with a progress bar; returns the keys still missing."""
+    from tqdm import tqdm
+
+    keys = list(keys)
+    pending = set(keys)
+    bar = tqdm(total=len(keys), desc="analyse", unit="window", file=sys.stderr, disable=None)
+
+    def done(_status) -> bool:
+        pending.difference_update([k for k in list(pending) if svc.store.window_stored(k)])
+        bar.update(len(keys) - len(pending) - bar.n)
+        return not pending
+
+    svc.pipeline.wait(done, timeout_s=timeout_s)
+    bar.close()
+    return pending
+
+
 def sigterm_as_interrupt() -> None:
     """SIGTERM unwinds like Ctrl-C, so every started process is stopped in order.
 

@@ -46,3 +46,17 @@ def test_demo_once_stores_every_window_and_keeps_history(tmp_path):
     summary = json.loads(r.stdout)
     summary = summary[0] if isinstance(summary, list) else summary
     assert summary["jobs"] == 10 and summary["windows"] == 20
+
+
+def test_replay_of_a_golden_trace_stores_its_published_slowdown(tmp_path):
+    """`stragglerscope replay` of the ST trace: through Kafka and Ray, the stored S is the published one."""
+    golden = os.path.join(os.path.dirname(__file__), "..", "golden", "whatif", "ST")
+    env = dict(os.environ, STRAGGLERSCOPE_STORE=f"chdb://{tmp_path / 'store'}", STRAGGLERSCOPE_PIPELINE_METRICS_PORT="-1")
+    r = cli("replay", golden, "--timeout", "180", env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "stored     1 windows" in r.stderr
+    r = cli("sql", "job_windows", "--param", "job_id=ST", "--format", "json", env=env)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)
+    assert abs(row["slowdown"] / 1.1787021836556841 - 1) < 0.005
+    assert row["verdict"] == "last_stage_imbalance"
