@@ -76,6 +76,9 @@ def test_outage_is_spooled_and_replayed_exactly_once(tmp_path):
         assert prod.stats.batches_spooled >= 1, "the outage was long enough to spool"
         got = _consume(broker.bootstrap, job, len(sent_during_outage))
         assert got == sent_during_outage, "nothing lost, nothing twice, oldest first"
-        assert max(send_times) < 0.05, f"send() blocked: {max(send_times):.3f} s"
+        # send() encodes on the caller's thread (milliseconds) and never waits for the broker,
+        # whose timeouts are seconds; a loaded 2-core machine can still stretch one call.
+        assert sorted(send_times)[len(send_times) // 2] < 0.02, f"send() median {sorted(send_times)}"
+        assert max(send_times) < 0.5, f"send() blocked: {max(send_times):.3f} s"
     finally:
         broker.stop()

@@ -54,7 +54,7 @@ def test_flight_recorder_dumps_of_a_stuck_gloo_job_name_the_missing_rank(tmp_pat
                 dist.all_reduce(t)
             if rank != 2:  # rank 2 never enters the fifth all_reduce
                 work = dist.all_reduce(t, async_op=True)
-                time.sleep(1.0)
+            time.sleep(1.0)  # let Flight Recorder retire the finished entries before the dump
             import torch._C._distributed_c10d as c
             open(os.path.join({str(tmp_path)!r}, f"fr_rank_{{rank}}.json"), "wb").write(c._dump_fr_trace_json(True, True))
             os._exit(0)
