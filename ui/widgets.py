@@ -50,7 +50,7 @@ def bar(df: pd.DataFrame, label: str, value: str, title: str = "", zero: bool = 
         y=alt.Y(f"{label}:N", sort="-x", title=None, axis=alt.Axis(labelLimit=260, labelOverlap=False)),
         tooltip=list(df.columns),
     ).properties(title=title, height=max(160, 28 * len(df)))
-    st.altair_chart(chart, use_container_width=True)
+    st.altair_chart(chart, width="stretch")
 
 
 def heatmap(df: pd.DataFrame, x: str, y: str, value: str, title: str = "", scheme: str = "reds") -> None:
@@ -64,4 +64,4 @@ def heatmap(df: pd.DataFrame, x: str, y: str, value: str, title: str = "", schem
         color=alt.Color(f"{value}:Q", scale=alt.Scale(scheme=scheme), title=value.replace("_", " ")),
         tooltip=list(df.columns),
     ).properties(title=title, height=max(160, 40 * df[y].nunique()))
-    st.altair_chart(chart, use_container_width=True)
+    st.altair_chart(chart, width="stretch")

@@ -25,7 +25,7 @@ def feed() -> None:
     if not show_acked and "alert_id" in df:
         df = df[~df["alert_id"].isin(acked)]
     st.caption(f"{len(df)} alerts · refreshed every 5 s")
-    st.dataframe(df, use_container_width=True, hide_index=True)
+    st.dataframe(df, width="stretch", hide_index=True)
     if "alert_id" in df and not df.empty:
         pick = st.multiselect("Acknowledge", df["alert_id"].tolist())
         if st.button("Acknowledge selected", disabled=not pick):

@@ -34,7 +34,7 @@ with left:
         x, y = cdf.columns[0], cdf.columns[1]
         st.altair_chart(alt.Chart(cdf).mark_line(interpolate="step-after").encode(
             x=alt.X(f"{x}:Q", title="S", scale=alt.Scale(zero=False)), y=alt.Y(f"{y}:Q", title="share of jobs")),
-            use_container_width=True)
+            width="stretch")
 with right:
     st.subheader("Wasted GPU-hours by root cause")
     by_cause = named("wasted_by_cause", **params)
@@ -55,5 +55,5 @@ top = named("top_wasting_jobs", **params, limit=20)
 if top.empty:
     st.info("No jobs yet.")
 else:
-    st.dataframe(top, use_container_width=True, hide_index=True)
+    st.dataframe(top, width="stretch", hide_index=True)
     st.caption("Open one on the Job page.")

@@ -33,7 +33,7 @@ c[4].metric("Windows", len(windows))
 st.subheader("S per window")
 st.altair_chart(alt.Chart(windows).mark_line(point=True).encode(
     x=alt.X("window_id:Q", title="window (first step)"), y=alt.Y("slowdown:Q", scale=alt.Scale(zero=False)),
-    tooltip=["window_id", "slowdown", "waste_fraction", "verdict", "complete"]), use_container_width=True)
+    tooltip=["window_id", "slowdown", "waste_fraction", "verdict", "complete"]), width="stretch")
 
 window_ids = windows["window_id"].tolist()
 wid = st.selectbox("Window", window_ids, index=len(window_ids) - 1)
@@ -54,7 +54,7 @@ with right:
     else:
         st.altair_chart(alt.Chart(steps).mark_bar().encode(
             x=alt.X("step:O"), y=alt.Y("slowdown:Q", scale=alt.Scale(zero=False)),
-            tooltip=list(steps.columns)), use_container_width=True)
+            tooltip=list(steps.columns)), width="stretch")
 
 st.subheader("Verdicts")
 try:
@@ -101,7 +101,7 @@ for _, h in hangs.iterrows():
         chain = ev.get("wait_chain") or {}
         if chain:
             st.markdown(f"**Wait chain** — root: ranks `{chain.get('root') or '?'}`")
-            st.dataframe(pd.DataFrame(chain.get("rows", [])), use_container_width=True, hide_index=True)
+            st.dataframe(pd.DataFrame(chain.get("rows", [])), width="stretch", hide_index=True)
         if ev.get("stacks_folded"):
             st.markdown("**Merged stacks** (each frame: the ranks in it | the ranks not in it)")
             st.code(ev["stacks_folded"], language=None)

@@ -22,7 +22,7 @@ with tab_named:
     except Exception as e:  # bad parameter: show it, keep the page
         st.error(str(e).splitlines()[0])
     else:
-        st.dataframe(df, use_container_width=True, hide_index=True)
+        st.dataframe(df, width="stretch", hide_index=True)
         st.download_button("Download CSV", df.to_csv(index=False), file_name=f"{name}.csv", mime="text/csv")
 
 with tab_free:
@@ -33,5 +33,5 @@ with tab_free:
         except Exception as e:
             st.error(str(e).splitlines()[0])
         else:
-            st.dataframe(df, use_container_width=True, hide_index=True)
+            st.dataframe(df, width="stretch", hide_index=True)
             st.download_button("Download CSV", df.to_csv(index=False), file_name="query.csv", mime="text/csv")
