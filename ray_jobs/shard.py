@@ -15,7 +15,6 @@ The worker takes its transports as arguments (``consumer_factory``,
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -291,7 +290,3 @@ def _unregistered(win: ReadyWindow) -> JobInfo:
     steps = len(set(win.ops["step"].to_pylist()))
     return JobInfo(job_id=win.key[0], attempt=win.key[1], layout=JobLayout(dp, pp), profiled_steps=steps,
                    registered=False)
-
-
-def alert_json(alert: dict) -> bytes:
-    return json.dumps(alert).encode()
