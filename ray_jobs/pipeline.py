@@ -95,6 +95,21 @@ class Pipeline:
         ]
         return self
 
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Block until every shard has connected to Kafka and the store and is polling.
+
+        A shard's constructor runs its setup (clients, stored offsets), so its
+        first answered call means it is live. Callers that must not miss the
+        first seconds of a job (a hang that starts early) wait here first.
+        """
+        import ray
+
+        try:
+            ray.get([a.status.remote() for a in self.actors], timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"shard actors not ready after {timeout_s:.0f} s "
+                               "(is Ray short of CPUs, or Kafka or the store unreachable?)") from None
+
     def status(self, timeout_s: float = 10.0) -> list[dict]:
         """One dict of counters per shard; a shard that does not answer reports ``error``."""
         import ray

@@ -53,6 +53,8 @@ class PipelineConfig:
     """Rows held in open windows per shard before the shard stops polling."""
     metrics_port: int = 0
     """Prometheus metrics on 127.0.0.1:PORT; 0 = a free port, -1 = off."""
+    ready_timeout_s: float = 120.0
+    """How long to wait at start for every shard actor to be consuming before giving up."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,6 +64,7 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
 
     stack.callback(lambda: ray.shutdown() if ray.is_initialized() else None)
     pipeline = stack.enter_context(Pipeline(run_cfg, source_id))
+    pipeline.wait_ready(cfg.pipeline.ready_timeout_s)
     say(f"ray        {len(pipeline.actors)} shard actors on {cfg.ray.address or 'a local Ray (127.0.0.1)'}")
     sigterm_as_interrupt()
     if cfg.pipeline.metrics_port >= 0:

@@ -56,6 +56,7 @@ def _run(broker, ray_local, tmp_path, tag, keys, kill: bool):
         cfg = Config().replace(kafka={"bootstrap": broker.bootstrap, "partitions": PARTITIONS},
                                store={"url": daemon.url}, pipeline={"shards": 2, "idle_timeout_s": 30.0})
         pipe = Pipeline(cfg, source_id=f"src-{uuid.uuid4().hex[:6]}").start()
+        pipe.wait_ready()  # the job must not start before its shard listens
         kills = 0
         kill_at = [0.1, 0.4, 0.7] if kill else []  # shares of the windows stored: kill mid-stream
         try:

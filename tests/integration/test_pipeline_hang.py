@@ -38,6 +38,7 @@ def test_hang_alert_is_stored_within_threshold_plus_5s(broker, ray_local, tmp_pa
             pipeline={"shards": 2, "idle_timeout_s": 60.0},
             hang={"floor_s": FLOOR_S, "k_steps": 10.0, "heartbeat_timeout_s": 3.0})
         pipe = Pipeline(cfg, source_id=f"src-{uuid.uuid4().hex[:6]}").start()
+        pipe.wait_ready()  # the job must not start before its shard listens
         proc = subprocess.Popen(
             [sys.executable, "-m", "ingest.train_gloo", "--bootstrap", broker.bootstrap, "--job-id", job,
              "--steps", "30", "--stop-rank", "1", "--stop-at-step", "6", "--heartbeat-s", "0.5",
