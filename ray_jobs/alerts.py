@@ -3,12 +3,17 @@
 ``AlertRules.evaluate_window`` turns a window result row into zero or more
 alert rows (ALERT schema). State is the last alert time per (job, rule), kept
 in the shard that owns the job; ``now`` is injected so tests drive it.
+``WebhookSender`` delivers them to an optional webhook off the shard's loop.
 """
 from __future__ import annotations
 
 import json
 import logging
+import queue
+import threading
+import time
 import urllib.request
+from typing import Callable
 
 from ingest import schema as S
 from stragglerscope.config import AlertConfig
@@ -113,3 +118,56 @@ def post_webhook(url: str, alert: dict, timeout_s: float = 3.0) -> bool:
         log.warning("webhook %s failed: %s", url, e)
         return False
 
+
+
+class WebhookSender:
+    """POSTs alerts from a background thread so a slow or dead webhook never stalls a shard.
+
+    The queue is bounded: when the receiver cannot keep up, the newest alerts
+    are dropped and counted (they are stored and on the alerts topic anyway).
+    A failed POST is retried ``retries`` times with a doubling back-off.
+    """
+
+    def __init__(self, url: str, post: Callable[[str, dict], bool] = post_webhook, max_queue: int = 1000,
+                 retries: int = 2, backoff_s: float = 0.5):
+        self.url = url
+        self._post = post
+        self._retries = retries
+        self._backoff_s = backoff_s
+        self._q: queue.Queue = queue.Queue(max_queue)
+        self.sent = self.failed = self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name="webhook", daemon=True)
+        self._thread.start()
+
+    def submit(self, alert: dict) -> bool:
+        """Queue one alert; False (counted in ``dropped``) when the queue is full. Never blocks."""
+        try:
+            self._q.put_nowait(alert)
+            return True
+        except queue.Full:
+            self.dropped += 1
+            return False
+
+    def _run(self) -> None:
+        while True:
+            alert = self._q.get()
+            if alert is None:
+                return
+            delay = self._backoff_s
+            for attempt in range(self._retries + 1):
+                if self._post(self.url, alert):
+                    self.sent += 1
+                    break
+                if attempt < self._retries:
+                    time.sleep(delay)
+                    delay *= 2
+            else:
+                self.failed += 1
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Send what is queued (within ``timeout_s``), then stop the thread."""
+        try:
+            self._q.put(None, timeout=timeout_s)
+        except queue.Full:
+            return
+        self._thread.join(timeout_s)

@@ -57,7 +57,9 @@ def _make_actor_class():
         """Holds one ShardWorker; Ray only hosts it (its logic is tested without Ray)."""
 
         def __init__(self, index, partitions, cfg, source_id):
-            logging.basicConfig(level=logging.INFO, format="%(asctime)s shard %(name)s %(levelname)s %(message)s")
+            from stragglerscope import logs
+
+            logs.configure(cfg.pipeline.log_format, logging.INFO, shard=index, source=source_id)
             self.worker = ShardWorker(index, partitions, cfg, source_id, submit=remote_analyze.remote)
             self.worker.start()
 

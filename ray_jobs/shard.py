@@ -23,7 +23,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from ingest import schema as S
-from ray_jobs.alerts import AlertRules, post_webhook
+from ray_jobs.alerts import AlertRules, WebhookSender
 from analyzers.hang import HangParams
 from ray_jobs.analysis import analyze_window, failed_window
 from ray_jobs.hangs import HangMonitor, hang_table
@@ -47,6 +47,9 @@ class ShardStats:
     windows_failed: int = 0
     alerts: int = 0
     hangs: int = 0
+    webhook_sent: int = 0
+    webhook_failed: int = 0
+    webhook_dropped: int = 0
     analyzer_seconds: float = 0.0
     window_latency_s_last: float = 0.0
     inflight: int = 0
@@ -96,6 +99,8 @@ class ShardWorker:
         for row in self.sink.load_jobs():
             self.tracker.register(JobInfo.from_row(row))
         self.alerts_out = self.source.alert_producer() if hasattr(self.source, "alert_producer") else None
+        url = self.cfg.alerts.webhook_url
+        self.webhook = WebhookSender(url) if url else None
 
     def start(self) -> bool:
         """Run the loop in a thread of this actor (status() stays callable)."""
@@ -109,7 +114,7 @@ class ShardWorker:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(30)
-        for c in (getattr(self, "source", None), getattr(self, "sink", None)):
+        for c in (getattr(self, "source", None), getattr(self, "sink", None), getattr(self, "webhook", None)):
             if c is not None and hasattr(c, "close"):
                 try:
                     c.close()
@@ -152,6 +157,9 @@ class ShardWorker:
         st.lag = self.source.lag()
         st.records = self.tracker.counters.records
         st.late_records = self.tracker.counters.late_records
+        if self.webhook is not None:
+            st.webhook_sent, st.webhook_failed, st.webhook_dropped = (
+                self.webhook.sent, self.webhook.failed, self.webhook.dropped)
         st.idle = got == 0 and not self._inflight and not self.tracker.open and st.lag == 0
 
     def _handle(self, msg, now: float) -> None:
@@ -264,8 +272,8 @@ class ShardWorker:
             self.stats.alerts += 1
             if self.alerts_out is not None:
                 self.alerts_out(a)
-            if self.cfg.alerts.webhook_url:
-                post_webhook(self.cfg.alerts.webhook_url, a)
+            if self.webhook is not None:
+                self.webhook.submit(a)
 
     def _commit(self) -> None:
         # Dead letters and registrations written since the last flush are covered

@@ -173,6 +173,10 @@ def _dispatch(args: argparse.Namespace) -> int:
               f"M_W={res['M_W']:.3f}  M_S={res['M_S']:.3f}  -> {args.json_out}")
         return 0
     cfg = config_mod.load(getattr(args, "config", None))
+    if cfg.pipeline.log_format != "text":
+        from stragglerscope import logs
+
+        logs.configure(cfg.pipeline.log_format, logging.INFO if args.verbose else logging.WARNING)
     if getattr(args, "store", None):
         cfg = cfg.replace(store={"url": args.store})
     if cmd == "demo":

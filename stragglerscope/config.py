@@ -55,6 +55,8 @@ class PipelineConfig:
     """Prometheus metrics on 127.0.0.1:PORT; 0 = a free port, -1 = off."""
     ready_timeout_s: float = 120.0
     """How long to wait at start for every shard actor to be consuming before giving up."""
+    log_format: str = "text"
+    """Shard and CLI logs: 'text', or 'json' for one JSON object per line (for a log shipper)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +119,10 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
         raise ConfigError(f"{where}: expected {typ.__name__}, got {value!r}") from None
 
 
+# Keys whose value must be one of a few words.
+_CHOICES = {("pipeline", "log_format"): ("text", "json")}
+
+
 def _merge(cfg: Config, data: Mapping[str, Mapping[str, Any]], source: str) -> Config:
     sections = {f.name: f for f in dataclasses.fields(Config)}
     updated = {}
@@ -133,6 +139,9 @@ def _merge(cfg: Config, data: Mapping[str, Mapping[str, Any]], source: str) -> C
                 raise ConfigError(f"{source}: unknown key {sname}.{key} (known: {', '.join(fields)})")
             typ = type(getattr(current, key))
             changes[key] = _coerce(value, typ, f"{source}: {sname}.{key}")
+            allowed = _CHOICES.get((sname, key))
+            if allowed and changes[key] not in allowed:
+                raise ConfigError(f"{source}: {sname}.{key} must be one of {', '.join(allowed)}, not {value!r}")
         updated[sname] = dataclasses.replace(current, **changes)
     return dataclasses.replace(cfg, **updated)
 

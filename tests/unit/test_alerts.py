@@ -41,3 +41,75 @@ def test_severity_and_summary():
     a = AlertRules(AlertConfig()).evaluate_window(row(slowdown=1.8, waste_fraction=0.44), 0.0, 0)[0]
     assert a["severity"] == "critical"
     assert "S=1.80" in a["summary"] and "worker" in a["summary"] and "64 GPUs" in a["summary"]
+
+
+# -- webhook delivery ----------------------------------------------------------
+import http.server
+import json
+import threading
+import time
+
+from ray_jobs.alerts import WebhookSender, post_webhook
+
+
+def test_webhook_posts_json_to_a_real_http_server():
+    got = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            got.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        sender = WebhookSender(f"http://127.0.0.1:{srv.server_port}/hook")
+        for i in range(3):
+            assert sender.submit({"rule": "hang", "n": i})
+        sender.close()
+        assert [a["n"] for a in got] == [0, 1, 2] and sender.sent == 3 and sender.failed == 0
+    finally:
+        srv.shutdown()
+
+
+def test_webhook_to_a_dead_port_fails_without_raising():
+    assert post_webhook("http://127.0.0.1:9/none", {"a": 1}, timeout_s=0.5) is False
+
+
+def test_a_slow_webhook_never_blocks_submit_and_overflow_is_counted():
+    release = threading.Event()
+
+    def slow_post(url, alert):
+        release.wait(5)
+        return True
+
+    sender = WebhookSender("http://x", post=slow_post, max_queue=2)
+    t0 = time.monotonic()
+    results = [sender.submit({"n": i}) for i in range(10)]
+    assert time.monotonic() - t0 < 0.1
+    assert sender.dropped == results.count(False) >= 7
+    release.set()
+    sender.close()
+    assert sender.sent == results.count(True)
+
+
+def test_a_failing_webhook_is_retried_then_counted():
+    calls = []
+
+    def flaky(url, alert):
+        calls.append(alert["n"])
+        return len(calls) >= 2  # first try fails, the retry succeeds
+
+    sender = WebhookSender("http://x", post=flaky, retries=2, backoff_s=0.01)
+    sender.submit({"n": 1})
+    sender.close()
+    assert calls == [1, 1] and sender.sent == 1 and sender.failed == 0
+
+    never = WebhookSender("http://x", post=lambda u, a: False, retries=1, backoff_s=0.01)
+    never.submit({"n": 2})
+    never.close()
+    assert never.failed == 1 and never.sent == 0
