@@ -246,6 +246,9 @@ class ShardWorker:
         for kind, table in tables.items():
             if table.num_rows:
                 self.sink.write(kind, table)
+        if 0 < win.ops.num_rows <= self.cfg.pipeline.keep_op_spans_max_rows:
+            # Raw spans for the console's actual-vs-ideal timeline; before the window row (flush order).
+            self.sink.write("op_span", win.ops)
         self.sink.flush()
         # Results are stored: only now is the window done (its offsets may advance).
         self.tracker.mark_stored(win.key)

@@ -177,6 +177,15 @@ OFFSETS = pa.schema([
     pa.field("next_offset", pa.int64(), nullable=False, metadata={"unit": "", "doc": "next offset to read"}),
 ])
 
+ALERT_ACK = pa.schema([
+    pa.field("alert_id", pa.string(), nullable=False, metadata={"unit": "", "doc": "the acknowledged alert"}),
+    pa.field("acked_ns", pa.int64(), nullable=False, metadata={"unit": "ns", "doc": "when (0 with acked=0: undone)"}),
+    pa.field("acked", pa.uint8(), nullable=False, metadata={"unit": "", "doc": "1 acknowledged, 0 un-acknowledged"}),
+    pa.field("acked_by", pa.string(), nullable=False, metadata={"unit": "", "doc": "who (free text)"}),
+    pa.field("note", pa.string(), nullable=False, metadata={"unit": "", "doc": "why, or what was done"}),
+])
+"""Acknowledgements from the console: the latest row per alert wins, so an ack can be undone."""
+
 _WR = S.WINDOW_RESULT
 OPTYPE_WASTE = pa.schema(
     [S.OPTYPE_SLOWDOWN.field(n) for n in ("job_id", "attempt", "window_id", "optype", "slowdown")]
@@ -249,6 +258,7 @@ TABLES: tuple[TableSpec, ...] = (
     TableSpec("optype_waste", OPTYPE_WASTE, ("job_id", "attempt", "window_id", "optype"), "first",
               partition_ns="analyzed_ns"),
     TableSpec("offsets", OFFSETS, ("source_id", "topic", "partition"), "latest"),
+    TableSpec("alert_acks", ALERT_ACK, ("alert_id",), "latest", kind="alert_ack", latest_by=("acked_ns",)),
 )
 TABLE_BY_NAME = {t.name: t for t in TABLES}
 TABLE_OF_KIND = {t.kind: t for t in TABLES if t.kind}

@@ -14,9 +14,9 @@ only add: no column is dropped or retyped, so old rows survive with the
 type's default (0, '') in new columns.
 
 To change the schema: append a ``Migration`` with the next version; list the
-columns it adds in ``adds`` so that version 1 (created from today's schema
-module) leaves them out and the step adds them, exactly as on a store made
-before the change.
+columns it adds in ``adds`` and the tables it creates in ``creates`` so that
+version 1 (created from today's schema module) leaves them out and the step
+adds them, exactly as on a store made before the change.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ class Migration:
     description: str
     apply: Callable[["object"], None]
     adds: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (table, columns) this step adds
+    creates: tuple[str, ...] = ()  # tables (ddl.TABLES names) this step creates
 
 
 def _added_later(table: str, after: int) -> frozenset[str]:
@@ -41,7 +42,10 @@ def _added_later(table: str, after: int) -> frozenset[str]:
 
 
 def _v1_base_tables(store) -> None:
+    later = {t for m in MIGRATIONS if m.version > 1 for t in m.creates}
     for spec in ddl.TABLES:
+        if spec.name in later:
+            continue
         store._execute(ddl.create_table_sql(spec, store.caps, exclude=_added_later(spec.name, 1)))
 
 
@@ -70,10 +74,19 @@ def _v3_op_span_ttl(store) -> None:
     # Engines without TTL: Store.enforce_retention drops old day partitions.
 
 
+def _create_tables(*names: str) -> Callable[[object], None]:
+    """A step that creates tables added to ``ddl.TABLES`` after version 1 (a no-op where they exist)."""
+    def apply(store) -> None:
+        for name in names:
+            store._execute(ddl.create_table_sql(ddl.TABLE_BY_NAME[name], store.caps))
+    return apply
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "base tables derived from ingest.schema", _v1_base_tables),
     Migration(2, "windows: M_W and M_S attribution columns", _v2_attribution, adds=(("windows", ("m_w", "m_s")),)),
     Migration(3, "op spans: retention by TTL where the engine has it", _v3_op_span_ttl),
+    Migration(4, "alert acknowledgements", _create_tables("alert_acks"), creates=("alert_acks",)),
 )
 LATEST = MIGRATIONS[-1].version
 
@@ -120,6 +133,8 @@ def _ensure_views(store, rebuild: bool) -> None:
                 .column("name").to_pylist())
     for spec in ddl.TABLES:
         have = columns.get(spec.data, {})
+        if not have:  # a table a later migration creates (store held at an older version)
+            continue
         view_exists = spec.name in names
         if view_exists and not rebuild:
             continue

@@ -185,15 +185,36 @@ _QUERIES = [
         "hangs and node losses of one job, newest first, with wait chain and merged stacks",
     ),
     NamedQuery(
+        "job_info",
+        "SELECT * FROM jobs WHERE job_id = {job_id:String} "
+        "AND ({attempt:Int32} < 0 OR attempt = {attempt:Int32}) ORDER BY attempt DESC LIMIT 1",
+        (_job_required(), ParamSpec("attempt", "Int32", -1, "the attempt (-1: the latest)")),
+        "the registration (layout, owner, model) of one job attempt",
+    ),
+    NamedQuery(
+        "window_ops",
+        "SELECT * FROM op_spans WHERE job_id = {job_id:String} AND attempt = {attempt:Int32} "
+        "AND window_id = {window_id:Int64} ORDER BY step, rank, start_ns LIMIT {limit:UInt64}",
+        (_job_required(), ParamSpec("attempt", "Int32", 0, "the attempt"),
+         ParamSpec("window_id", "Int64", None, "the window (its first step)"), _limit(2_000_000)),
+        "raw op spans of one window (kept for small windows, for the timeline drill-down)",
+    ),
+    NamedQuery(
         "alert_history",
+        # ANY LEFT JOIN ... USING: the join form both 18.16 and current ClickHouse accept.
+        "SELECT alert_id, job_id, attempt, ts_ns, rule, severity, summary, details_json, "
+        "acked, acked_by, acked_ns, note AS ack_note FROM ("
         "SELECT alert_id, job_id, attempt, ts_ns, rule, severity, summary, details_json FROM alerts "
         "WHERE ts_ns >= {since:Int64} AND ts_ns < {until:Int64} "
         "AND ({job_id:String} = '' OR job_id = {job_id:String}) AND ({rule:String} = '' OR rule = {rule:String}) "
-        "AND ({severity:String} = '' OR severity = {severity:String}) "
+        "AND ({severity:String} = '' OR severity = {severity:String})) AS a "
+        "ANY LEFT JOIN (SELECT alert_id, acked, acked_by, acked_ns, note FROM alert_acks) AS k USING (alert_id) "
+        "WHERE {acked:Int8} < 0 OR acked = {acked:Int8} "
         "ORDER BY ts_ns DESC, alert_id LIMIT {limit:UInt64}",
         (SINCE, UNTIL, JOB, ParamSpec("rule", "String", "", "only this rule (empty: all)"),
-         ParamSpec("severity", "String", "", "only this severity (empty: all)"), _limit(500)),
-        "alerts, newest first",
+         ParamSpec("severity", "String", "", "only this severity (empty: all)"),
+         ParamSpec("acked", "Int8", -1, "1 only acknowledged, 0 only open, -1 both"), _limit(500)),
+        "alerts, newest first, with their acknowledgement",
     ),
 ]
 

@@ -80,6 +80,23 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    def acknowledge(self, alert_ids, by: str = "", note: str = "", acked: bool = True,
+                    now_ns: int | None = None) -> int:
+        """Record that alerts were (or, with ``acked=False``, no longer are) acknowledged; returns the count.
+
+        The latest row per alert wins, so an acknowledgement can be undone and
+        every console reading the store sees the same state.
+        """
+        ids = sorted({str(a) for a in alert_ids if str(a)})
+        if not ids:
+            return 0
+        ts = time.time_ns() if now_ns is None else int(now_ns)
+        self.insert("alert_ack", pa.table({
+            "alert_id": ids, "acked_ns": pa.array([ts] * len(ids), pa.int64()),
+            "acked": pa.array([1 if acked else 0] * len(ids), pa.uint8()),
+            "acked_by": [str(by)[:200]] * len(ids), "note": [str(note)[:2000]] * len(ids)}))
+        return len(ids)
+
     def __enter__(self):
         return self
 
@@ -192,7 +209,7 @@ class SQLStore(Store):
         if isinstance(table, pa.RecordBatch):
             table = pa.Table.from_batches([table])
         try:
-            table = S.conform(table, S.ALL_SCHEMAS[kind])
+            table = S.conform(table, spec.schema)
         except S.DecodeError as e:
             raise StoreError(f"insert({kind!r}): {e}") from None
         if table.num_rows == 0:

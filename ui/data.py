@@ -53,3 +53,31 @@ def query_catalogue() -> dict:
     from storage import NAMED_QUERIES
 
     return NAMED_QUERIES
+
+
+def acknowledge(alert_ids, by: str, note: str = "", acked: bool = True) -> int:
+    """Store (or undo) acknowledgements so every console and `sql` sees them; refreshes the feed."""
+    n = _store(store_url()).acknowledge(alert_ids, by=by, note=note, acked=acked)
+    named_live.clear()
+    return n
+
+
+@st.cache_data(ttl=300, show_spinner="Simulating the ideal timeline…", max_entries=8)
+def window_timeline(job_id: str, attempt: int, window_id: int, step: int, workers: int):
+    """(frame, gzipped Perfetto JSON) of one stored window, or (None, reason) when it cannot be built."""
+    import gzip
+    import json
+
+    from ui.timeline import layout_of, timeline_frame
+
+    store = _store(store_url())
+    reg = store.run_named("job_info", {"job_id": job_id, "attempt": attempt}).to_pylist()
+    if not reg:
+        return None, "the job's registration is not stored"
+    ops = store.run_named("window_ops", {"job_id": job_id, "attempt": attempt, "window_id": window_id})
+    if ops.num_rows == 0:
+        return None, ("no raw op spans are kept for this window (windows larger than "
+                      "pipeline.keep_op_spans_max_rows, or past the op-span retention)")
+    frame, events = timeline_frame(ops, layout_of(reg[0]), step=step, workers=workers)
+    doc = gzip.compress(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode(), 5)
+    return frame, doc

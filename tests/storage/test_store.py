@@ -8,6 +8,7 @@ import pytest
 
 from ingest import schema as S
 from storage import NAMED_QUERIES, StoreError, open_store
+from storage.migrations import LATEST
 from tests.storage.conftest import BASE_NS, DAY_NS, optype_rows, registration, window_rows
 
 pytestmark = pytest.mark.integration
@@ -145,6 +146,21 @@ def test_alerts(store):
     assert store.run_named("alert_history", {"severity": "critical"}).num_rows == 1
 
 
+def test_acknowledgements_are_stored_and_can_be_undone(store):
+    store.insert("alert", S.from_rows(S.ALERT, [
+        dict(alert_id=f"a:{i}", job_id="a", attempt=0, ts_ns=BASE_NS + i, rule="hang", severity="critical",
+             summary=f"alert {i}", details_json="{}") for i in range(3)]))
+    assert store.run_named("alert_history", {"acked": 0}).num_rows == 3
+    assert store.acknowledge(["a:0", "a:2", "a:2", ""], by="alice", note="drained host-7", now_ns=BASE_NS + 10) == 2
+    rows = {r["alert_id"]: r for r in store.run_named("alert_history").to_pylist()}
+    assert (rows["a:2"]["acked"], rows["a:2"]["acked_by"], rows["a:2"]["ack_note"]) == (1, "alice", "drained host-7")
+    assert rows["a:1"]["acked"] == 0
+    assert store.run_named("alert_history", {"acked": 0}).column("alert_id").to_pylist() == ["a:1"]
+    store.acknowledge(["a:2"], by="bob", acked=False, now_ns=BASE_NS + 20)  # the latest row wins
+    assert store.run_named("alert_history", {"acked": 1}).column("alert_id").to_pylist() == ["a:0"]
+    assert store.acknowledge([]) == 0
+
+
 def test_offsets_latest_stored_value_wins(store):
     assert store.load_offsets("src", ["t1"], [0, 1]) == {}
     store.store_offsets("src", {("t1", 0): 10, ("t1", 1): 5, ("t2", 0): 7})
@@ -248,7 +264,7 @@ def test_setup_is_idempotent(store):
     store.setup()
     assert store.query("SELECT count() AS n FROM windows").column("n")[0].as_py() == 2
     versions = store.query("SELECT version FROM schema_version ORDER BY version").column(0).to_pylist()
-    assert versions == [1, 2, 3]
+    assert versions == list(range(1, LATEST + 1))
 
 
 @pytest.mark.parametrize("store_url", ["chdb", "server"], indirect=True)
@@ -261,12 +277,14 @@ def test_migration_from_version_1_keeps_data(store_url):
         st.setup(target_version=1)
         cols = st.table_columns()["windows_data"]
         assert "m_w" not in cols and "m_s" not in cols
+        assert "alert_acks_data" not in st.table_columns()
         old = window_rows(3, job="old")
         old_rows = st._with_stored_ns(ddl.TABLE_BY_NAME["windows"], old).drop_columns(["m_w", "m_s"])
         st._insert("windows_data", old_rows)
         assert st.query("SELECT count() AS n FROM windows").column("n")[0].as_py() == 3
         st.setup()
         assert st.schema_version() == LATEST
+        assert st.acknowledge(["x:1"], by="oncall") == 1  # a table a later step created
         got = st.run_named("job_windows", {"job_id": "old"}).to_pylist()
         assert [r["window_id"] for r in got] == [0, 10, 20]
         assert [(r["m_w"], r["m_s"], r["slowdown"]) for r in got] == [(0.0, 0.0, 1.25)] * 3

@@ -42,6 +42,7 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
         if tables["link_fault"].num_rows:
             alerts += rules.evaluate_links(tables["link_fault"].to_pylist(), 0.0, now)
         tables["alert"] = S.from_rows(S.ALERT, alerts)
+        tables["op_span"] = ops  # the pipeline keeps small windows' raw spans (timeline drill-down)
         for kind, t in tables.items():
             by_kind.setdefault(kind, []).append(t)
     inc = hang_incident("comm_hang", 32, 1, job_id="ui-002")

@@ -42,6 +42,43 @@ def test_alerts_page(app):
     assert {"slowdown", "hang", "link"} <= set(df["rule"])
 
 
+def test_acknowledgements_are_stored_and_survive_a_new_session(app, demo_store_url, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    at = app.run()
+    at.switch_page("pages/alerts.py").run()
+    first = at.dataframe[0].value["alert_id"].iloc[0]
+    at.multiselect[0].set_value([first]).run()
+    at.text_input(key="ack_by").set_value("alice").run()
+    at.text_input(key="ack_note").set_value("drained host-3").run()
+    next(b for b in at.button if b.label == "Acknowledge selected").click().run()
+    assert not at.exception, at.exception
+    # Another on-call's console (a new session) no longer lists it as open...
+    other = AppTest.from_file(APP, default_timeout=60).run()
+    other.switch_page("pages/alerts.py").run()
+    assert first not in set(other.dataframe[0].value["alert_id"])
+    # ...and shows who acknowledged it when asked; re-opening restores it.
+    next(t for t in other.toggle if t.label == "Show acknowledged").set_value(True).run()
+    df = other.dataframe[0].value
+    row = df[df["alert_id"] == first].iloc[0]
+    assert (row["acked"], row["acked_by"], row["ack_note"]) == (1, "alice", "drained host-3")
+    other.multiselect[0].set_value([first]).run()
+    next(b for b in other.button if b.label == "Re-open selected").click().run()
+    next(t for t in other.toggle if t.label == "Show acknowledged").set_value(False).run()
+    assert first in set(other.dataframe[0].value["alert_id"])
+
+
+def test_job_page_timeline_of_actual_vs_ideal(app):
+    at = app.run()
+    at.switch_page("pages/job.py").run()
+    at.selectbox(key="job").set_value("ui-000").run()
+    at.toggle(key="tl_on").set_value(True).run()
+    assert not at.exception, at.exception
+    cap = next(c.value for c in at.caption if c.value.startswith("step "))
+    actual, ideal = (float(cap.split(f"{k} ")[1].split(" ms")[0]) for k in ("actual", "ideal"))
+    assert ideal <= actual * 1.001, cap  # the ideal never takes longer than what ran
+
+
 def test_job_page_shows_heatmap_verdicts_links_and_hangs(app):
     at = app.run()
     at.switch_page("pages/job.py").run()

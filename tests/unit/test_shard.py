@@ -68,6 +68,17 @@ def test_complete_windows_are_analysed_stored_and_committed():
     assert len(sink.rows["job_registration"]) == 2
     assert w.stats.windows_stored == 3
     assert [a["rule"] for a in sink.rows["alert"]] == ["slowdown", "slowdown"]  # a is cooled down once
+    # Raw spans of these small windows are kept for the timeline drill-down.
+    sent = sum(t.num_rows for t in tables[2:])
+    assert len(sink.rows["op_span"]) == sent
+
+
+def test_large_windows_do_not_keep_raw_spans():
+    a = job("a")
+    w, _, sink = make_worker(messages_for([a.registration(0, STEPS), generate_window(a, 0, STEPS, 0)]),
+                             keep_op_spans_max_rows=10)
+    run(w)
+    assert len(sink.rows["window_result"]) == 1 and "op_span" not in sink.rows
 
 
 def test_a_window_missing_a_worker_waits_for_the_idle_timeout():

@@ -1,7 +1,7 @@
-"""Live alerts: newest first, filtered, acknowledged in this session."""
+"""Live alerts: newest first, filtered; acknowledgements are stored, so every on-call sees them."""
 import streamlit as st
 
-from ui.data import named_live
+from ui.data import acknowledge, named_live
 
 st.title("Alerts")
 
@@ -20,17 +20,22 @@ def feed() -> None:
         df = df[df["rule"] == rule]
     if severity != "all" and "severity" in df:
         df = df[df["severity"] == severity]
-    acked = st.session_state.setdefault("acked", set())
     show_acked = st.toggle("Show acknowledged", value=False)
-    if not show_acked and "alert_id" in df:
-        df = df[~df["alert_id"].isin(acked)]
+    if not show_acked and "acked" in df:
+        df = df[df["acked"] != 1]
     st.caption(f"{len(df)} alerts · refreshed every 5 s")
     st.dataframe(df, width="stretch", hide_index=True)
     if "alert_id" in df and not df.empty:
         pick = st.multiselect("Acknowledge", df["alert_id"].tolist())
-        if st.button("Acknowledge selected", disabled=not pick):
-            acked.update(pick)
+        a, b = st.columns(2)
+        who = a.text_input("Your name", key="ack_by", placeholder="on-call")
+        note = b.text_input("Note", key="ack_note", placeholder="what was done")
+        c1, c2 = st.columns(2)
+        if c1.button("Acknowledge selected", disabled=not pick):
+            acknowledge(pick, by=who.strip() or "console", note=note.strip())
             st.rerun()
-
+        if show_acked and c2.button("Re-open selected", disabled=not pick):
+            acknowledge(pick, by=who.strip() or "console", note=note.strip(), acked=False)
+            st.rerun()
 
 feed()

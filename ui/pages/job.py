@@ -1,11 +1,12 @@
-"""One job in depth: S over its windows, the worker heatmap, per-step slowdown, verdicts, links, hangs."""
+"""One job in depth: S over its windows, worker heatmaps (whole window and per step), per-step slowdown,
+verdicts, the actual vs simulated ideal timeline, links, hangs."""
 import json
 
 import altair as alt
 import pandas as pd
 import streamlit as st
 
-from ui.data import named
+from ui.data import named, window_timeline
 from ui.widgets import heatmap
 
 st.title("Job")
@@ -39,16 +40,23 @@ window_ids = windows["window_id"].tolist()
 wid = st.selectbox("Window", window_ids, index=len(window_ids) - 1)
 row = windows[windows["window_id"] == wid].iloc[0]
 
+steps = named("job_step_trend", job_id=job)
+if not steps.empty and "window_id" in steps:
+    steps = steps[steps["window_id"] == wid]
+step_ids = [int(x) for x in steps["step"].tolist()] if "step" in steps else []
+
 left, right = st.columns(2)
 with left:
     st.subheader("Worker slowdown S_w (x = DP rank, y = PP rank)")
-    cells = named("job_workers", job_id=job, window_id=int(wid))
-    heatmap(cells, "dp_rank", "pp_rank", "s_w")
+    pick = st.selectbox("Heatmap of", ["whole window"] + [f"step {s}" for s in step_ids], key="heat_step")
+    hstep = -1 if pick == "whole window" else int(pick.split()[1])
+    cells = named("job_workers", job_id=job, window_id=int(wid), step=hstep)
+    if cells.empty and hstep >= 0:
+        st.info("No per-step worker cells stored for this window (windows analysed before they were kept).")
+    else:
+        heatmap(cells, "dp_rank", "pp_rank", "s_w")
 with right:
     st.subheader("Per-step slowdown")
-    steps = named("job_step_trend", job_id=job)
-    if not steps.empty and "window_id" in steps:
-        steps = steps[steps["window_id"] == wid]
     if steps.empty:
         st.info("No steps stored.")
     else:
@@ -68,6 +76,31 @@ for v in verdicts:
         st.json(v.get("evidence", {}))
 if row.get("note"):
     st.caption(f"Note: {row['note']}")
+
+st.subheader("Actual vs simulated ideal timeline")
+if not step_ids:
+    st.write("No steps stored for this window.")
+else:
+    t1, t2 = st.columns([1, 1])
+    tstep = t1.selectbox("Step", step_ids, key="tl_step")
+    n_workers = t2.slider("Workers shown", 1, 32, 8, key="tl_workers")
+    if st.toggle("Show the timeline (re-simulates the window from its stored op spans)", key="tl_on"):
+        frame, doc = window_timeline(job, int(row["attempt"]), int(wid), int(tstep), int(n_workers))
+        if frame is None:
+            st.info(f"No timeline: {doc}.")
+        else:
+            lanes = frame.assign(lane=frame["scenario"] + " " + frame["worker"] + " " + frame["stream"])
+            st.altair_chart(alt.Chart(lanes).mark_bar().encode(
+                x=alt.X("start_ms:Q", title="ms since the step started"), x2="end_ms:Q",
+                y=alt.Y("lane:N", title=None, sort=None, axis=alt.Axis(labelLimit=300)),
+                color=alt.Color("optype:N"), tooltip=["scenario", "worker", "optype", "start_ms", "end_ms"],
+            ).properties(height=max(200, 16 * lanes["lane"].nunique())), width="stretch")
+            span = frame.groupby("scenario")["end_ms"].max()
+            if {"actual", "ideal"} <= set(span.index):
+                st.caption(f"step {tstep}: actual {span['actual']:.1f} ms, ideal {span['ideal']:.1f} ms "
+                           f"(ideal = every op at its typical duration, no launch delays)")
+            st.download_button("Whole window as a Perfetto trace (.json.gz)", doc,
+                               file_name=f"{job}-w{wid}-timeline.json.gz", mime="application/gzip")
 
 st.subheader("Link matrix")
 links = named("job_links", job_id=job, window_id=int(wid))
