@@ -65,6 +65,9 @@ def split_for_wire(table: pa.Table, max_bytes: int = S.MAX_MESSAGE_BYTES) -> lis
     return out
 
 
+_SEQ_BLOCK = 4096  # sequence numbers reserved per table: more parts than any table splits into
+
+
 class TelemetryProducer:
     """Non-blocking producer of our record kinds; a context manager.
 
@@ -91,6 +94,7 @@ class TelemetryProducer:
         self._delivery_timeout_s = delivery_timeout_s
         self._retry_s = retry_s
         self._spool = Spool(spool_dir, max_spool_bytes) if spool_dir else None
+        self._last_warn, self._failed_since_warn = float("-inf"), 0
         self._q: queue.Queue = queue.Queue()
         self._queued_bytes = 0
         self._lock = threading.Lock()
@@ -120,7 +124,7 @@ class TelemetryProducer:
         return len(self._spool) if self._spool is not None else 0
 
     def send(self, table: pa.Table, key: str | None = None) -> int:
-        """Enqueue ``table`` (one of our input kinds); returns payloads queued (0 if dropped).
+        """Enqueue ``table`` (one of our input kinds); returns 1 if queued, 0 if dropped (queue full).
 
         Never blocks on the network and never raises for transport problems.
         """
@@ -132,25 +136,30 @@ class TelemetryProducer:
             return 0
         if key is None:
             key = table.column("job_id")[0].as_py()
-        payloads = split_for_wire(table)
-        size = sum(len(p) for p in payloads)
+        # Encoding (Arrow IPC + zstd, about half a millisecond per step's batch) happens on
+        # the sender thread, not here: the caller is the training loop. The queue bound
+        # counts the tables' in-memory bytes, which is what the queue holds.
+        size = table.nbytes
         with self._lock:
             if self._queued_bytes + size > self.max_queue_bytes:
-                self.stats.batches_dropped += len(payloads)
+                self.stats.batches_dropped += 1
                 self.stats.records_dropped += table.num_rows
                 return 0
             self._queued_bytes += size
             self._idle.clear()
-        rows_each = table.num_rows / len(payloads)
-        for p in payloads:
-            self._q.put((topic, key.encode(), p, rows_each, self._next_seq()))
-        return len(payloads)
+        self._q.put((topic, key.encode(), table, size, self._next_seq(block=_SEQ_BLOCK)))
+        return 1
 
-    def _next_seq(self) -> int:
-        """Increasing message numbers that keep increasing across restarts (spool file order)."""
+    def _next_seq(self, block: int = 1) -> int:
+        """Increasing message numbers that keep increasing across restarts (spool file order).
+
+        ``block`` numbers are reserved: the payloads a table is split into take
+        ``seq``, ``seq + 1``, ... so they stay in order with the tables around it.
+        """
         with self._lock:
-            self._seq = max(self._seq + 1, time.time_ns())
-            return self._seq
+            seq = max(self._seq + 1, time.time_ns())
+            self._seq = seq + block - 1
+            return seq
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until everything queued so far is acknowledged or spooled; True if it was."""
@@ -184,7 +193,7 @@ class TelemetryProducer:
                 continue
             if item is None:
                 break
-            topic, key, payload, rows, seq = item
+            topic, key, table, size, seq0 = item
             if topic == "__flush__":
                 self._drain(pending)
                 pending = []
@@ -193,15 +202,25 @@ class TelemetryProducer:
                     self._idle.set()
                 continue
             with self._lock:
-                self._queued_bytes -= len(payload)
-            if self.spooled:  # keep order: behind what is already waiting
-                self._spool_or_drop(topic, key, payload, rows, seq)
+                self._queued_bytes -= size
+            try:
+                payloads = split_for_wire(table)
+            except Exception as e:  # never into the training loop: count it as dropped
+                log.warning("producer could not encode a %s batch: %s", topic, e)
+                self.stats.batches_dropped += 1
+                self.stats.records_dropped += table.num_rows
                 continue
-            fut = self._try_send(topic, key, payload)
-            if fut is None:
-                self._spool_or_drop(topic, key, payload, rows, seq)
-            else:
-                pending.append((fut, topic, key, payload, rows, seq))
+            rows = table.num_rows / len(payloads)
+            for part, payload in enumerate(payloads[:_SEQ_BLOCK]):
+                seq = seq0 + part
+                if self.spooled:  # keep order: behind what is already waiting
+                    self._spool_or_drop(topic, key, payload, rows, seq)
+                    continue
+                fut = self._try_send(topic, key, payload)
+                if fut is None:
+                    self._spool_or_drop(topic, key, payload, rows, seq)
+                else:
+                    pending.append((fut, topic, key, payload, rows, seq))
             if len(pending) >= 256:
                 self._drain(pending)
                 pending = []
@@ -227,10 +246,20 @@ class TelemetryProducer:
                 fut.get(timeout=0)
                 self._count_sent(len(payload), rows)
             except Exception as e:
-                log.warning("producer delivery failed: %s", e)
+                self._warn_failed(e)
                 self.stats.send_errors += 1
                 self._spool_or_drop(topic, key, payload, rows, seq)
         return []
+
+    def _warn_failed(self, e: Exception) -> None:
+        """One warning per outage and then one per 30 s with the count, not one per batch."""
+        now = time.monotonic()
+        self._failed_since_warn += 1
+        if now - self._last_warn >= 30.0:
+            more = f" ({self._failed_since_warn - 1} more since the last warning)" if self._failed_since_warn > 1 else ""
+            log.warning("producer delivery failed: %s%s; spooling" if self._spool is not None else
+                        "producer delivery failed: %s%s; dropping", e, more)
+            self._last_warn, self._failed_since_warn = now, 0
 
     def _reset_client(self) -> None:
         client, self._client = self._client, None
@@ -273,7 +302,7 @@ class TelemetryProducer:
                 self._count_sent(len(payload), rows)
             except Exception as e:
                 self.stats.send_errors += 1
-                log.warning("producer delivery failed: %s", e)
+                self._warn_failed(e)
                 self._spool_or_drop(topic, key, payload, rows, seq)
 
     def _replay(self) -> None:
