@@ -86,7 +86,9 @@ class Fleet:
             "verdicts_json": _strings(np.array(["[]", '[{"kind":"worker"}]'], dtype=object), (verdict > 0) * 1),
             "complete": rng.random(n) > 0.02, "note": _strings(np.array([""], dtype=object), np.zeros(n, int)),
             "n_ops": (self.gpus[job].astype(np.int64) * 400),
+            "mfu": rng.uniform(0.2, 0.5, n) / s * s, "mfu_ideal": rng.uniform(0.2, 0.5, n),
         }
+        cols["mfu"] = cols["mfu_ideal"] / s
         arrays = [pa.array(cols[f.name]).cast(f.type) if not isinstance(cols[f.name], pa.Array)
                   else cols[f.name].cast(f.type) for f in S.WINDOW_RESULT]
         return pa.Table.from_arrays(arrays, schema=S.WINDOW_RESULT)

@@ -13,11 +13,16 @@ Contract with the training loop: nothing here blocks it or raises into it.
 - ``instrument_distributed(exporter)`` wraps ``torch.distributed`` collectives
   and point-to-point calls into CCL records (group, per-group sequence
   number, bytes, peers, enter/exit) and tracks the op in flight.
-- A heartbeat thread reports progress and the op in flight every
-  ``heartbeat_s``; when an op has been in flight longer than ``hang_dump_s``
-  (or ``request_stacks()`` was called) it attaches the Python stacks of every
-  thread, folded, so a hang can be localised even when the main thread sits
-  inside a C call.
+- ``exporter.checkpoint(step, kind)`` (or ``with exporter.checkpointing(step):``)
+  reports a finished checkpoint save or load (CHECKPOINT record): the
+  downtime accounting needs where a restarted job resumes from.
+- A heartbeat thread reports progress (the last completed step and when its
+  ``step()`` block exited, host time; the last op) and the op in flight every
+  ``heartbeat_s``; ``close()`` sends a last one, so the final progress of a
+  process that exits is exact. When an op has been in flight longer than
+  ``hang_dump_s`` (or ``request_stacks()`` was called) it attaches the
+  Python stacks of every thread, folded, so a hang can be localised even
+  when the main thread sits inside a C call.
 
 Times are int64 ns on the job clock: this process's wall clock plus
 ``clock_offset_ns``, which ``estimate_clock_offset`` measures against rank 0
@@ -79,12 +84,13 @@ class ExporterStats:
     ops: int = 0
     ccl: int = 0
     heartbeats: int = 0
+    checkpoints: int = 0
     batches: int = 0
     errors: int = 0
 
 
 class RankExporter:
-    """Telemetry of one rank. ``sink(table)`` receives OP_SPAN, CCL_RECORD and HEARTBEAT tables
+    """Telemetry of one rank. ``sink(table)`` receives OP_SPAN, CCL_RECORD, HEARTBEAT and CHECKPOINT tables
     (a ``TelemetryProducer.send``); it must not block. Call ``close()`` at the end of training."""
 
     def __init__(self, job_id: str, rank: int, dp_rank: int, pp_rank: int, sink: Callable[[pa.Table], Any], *,
@@ -105,6 +111,7 @@ class RankExporter:
         self._anchor_ns = time.time_ns() - time.perf_counter_ns()
         self._cuda = self._cuda_module(use_cuda)
         self._step = -1
+        self._step_done = (-1, -1)  # (last completed step, when), replaced as one tuple: no lock needed
         self._window: int | None = None
         self._seq: dict[str, int] = {}
         self._ops: list[tuple] = []
@@ -155,6 +162,7 @@ class RankExporter:
             self._step_ref = (ev, time.perf_counter_ns())
         try:
             yield self
+            self._step_done = (step, self.now_ns())  # not reached when the step raised: it did not complete
         finally:
             if self._window is not None:
                 self._flush_step()
@@ -282,6 +290,43 @@ class RankExporter:
         if batch:
             self._emit_ops(batch)
 
+    # -- checkpoints --------------------------------------------------------
+    def checkpoint(self, step: int, kind: str = "save", *, start_ns: int | None = None,
+                   duration_ns: int = 0) -> None:
+        """Report a finished checkpoint ``kind`` (save or load) holding the state after ``step``.
+
+        Call it once the save is durable (or the load done); a save that failed
+        must not be reported. ``start_ns`` defaults to now minus ``duration_ns``
+        (job clock). One CHECKPOINT row goes to the sink at once, which never
+        blocks (``TelemetryProducer.send``); bad arguments are logged and
+        counted in ``stats.errors``, never raised into training. Every rank may
+        report its own shard; rank 0 reports last (it finishes the checkpoint's
+        metadata), and the accounting takes rank 0's record as "complete".
+        """
+        try:
+            if kind not in S.CHECKPOINT_KINDS:
+                raise ValueError(f"checkpoint kind must be one of {S.CHECKPOINT_KINDS}, got {kind!r}")
+            step, duration_ns = int(step), int(duration_ns)
+            if step < 0 or duration_ns < 0:
+                raise ValueError(f"checkpoint step and duration must be >= 0, got {step}, {duration_ns}")
+            start = self.now_ns() - duration_ns if start_ns is None else int(start_ns)
+            table = S.from_rows(S.CHECKPOINT, [dict(
+                job_id=self.job_id, attempt=self.attempt, rank=self.rank, step=step, ts_ns=start,
+                duration_ns=duration_ns, kind=kind)])
+        except Exception as e:  # telemetry must never take training down
+            self.stats.errors += 1
+            log.warning("checkpoint record dropped: %s", e)
+            return
+        self.stats.checkpoints += 1
+        self._send(table)
+
+    @contextlib.contextmanager
+    def checkpointing(self, step: int, kind: str = "save"):
+        """Times a checkpoint save or load; reports it only if the block completes without raising."""
+        t0 = self.now_ns()
+        yield
+        self.checkpoint(step, kind, start_ns=t0, duration_ns=self.now_ns() - t0)
+
     # -- heartbeats ---------------------------------------------------------
     def request_stacks(self) -> None:
         """Attach stacks to the next heartbeat (e.g. when the pipeline suspects a hang)."""
@@ -297,11 +342,12 @@ class RankExporter:
             self._stacks_requested.clear()
             self._dumped_for = inflight
         op, group, seq, since = inflight or ("", "", -1, -1)
+        step_done, step_done_ns = self._step_done
         return S.from_rows(S.HEARTBEAT, [dict(
             job_id=self.job_id, attempt=self.attempt, rank=self.rank, host=self.host, pid=os.getpid(), ts_ns=now,
             step=self._step, last_op=self._last_op[0], last_op_end_ns=self._last_op[1], inflight_op=op,
             inflight_group=group, inflight_seq=seq, inflight_since_ns=since, clock_offset_ns=self.clock_offset_ns,
-            stack=stack,
+            stack=stack, step_done=step_done, step_done_ns=step_done_ns,
         )])
 
     def _heartbeat_loop(self) -> None:
@@ -310,11 +356,16 @@ class RankExporter:
             self._send(self.heartbeat())
 
     def close(self) -> None:
+        """Flush what is buffered and send a last heartbeat (the final progress); idempotent."""
+        if self._closed.is_set():
+            return
         self._closed.set()
         with self._lock:
             ops, self._ops = self._ops, []
         self._emit_ops(ops)
         self._emit_ccl()
+        self.stats.heartbeats += 1
+        self._send(self.heartbeat())
 
 
 def estimate_clock_offset(exporter: RankExporter, rounds: int = 5) -> int:

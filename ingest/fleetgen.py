@@ -10,6 +10,17 @@ arrives plus the transfer time), so the what-if simulator can re-simulate it.
 
 Ground truth (`JobSpec.cause`, `cause_dp`, `cause_pp`, `cause_factor`) is kept
 beside the trace so tests can score the diagnosis.
+
+Remedy knobs (``analyzers.remedies`` tests apply an advised fix and re-measure):
+``stage_layers`` (a layer partition; the heavy last stage is then the loss
+layer's extra cost on top of its layers), ``seqs_per_microbatch`` and
+``packing`` (microbatches made of sequences whose attention cost is the sum
+of squared lengths, as drawn or re-packed), ``gc_interval`` (planned GC on
+every worker every N steps instead of automatic pauses), ``nic_worker`` (a
+slow NIC stretching its stage's DP collectives) and ``swapped_workers``
+(workers moved to healthy spare hosts). Every knob defaults to off, and a
+fixed spec draws the same random numbers as the original, so the fixed and
+the original job differ only by the fix.
 """
 from __future__ import annotations
 
@@ -23,8 +34,16 @@ import pyarrow as pa
 from ingest.schema import JOB_REGISTRATION, OP_SPAN, JobLayout
 
 CAUSES = ("none", "slow_worker", "heavy_last_stage", "seq_imbalance", "gc")
+PACKINGS = ("none", "attention")
+SEQ_TOKENS = 4096
+"""Median sequence length (tokens) of the sequence model; lengths are clipped to [16, SEQ_CONTEXT]."""
+SEQ_CONTEXT = 32768
 _NS = 1_000_000_000
 _GAP_NS = 20_000  # launch gap between dependent ops (CPU work the trace does not see)
+
+
+SEQ_LEN = 4096
+NOMINAL_MFU = 0.45  # MFU of a healthy generated job's nominal step (registration FLOPs are derived from it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +67,44 @@ class JobSpec:
     cause_factor: float = 1.0
     attempt: int = 0
     seed: int = 0
+    stage_layers: tuple[int, ...] | None = None
+    """Transformer layers per stage; None: an even split (the legacy per-stage scale)."""
+    seqs_per_microbatch: int = 0
+    """0: one cost draw per microbatch (legacy); k: k sequences per microbatch, cost = sum of squared lengths."""
+    packing: str = "none"
+    """With sequences: ``none`` (as drawn) or ``attention`` (greedy balance of sum of squared lengths)."""
+    gc_interval: int = 0
+    """With cause ``gc``: 0 = automatic pauses at random workers; N = every worker collects every N steps."""
+    nic_worker: tuple[int, int] | None = None
+    """(dp, pp) of a worker whose slow NIC stretches its stage's DP collectives by ``nic_factor``."""
+    nic_factor: float = 1.0
+    swapped_workers: tuple[tuple[int, int], ...] = ()
+    """(dp, pp) workers moved to spare hosts: the slow worker or NIC injected there no longer applies."""
+
+    def __post_init__(self) -> None:
+        pp = self.layout.pp_size
+        if self.stage_layers is not None and (len(self.stage_layers) != pp or min(self.stage_layers) < 0
+                                              or sum(self.stage_layers) < 1):
+            raise ValueError(f"stage_layers needs {pp} non-negative counts, got {self.stage_layers!r}")
+        if self.packing not in PACKINGS:
+            raise ValueError(f"unknown packing {self.packing!r} (known: {', '.join(PACKINGS)})")
+        if self.seqs_per_microbatch < 0 or self.gc_interval < 0:
+            raise ValueError("seqs_per_microbatch and gc_interval must be >= 0")
 
     @property
     def n_gpus(self) -> int:
         return self.layout.world_size
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.layout.dp_size * self.num_microbatches * SEQ_LEN  # one sequence per microbatch
+
+    @property
+    def params(self) -> int:
+        """A model size that makes the healthy job run at NOMINAL_MFU (6 x params FLOPs per token)."""
+        lay = self.layout
+        step_s = ((self.num_microbatches + lay.pp_size - 1) * (self.fwd_ms + self.bwd_ms) + self.optimizer_ms) / 1e3
+        return int(NOMINAL_MFU * step_s * self.n_gpus * 989e12 / (6 * self.tokens_per_step))
 
     def registration(self, ts_ns: int, profiled_steps: int) -> pa.Table:
         lay = self.layout
@@ -62,7 +115,8 @@ class JobSpec:
                     n_gpus=self.n_gpus, dp_size=lay.dp_size, pp_size=lay.pp_size, tp_size=lay.tp_size,
                     cp_size=lay.cp_size, vpp_size=lay.vpp_size, num_microbatches=self.num_microbatches,
                     profiled_steps=profiled_steps, gpu_type="H100", peak_flops=989e12,
-                    flops_per_token=0.0, tokens_per_step=0,
+                    flops_per_token=0.0, tokens_per_step=self.tokens_per_step, params=self.params,
+                    seq_len=SEQ_LEN, num_layers=sum(self.stage_layers) if self.stage_layers else 8 * lay.pp_size,
                 )
             ],
             schema=JOB_REGISTRATION,
@@ -119,16 +173,25 @@ def generate_window(spec: JobSpec, window_id: int, n_steps: int, t0_ns: int) -> 
 
     # Per-worker compute scale from the injected cause.
     scale = np.ones((pp, dp))
-    if spec.cause == "slow_worker":
+    swapped = set(spec.swapped_workers)
+    if spec.cause == "slow_worker" and (spec.cause_dp, spec.cause_pp) not in swapped:
         scale[spec.cause_pp, spec.cause_dp] *= spec.cause_factor
-    elif spec.cause == "heavy_last_stage":
+    elif spec.cause == "heavy_last_stage" and spec.stage_layers is None:
         scale[pp - 1, :] *= spec.cause_factor
+    if spec.stage_layers is not None:
+        scale *= _stage_scale(spec)[:, None]
+    # A slow NIC stretches the transfers of every DP collective its stage runs (the ring waits for it).
+    nic = np.ones(pp)
+    if spec.nic_worker is not None and tuple(spec.nic_worker) not in swapped:
+        nic[spec.nic_worker[1]] = spec.nic_factor
 
     step_start = t0_ns
     for k in range(n_steps):
         step = window_id + k
         # Sequence lengths: both passes of a microbatch scale with its attention cost.
-        if spec.cause == "seq_imbalance":
+        if spec.seqs_per_microbatch > 0:
+            seqlen = _microbatch_cost(spec, step)
+        elif spec.cause == "seq_imbalance":
             seqlen = rng.lognormal(0.0, np.log(spec.cause_factor), size=(dp, m))
             seqlen /= seqlen.mean()
         else:
@@ -138,7 +201,7 @@ def generate_window(spec: JobSpec, window_id: int, n_steps: int, t0_ns: int) -> 
         for s in range(pp):
             if has_dp:
                 st = step_start + rng.integers(0, 200_000, dp)
-                end = st.max() + int(spec.dp_comm_ms * ms * 0.3 * rng.uniform(0.9, 1.1))
+                end = st.max() + int(spec.dp_comm_ms * ms * 0.3 * rng.uniform(0.9, 1.1) * nic[s])
                 ops.add(s, step, "params-all-gather", st, np.full(dp, end), 0, mc=0)
                 c_free[s] = end
             else:
@@ -201,7 +264,10 @@ def generate_window(spec: JobSpec, window_id: int, n_steps: int, t0_ns: int) -> 
         gc_dur = np.zeros((pp, dp), np.int64)
         if spec.cause == "gc":
             hit = rng.random((pp, dp)) < 0.15
-            gc_dur = np.where(hit, (rng.uniform(0.5, 1.5, (pp, dp)) * spec.cause_factor * spec.bwd_ms * ms), 0).astype(np.int64)
+            pause = rng.uniform(0.5, 1.5, (pp, dp)) * spec.cause_factor * spec.bwd_ms * ms
+            if spec.gc_interval > 0:  # planned: every worker collects in the same step, automatic GC off
+                hit = np.full((pp, dp), step % spec.gc_interval == spec.gc_interval - 1)
+            gc_dur = np.where(hit, pause, 0).astype(np.int64)
         chain = np.zeros((pp, dp), np.int64)
         for s in range(pp):
             st = c_free[s] + _GAP_NS
@@ -219,7 +285,7 @@ def generate_window(spec: JobSpec, window_id: int, n_steps: int, t0_ns: int) -> 
             chain[pp - 1] = end + _GAP_NS
         if has_dp:
             for s in range(pp):
-                end = chain[s].max() + int(spec.dp_comm_ms * ms * rng.uniform(0.9, 1.1))
+                end = chain[s].max() + int(spec.dp_comm_ms * ms * rng.uniform(0.9, 1.1) * nic[s])
                 ops.add(s, step, "grads-reduce-scatter", chain[s], np.full(dp, end), 0, mc=0)
                 chain[s] = end + _GAP_NS
         clip_end = chain.max() + int(0.3 * ms)
@@ -232,6 +298,84 @@ def generate_window(spec: JobSpec, window_id: int, n_steps: int, t0_ns: int) -> 
             ops.add(s, step, "optimizer", st, opt_end[s], 0)
         step_start = int(opt_end.max()) + int(rng.uniform(1, 3) * ms)  # data loading between steps
     return _to_table(spec, window_id, ops)
+
+
+def _stage_scale(spec: JobSpec) -> np.ndarray:
+    """Compute scale per stage of a layer partition: its layers over those of an even stage.
+
+    With cause ``heavy_last_stage`` the last stage also carries the loss layer,
+    worth ``cause_factor - 1`` even stages: the even split then reproduces the
+    legacy scale exactly.
+    """
+    n = np.asarray(spec.stage_layers, np.float64)
+    scale = n / (n.sum() / len(n))
+    if spec.cause == "heavy_last_stage":
+        scale[-1] += spec.cause_factor - 1.0
+    return scale
+
+
+def _sequences(spec: JobSpec, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, microbatch) of every sequence of one step; microbatch = dp_rank * m + mb_id.
+
+    Drawn from a generator of its own, keyed by the step, so a fixed spec sees
+    the same sequences and every other draw of the job stays the same.
+    """
+    dp, m, k = spec.layout.dp_size, spec.num_microbatches, spec.seqs_per_microbatch
+    rng = np.random.default_rng([spec.seed, zlib.crc32(spec.job_id.encode()), step, 7])
+    sigma = np.log(spec.cause_factor) if spec.cause == "seq_imbalance" else 0.0
+    lens = np.clip(np.rint(SEQ_TOKENS * rng.lognormal(0.0, sigma, dp * m * k)), 16, SEQ_CONTEXT).astype(np.int64)
+    if spec.packing == "attention":
+        return lens, _pack_by_attention(lens, dp, m)
+    return lens, np.arange(dp * m * k) // k
+
+
+def _pack_by_attention(lens: np.ndarray, dp: int, m: int) -> np.ndarray:
+    """Longest-first greedy by squared length: over DP ranks (least total so far), then within each rank
+    over its microbatches (least so far); returns dp_rank * m + mb_id per sequence."""
+    cost = lens.astype(np.float64) ** 2
+    order = np.argsort(-cost, kind="stable")
+    rank_load = np.zeros(dp)
+    mb_load = np.zeros((dp, m))
+    out = np.empty(len(lens), np.int64)
+    for i in order:
+        d = int(np.argmin(rank_load))
+        rank_load[d] += cost[i]
+        out[i] = d
+    for i in order:  # heaviest first again, now within the rank
+        d = int(out[i])
+        b = int(np.argmin(mb_load[d]))
+        mb_load[d, b] += cost[i]
+        out[i] = d * m + b
+    return out
+
+
+def _microbatch_cost(spec: JobSpec, step: int) -> np.ndarray:
+    """[dp, m] compute scale of each microbatch: its sum of squared lengths over the expected one.
+
+    An absolute cost (not normalised per step), as on a real GPU: a step of
+    long sequences is slower.
+    """
+    dp, m, k = spec.layout.dp_size, spec.num_microbatches, spec.seqs_per_microbatch
+    lens, mb = _sequences(spec, step)
+    sigma = np.log(spec.cause_factor) if spec.cause == "seq_imbalance" else 0.0
+    expected = k * SEQ_TOKENS ** 2 * np.exp(2 * sigma ** 2)  # E[sum of k squared lognormal lengths]
+    cost = np.bincount(mb, lens.astype(np.float64) ** 2, minlength=dp * m)
+    return (cost / expected).reshape(dp, m)
+
+
+def sequence_table(spec: JobSpec, window_id: int, n_steps: int) -> pa.Table:
+    """The data loader's view of a sequence-model window: (step, dp_rank, mb_id, seq_len) per sequence, as run."""
+    if spec.seqs_per_microbatch <= 0:
+        raise ValueError(f"{spec.job_id} has no sequence model (seqs_per_microbatch = 0)")
+    m = spec.num_microbatches
+    cols: dict[str, list[np.ndarray]] = {"step": [], "dp_rank": [], "mb_id": [], "seq_len": []}
+    for step in range(window_id, window_id + n_steps):
+        lens, mb = _sequences(spec, step)
+        cols["step"].append(np.full(len(lens), step, np.int64))
+        cols["dp_rank"].append((mb // m).astype(np.int32))
+        cols["mb_id"].append((mb % m).astype(np.int32))
+        cols["seq_len"].append(lens.astype(np.int32))
+    return pa.table({k: np.concatenate(v) for k, v in cols.items()})
 
 
 def _to_table(spec: JobSpec, window_id: int, ops: _Ops) -> pa.Table:

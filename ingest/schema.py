@@ -14,6 +14,11 @@ Conventions
   ``pp_rank``; TP and CP ranks are folded into the worker. ``rank`` is the
   global rank of the process that reported the record.
 - Op types are Megatron-LM names (``OPTYPES``), as in the golden traces.
+- Versions: a field added after version 1 carries ``since`` and ``default``
+  in its metadata and sits at the end of its schema. ``decode`` reads every
+  version from ``MIN_READ_VERSION`` to ``SCHEMA_VERSION``; ``conform`` and
+  ``from_rows`` fill such a field with its default where a record lacks it
+  (an older producer) or holds nulls there, so older records still decode.
 
 Only pyarrow and the standard library are imported here: the analyzers import
 this module and must stay free of Kafka, Ray, ClickHouse and Streamlit.
@@ -28,8 +33,15 @@ from typing import Any, Iterable, Mapping
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SCHEMA_VERSION = 1
-"""Bump on any change of a schema below; add a forward migration in storage/."""
+SCHEMA_VERSION = 2
+"""Bump on any change of a schema below; add a forward migration in storage/.
+
+2: CHECKPOINT records, DOWNTIME and REMEDY results; JOB_REGISTRATION ``params``,
+``seq_len`` and ``num_layers``; HEARTBEAT ``step_done`` and ``step_done_ns``; WINDOW_RESULT
+``mfu`` and ``mfu_ideal``.
+"""
+MIN_READ_VERSION = 1
+"""The oldest version ``decode`` still reads (fields added since get their defaults)."""
 
 # --------------------------------------------------------------------------
 # Op types (WHATIF.md section 1)
@@ -52,16 +64,32 @@ TOPIC_OPS = "ss.ops"
 TOPIC_CCL = "ss.ccl"
 TOPIC_HEARTBEATS = "ss.heartbeats"
 TOPIC_JOBS = "ss.jobs"
+TOPIC_CHECKPOINTS = "ss.checkpoints"
 TOPIC_DEAD_LETTER = "ss.dead-letter"
 TOPIC_ALERTS = "ss.alerts"
-INPUT_TOPICS = (TOPIC_JOBS, TOPIC_OPS, TOPIC_CCL, TOPIC_HEARTBEATS)
+INPUT_TOPICS = (TOPIC_JOBS, TOPIC_OPS, TOPIC_CCL, TOPIC_HEARTBEATS, TOPIC_CHECKPOINTS)
 
 MAX_MESSAGE_BYTES = 900_000
 """One Arrow IPC batch per Kafka message stays under Kafka's 1 MB default."""
 
 
-def _f(name: str, typ: pa.DataType, unit: str, doc: str, nullable: bool = False) -> pa.Field:
-    return pa.field(name, typ, nullable=nullable, metadata={"unit": unit, "doc": doc})
+def _f(name: str, typ: pa.DataType, unit: str, doc: str, nullable: bool = False, *, since: int = 1,
+       default: Any = None) -> pa.Field:
+    """A documented field; one added after version 1 names its version and the default older records get."""
+    md = {"unit": unit, "doc": doc}
+    if since > 1:
+        if default is None:
+            raise ValueError(f"field {name!r} added in version {since} needs a default for older records")
+        md.update(since=str(since), default=json.dumps(default))
+    return pa.field(name, typ, nullable=nullable, metadata=md)
+
+
+def default_of(field: pa.Field) -> tuple[bool, Any]:
+    """(True, value) when ``field`` has a default for records that predate it, else (False, None)."""
+    md = field.metadata or {}
+    if b"default" not in md:
+        return False, None
+    return True, json.loads(md[b"default"])
 
 
 def _schema(kind: str, doc: str, fields: list[pa.Field]) -> pa.Schema:
@@ -147,6 +175,9 @@ HEARTBEAT = _schema(
         _f("inflight_since_ns", pa.int64(), "ns", "start of the op in flight, -1 if none"),
         _f("clock_offset_ns", pa.int64(), "ns", "estimated offset of this rank's clock to the job clock"),
         _f("stack", pa.string(), "", "folded Python stacks of all threads, only when dumped"),
+        _f("step_done", pa.int64(), "", "last step this rank completed, -1 if none yet", since=2, default=-1),
+        _f("step_done_ns", pa.int64(), "ns", "when step_done completed, job clock; -1 if none", since=2,
+           default=-1),
     ],
 )
 
@@ -171,8 +202,28 @@ JOB_REGISTRATION = _schema(
         _f("peak_flops", pa.float64(), "FLOP/s", "peak dense FLOP/s of one GPU, 0 if unknown"),
         _f("flops_per_token", pa.float64(), "FLOP", "training FLOPs per token, 0 if unknown"),
         _f("tokens_per_step", pa.int64(), "token", "tokens per step, 0 if unknown"),
+        _f("params", pa.int64(), "param", "model parameters; with flops_per_token 0, FLOPs per token = 6 x params",
+           since=2, default=0),
+        _f("seq_len", pa.int64(), "token", "training sequence length, 0 if unknown", since=2, default=0),
+        _f("num_layers", pa.int32(), "", "transformer layers, 0 if unknown (layer repartition advice needs it)",
+           since=2, default=0),
     ],
 )
+
+CHECKPOINT = _schema(
+    "checkpoint",
+    "A checkpoint save or load of one rank, sent once it finished (a failed save sends nothing).",
+    [
+        _JOB,
+        _ATTEMPT,
+        _RANK,
+        _f("step", pa.int64(), "", "the checkpoint holds the state after this step completed"),
+        _f("ts_ns", pa.int64(), "ns", "when the save or load started, job clock"),
+        _f("duration_ns", pa.int64(), "ns", "how long the save or load took (training waited that long)"),
+        _f("kind", pa.string(), "", "save or load"),
+    ],
+)
+CHECKPOINT_KINDS = ("save", "load")
 
 DEAD_LETTER = _schema(
     "dead_letter",
@@ -226,6 +277,10 @@ WINDOW_RESULT = _schema(
         _f("complete", pa.bool_(), "", "false if the window closed on idle timeout or missed ranks"),
         _f("note", pa.string(), "", "why incomplete, warnings of the analysis"),
         _f("n_ops", pa.int64(), "", "ops analysed"),
+        _f("mfu", pa.float64(), "ratio", "model FLOPs utilisation at the actual step time; NaN without FLOPs info",
+           since=2, default=float("nan")),
+        _f("mfu_ideal", pa.float64(), "ratio", "MFU at the simulated ideal step time (no stragglers); NaN without "
+           "FLOPs info", since=2, default=float("nan")),
     ],
 )
 
@@ -325,13 +380,79 @@ ALERT = _schema(
     ],
 )
 
+_GPU_H = "GPU-h"
+DOWNTIME = _schema(
+    "downtime",
+    "What one fault of one job attempt cost, in C4's categories (analyzers/accounting.py defines each).",
+    [
+        _JOB,
+        _f("attempt", pa.int32(), "", "the attempt the fault struck"),
+        _f("incident_id", pa.int64(), "ns", "first evidence of the incident (detection, alert or restart); unique "
+           "per job"),
+        _f("kind", pa.string(), "", "hang, node_loss or restart (a new attempt with no hang or node loss before)"),
+        _f("team", pa.string(), "", "owning team"),
+        _f("model", pa.string(), "", "model name"),
+        _f("fault_start_ns", pa.int64(), "ns", "last progress: end of the last completed step (or of its "
+           "checkpoint save)"),
+        _f("alert_ns", pa.int64(), "ns", "first hang or node-loss alert, -1 if none"),
+        _f("diagnosed_ns", pa.int64(), "ns", "when the faulty rank, host or link was named, -1 if never"),
+        _f("restart_ns", pa.int64(), "ns", "registration of the next attempt, -1 if none"),
+        _f("restart_attempt", pa.int32(), "", "the attempt that made the first step again, -1 if none"),
+        _f("first_step_ns", pa.int64(), "ns", "completion of the first step after the fault (its start + "
+           "step_time_s), -1 if none"),
+        _f("fault_step", pa.int64(), "", "last step completed before the fault, -1 if none"),
+        _f("last_checkpoint_step", pa.int64(), "", "step the job resumes from (loaded or last saved); -1: from "
+           "scratch, or unknown (see note)"),
+        _f("lost_steps", pa.int64(), "", "steps redone: fault_step - last_checkpoint_step"),
+        _f("step_time_s", pa.float64(), "s", "step time of the attempt before the fault, checkpoint stalls "
+           "excluded; NaN if unknown"),
+        _f("n_gpus", pa.int32(), "GPU", "GPUs of the attempt the fault struck"),
+        _f("detect_s", pa.float64(), "s", "fault start to first alert"),
+        _f("diagnose_s", pa.float64(), "s", "first alert to the culprit named"),
+        _f("isolate_s", pa.float64(), "s", "culprit named to restart (or to resumed progress)"),
+        _f("lost_progress_s", pa.float64(), "s", "redone steps: lost_steps x step_time_s"),
+        _f("reinit_s", pa.float64(), "s", "restart to the start of the first step of the new attempt"),
+        _f("total_s", pa.float64(), "s", "sum of the five: how far the job's progress was set back"),
+        _f("detect_gpu_hours", pa.float64(), _GPU_H, "detect_s x n_gpus"),
+        _f("diagnose_gpu_hours", pa.float64(), _GPU_H, "diagnose_s x n_gpus"),
+        _f("isolate_gpu_hours", pa.float64(), _GPU_H, "isolate_s x n_gpus"),
+        _f("lost_progress_gpu_hours", pa.float64(), _GPU_H, "lost_progress_s x n_gpus"),
+        _f("reinit_gpu_hours", pa.float64(), _GPU_H, "reinit_s x n_gpus"),
+        _f("total_gpu_hours", pa.float64(), _GPU_H, "total_s x n_gpus"),
+        _f("closed", pa.bool_(), "", "false if the stream ended before the job ran again (clipped there)"),
+        _f("note", pa.string(), "", "what was estimated or missing"),
+    ],
+)
+
+REMEDY = _schema(
+    "remedy",
+    "One proposed fix for a window's verdict, with its gain simulated on the window's own trace "
+    "(analyzers/remedies). One batch per advice run; readers take the latest batch of a window.",
+    [
+        _JOB,
+        _ATTEMPT,
+        _WINDOW,
+        _f("advised_ns", pa.int64(), "ns", "when this batch of advice was computed"),
+        _f("priority", pa.int32(), "", "rank by predicted gain, 1 = act on this first"),
+        _f("kind", pa.string(), "", "repartition, repack, swap_host, gc_interval, drain_link or recovery_plan"),
+        _f("verdict", pa.string(), "", "the verdict (or fault) it answers"),
+        _f("action", pa.string(), "", "what to do, in one line"),
+        _f("predicted_gain", pa.float64(), "ratio", "step time before / after - 1; 1e30 when the fix restores "
+           "progress that is stopped"),
+        _f("step_time_before_s", pa.float64(), "s", "mean step time as simulated now"),
+        _f("step_time_after_s", pa.float64(), "s", "mean step time with the fix applied; 1e30 if nothing runs"),
+        _f("details_json", pa.string(), "", "the plan: partition, packing, hosts, templates ..."),
+    ],
+)
+
 INPUT_SCHEMAS: dict[str, pa.Schema] = {
     s.metadata[b"stragglerscope.kind"].decode(): s
-    for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB_REGISTRATION)
+    for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB_REGISTRATION, CHECKPOINT)
 }
 RESULT_SCHEMAS: dict[str, pa.Schema] = {
     s.metadata[b"stragglerscope.kind"].decode(): s
-    for s in (WINDOW_RESULT, OPTYPE_SLOWDOWN, WORKER_SLOWDOWN, STEP_RESULT, HANG, LINK_FAULT, ALERT, DEAD_LETTER)
+    for s in (WINDOW_RESULT, OPTYPE_SLOWDOWN, WORKER_SLOWDOWN, STEP_RESULT, HANG, LINK_FAULT, ALERT, DEAD_LETTER,
+              DOWNTIME, REMEDY)
 }
 ALL_SCHEMAS: dict[str, pa.Schema] = {**INPUT_SCHEMAS, **RESULT_SCHEMAS}
 TOPIC_OF_KIND = {
@@ -339,6 +460,7 @@ TOPIC_OF_KIND = {
     "ccl_record": TOPIC_CCL,
     "heartbeat": TOPIC_HEARTBEATS,
     "job_registration": TOPIC_JOBS,
+    "checkpoint": TOPIC_CHECKPOINTS,
 }
 
 
@@ -423,13 +545,17 @@ def wire_schema(schema: pa.Schema) -> pa.Schema:
     return pa.schema([f.remove_metadata() for f in schema], metadata=keep)
 
 
-_WIRE = {id(s): wire_schema(s) for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB_REGISTRATION)}
+_WIRE = {id(s): wire_schema(s) for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB_REGISTRATION, CHECKPOINT)}
 
 
 def encode(batch: pa.RecordBatch | pa.Table, compression: str | None = "zstd") -> bytes:
-    """Encode one batch (or table) as an Arrow IPC stream, body-compressed."""
-    schema = _WIRE.get(id(batch.schema)) or wire_schema(batch.schema)
-    batch = batch.cast(schema) if isinstance(batch, pa.Table) else pa.Table.from_batches([batch]).cast(schema)
+    """Encode one batch (or table) as an Arrow IPC stream, body-compressed.
+
+    Fields added after version 1 that a producer left null get their defaults.
+    """
+    table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
+    schema = _WIRE.get(id(table.schema)) or wire_schema(table.schema)
+    batch = fill_defaults(table, table.schema).cast(schema)
     sink = io.BytesIO()
     opts = pa.ipc.IpcWriteOptions(compression=compression)
     with pa.ipc.new_stream(sink, schema, options=opts) as w:
@@ -454,8 +580,9 @@ def decode(payload: bytes) -> tuple[str, pa.Table]:
     version = md.get(b"stragglerscope.version", b"").decode()
     if kind not in INPUT_SCHEMAS and kind not in RESULT_SCHEMAS:
         raise DecodeError(f"unknown record kind {kind!r}")
-    if version != str(SCHEMA_VERSION):
-        raise DecodeError(f"unsupported schema version {version!r} for {kind} (we read {SCHEMA_VERSION})")
+    if not version.isdigit() or not MIN_READ_VERSION <= int(version) <= SCHEMA_VERSION:
+        raise DecodeError(f"unsupported schema version {version!r} for {kind} "
+                          f"(we read {MIN_READ_VERSION} to {SCHEMA_VERSION})")
     return kind, conform(table, ALL_SCHEMAS[kind])
 
 
@@ -463,12 +590,19 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """Check ``table`` against ``schema``: same columns, castable types, no nulls.
 
     Extra columns are dropped, safe casts applied (int32 -> int64 and the like);
-    anything else raises DecodeError naming the column.
+    a field added after version 1 that the table lacks, or holds nulls in, gets
+    its default (older producers); anything else raises DecodeError naming the
+    column.
     """
     cols = []
     for field in schema:
+        has_default, default = default_of(field)
         if field.name not in table.column_names:
-            raise DecodeError(f"{kind_of(schema)}: missing column {field.name!r}")
+            if not has_default:
+                raise DecodeError(f"{kind_of(schema)}: missing column {field.name!r}")
+            filled = pa.nulls(table.num_rows, field.type).fill_null(pa.scalar(default, field.type))
+            cols.append(pa.chunked_array([filled], field.type))
+            continue
         col = table.column(field.name)
         if not col.type.equals(field.type):
             try:
@@ -477,6 +611,8 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
                 raise DecodeError(
                     f"{kind_of(schema)}: column {field.name!r} is {col.type}, want {field.type}: {e}"[:500]
                 ) from None
+        if has_default and col.null_count:
+            col = col.fill_null(pa.scalar(default, field.type))
         if not field.nullable and col.null_count:
             raise DecodeError(f"{kind_of(schema)}: column {field.name!r} has {col.null_count} nulls")
         cols.append(col)
@@ -504,14 +640,54 @@ def validate_op_spans(table: pa.Table) -> tuple[pa.Table, pa.Table | None, str]:
     )
 
 
+def validate_checkpoints(table: pa.Table) -> tuple[pa.Table, pa.Table | None, str]:
+    """Split CHECKPOINT rows into good and bad rows (with the reason), like ``validate_op_spans``.
+
+    Bad rows: a kind other than save or load, a negative step, duration or rank.
+    """
+    bad_mask = pc.or_(
+        pc.invert(pc.is_in(table["kind"], pa.array(CHECKPOINT_KINDS))),
+        pc.or_(pc.less(table["step"], 0), pc.or_(pc.less(table["duration_ns"], 0), pc.less(table["rank"], 0))),
+    )
+    n_bad = pc.sum(pc.cast(bad_mask, pa.int64())).as_py() or 0
+    if not n_bad:
+        return table, None, ""
+    return (
+        table.filter(pc.invert(bad_mask)),
+        table.filter(bad_mask),
+        f"{n_bad} checkpoint records with an unknown kind or a negative step, duration or rank",
+    )
+
+
 def empty(schema: pa.Schema) -> pa.Table:
     return schema.empty_table()
 
 
 def from_rows(schema: pa.Schema, rows: Iterable[Mapping[str, Any]]) -> pa.Table:
-    """Build a table of ``schema`` from dict rows (test factories, small results)."""
+    """Build a table of ``schema`` from dict rows (test factories, small results).
+
+    A row may leave out fields added after version 1: they get their defaults.
+    """
     rows = list(rows)
-    return pa.Table.from_pylist(rows, schema=schema) if rows else schema.empty_table()
+    if not rows:
+        return schema.empty_table()
+    return fill_defaults(pa.Table.from_pylist(rows, schema=schema), schema)
+
+
+def fill_defaults(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Nulls in the fields of ``schema`` that have a default (added after version 1) become that default.
+
+    ``pa.Table.from_pylist(rows, schema=...)`` leaves nulls where a row lacks a
+    key, also in non-nullable fields: producers written before a field existed.
+    """
+    for field in schema:
+        has_default, default = default_of(field)
+        if not has_default or field.name not in table.column_names:
+            continue
+        i = table.column_names.index(field.name)
+        if table.column(i).null_count:
+            table = table.set_column(i, table.field(i), table.column(i).fill_null(pa.scalar(default, field.type)))
+    return table
 
 
 def dumps(obj: Any) -> str:

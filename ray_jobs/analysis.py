@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from analyzers.accounting import window_mfu
 from ingest import schema as S
 from ray_jobs.windows import JobInfo
 
@@ -49,7 +50,19 @@ def _window_row(info: JobInfo, key, ops: pa.Table, complete: bool, note: str) ->
         step_time_actual=float("nan"), step_time_sim=float("nan"), step_time_ideal=float("nan"),
         gpu_hours=0.0, wasted_gpu_hours=0.0, m_w=float("nan"), m_s=float("nan"),
         verdict="", verdicts_json="[]", complete=complete, note=note, n_ops=ops.num_rows,
+        mfu=float("nan"), mfu_ideal=float("nan"),
     )
+
+
+_FLOPS_FIELDS = ("flops_per_token", "params", "tokens_per_step", "peak_flops", "gpu_type")
+
+
+def _flops_info(info: JobInfo, n_gpus: int) -> dict:
+    """The registration's FLOPs fields: ``info.registration`` (a JOB_REGISTRATION row) or attributes of
+    ``info``; absent ones are 0, which makes the MFU NaN."""
+    reg = getattr(info, "registration", None)
+    src = reg if isinstance(reg, dict) else {k: getattr(info, k, 0) for k in _FLOPS_FIELDS}
+    return {**{k: src.get(k, 0) for k in _FLOPS_FIELDS}, "n_gpus": n_gpus}
 
 
 def analyze_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], complete: bool,
@@ -68,7 +81,8 @@ def analyze_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], comp
     row = _window_row(info, key, ops, complete, note)
     out: dict[str, list[dict]] = {"optype_slowdown": [], "worker_slowdown": [], "step_result": []}
     try:
-        res = analyze(ops, info.layout, allow_incomplete=True).to_json_dict()
+        result = analyze(ops, info.layout, allow_incomplete=True)
+        res = result.to_json_dict()
     except Exception as e:  # analyzer input errors and bugs alike: store, flag, move on
         log.warning("analysis of %s failed: %s", key, e)
         row["verdict"] = "analysis_failed"
@@ -99,6 +113,9 @@ def analyze_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], comp
         verdict=_main_verdict(verdicts), verdicts_json=S.dumps(_clean(verdicts)),
         note="; ".join([x for x in [note] + warnings if x])[:4000],
     )
+    steps = sorted(actual)
+    row["mfu"], row["mfu_ideal"] = window_mfu(_flops_info(info, row["n_gpus"]), steps, [actual[s] for s in steps],
+                                              [ideal.get(s, float("nan")) for s in steps])
     base = dict(job_id=key[0], attempt=key[1], window_id=key[2])
     for step in sorted(actual):
         ide = ideal.get(step, float("nan"))
@@ -117,7 +134,56 @@ def analyze_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], comp
             out["worker_slowdown"].append(dict(base, step=-1, dp_rank=dp, pp_rank=pp,
                                                s_dp=s_dp.get(dp, float("nan")), s_pp=s_pp.get(pp, float("nan")),
                                                s_w=_finite(v)))
+    _per_step_workers(res, base, out)
+    if verdicts or links.num_rows:
+        out["remedy"] = _remedies(ops, info, result, links, key)
     return _tables(row, out, links)
+
+
+# Per-step S_w cells are kept while a window has at most this many (steps x workers).
+MAX_PER_STEP_CELLS = 50_000
+
+
+def _per_step_workers(res: dict, base: dict, out: dict) -> None:
+    """S_w per step (min of the step's S_dp and S_pp, as for the window) for the per-step heatmaps."""
+    dp_steps = res.get("by_dp_rank_per_step") or {}
+    pp_steps = res.get("by_pp_rank_per_step") or {}
+    grid = res.get("worker_slowdown") or []
+    n_cells = sum(len(r) for r in grid)
+    if not grid or len(dp_steps) * n_cells > MAX_PER_STEP_CELLS:
+        return
+    for step, per_dp in dp_steps.items():
+        per_pp = pp_steps.get(step, {})
+        for pp, rowvals in enumerate(grid):
+            for dp, whole in enumerate(rowvals):
+                if whole != whole:  # worker absent from the window
+                    continue
+                sdp, spp = _finite(per_dp.get(str(dp))), _finite(per_pp.get(str(pp)))
+                out["worker_slowdown"].append(dict(base, step=int(step), dp_rank=dp, pp_rank=pp, s_dp=sdp,
+                                                   s_pp=spp, s_w=min(sdp, spp)))
+
+
+def _remedies(ops: pa.Table, info: JobInfo, result, links: pa.Table, key) -> list[dict]:
+    """Ranked remedies of a window with a verdict or a link fault; never costs the window its result."""
+    import time
+
+    from analyzers.remedies import JobInfo as Facts, advise
+
+    try:
+        reg = info.registration or {}
+        facts = Facts(layout=info.layout, num_layers=int(reg.get("num_layers") or 0) or None)
+        ts = time.time_ns()
+        rows = []
+        for r in advise(ops, facts, result, links.to_pylist()):
+            row = r.row(*key)
+            for k in ("predicted_gain", "step_time_before_s", "step_time_after_s"):
+                if row[k] in (float("inf"), float("-inf")):
+                    row[k] = 1e30 if row[k] > 0 else -1e30
+            rows.append(dict(row, advised_ns=ts))
+        return rows
+    except Exception as e:
+        log.warning("remedies of %s failed: %s", key, e)
+        return []
 
 
 def failed_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], reason: str) -> dict[str, pa.Table]:
@@ -172,4 +238,6 @@ def _tables(row: dict, out: dict[str, list[dict]], links: pa.Table | None = None
     tables["optype_slowdown"] = S.from_rows(S.OPTYPE_SLOWDOWN, out["optype_slowdown"])
     tables["worker_slowdown"] = S.from_rows(S.WORKER_SLOWDOWN, out["worker_slowdown"])
     tables["step_result"] = S.from_rows(S.STEP_RESULT, out["step_result"])
+    if out.get("remedy"):
+        tables["remedy"] = S.from_rows(S.REMEDY, out["remedy"])
     return tables

@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from ingest import schema as S
 from ray_jobs.alerts import AlertRules, WebhookSender
+from analyzers.accounting import DowntimeAccountant, downtime_table
 from analyzers.hang import HangParams
 from ray_jobs.analysis import analyze_window, failed_window
 from ray_jobs.hangs import HangMonitor, hang_table
@@ -47,6 +48,8 @@ class ShardStats:
     windows_failed: int = 0
     alerts: int = 0
     hangs: int = 0
+    checkpoints: int = 0
+    downtime_incidents: int = 0
     webhook_sent: int = 0
     webhook_failed: int = 0
     webhook_dropped: int = 0
@@ -92,6 +95,9 @@ class ShardWorker:
         self.rules = AlertRules(self.cfg.alerts)
         h = self.cfg.hang
         self.hangs = HangMonitor(HangParams(h.floor_s, h.k_steps, h.heartbeat_timeout_s))
+        # Fault downtime (detection, diagnosis, lost progress, re-init) from the same stream.
+        self.downtime = DowntimeAccountant()
+        self._downtime_due = 0.0
         self.source = self._consumer_factory() if self._consumer_factory else KafkaSource(
             self.cfg.kafka.bootstrap, S.INPUT_TOPICS, self.partitions)
         stored = self.sink.load_offsets(self.source_id, S.INPUT_TOPICS, self.partitions)
@@ -149,6 +155,7 @@ class ShardWorker:
             self._dispatch(win)
         self._collect(block=busy)
         self._check_hangs(now)
+        self._account_downtime(now)
         self._commit()
         st = self.stats
         st.inflight = len(self._inflight)
@@ -184,9 +191,18 @@ class ShardWorker:
             for row in table.to_pylist():
                 self.tracker.register(JobInfo.from_row(row))
                 self.stats.jobs_registered += 1
+            self.downtime.add_registrations(table)
         elif kind == "heartbeat":
             self.stats.heartbeats += table.num_rows
             self.hangs.add_heartbeats(table, now)
+            self.downtime.add_heartbeats(table)
+        elif kind == "checkpoint":
+            good, bad, reason = S.validate_checkpoints(table)
+            if bad is not None:
+                self._dead_letter(msg, reason)
+            self.stats.checkpoints += good.num_rows
+            if good.num_rows:
+                self.downtime.add_checkpoints(good)
         elif kind == "ccl_record":
             self.stats.ccl_records += table.num_rows
             self.hangs.add_ccl(table, now)
@@ -264,11 +280,24 @@ class ShardWorker:
             return
         alerts = [a for r in rows for a in self.rules.evaluate_hang(r, time.time(), time.time_ns())]
         self.sink.write("hang", hang_table(rows))
+        self.downtime.add_hangs(hang_table(rows))
         if alerts:
             self.sink.write("alert", S.from_rows(S.ALERT, alerts))
+            self.downtime.add_alerts(S.from_rows(S.ALERT, alerts))
         self.sink.flush()
         self.stats.hangs += len(rows)
         self._publish(alerts)
+
+    def _account_downtime(self, now: float, every_s: float = 10.0) -> None:
+        """Store the fault incidents the accountant closed (each once; the table's key drops repeats)."""
+        if now < self._downtime_due:
+            return
+        self._downtime_due = now + every_s
+        rows = self.downtime.emit(self._wall_ns())
+        if rows:
+            self.sink.write("downtime", downtime_table(rows))
+            self.sink.flush()
+            self.stats.downtime_incidents += len(rows)
 
     def _publish(self, alerts: list[dict]) -> None:
         for a in alerts:

@@ -41,6 +41,8 @@ class JobInfo:
     model: str = ""
     n_gpus: int = 0
     registered: bool = True
+    registration: dict | None = None
+    """The whole JOB_REGISTRATION row (FLOPs facts for MFU, layers for remedies)."""
 
     @classmethod
     def from_row(cls, row: dict) -> "JobInfo":
@@ -48,7 +50,7 @@ class JobInfo:
                         cp_size=row["cp_size"], vpp_size=row["vpp_size"])
         return cls(job_id=row["job_id"], attempt=row["attempt"], layout=lay,
                    profiled_steps=max(1, row["profiled_steps"]), team=row["team"], model=row["model"],
-                   n_gpus=row["n_gpus"] or lay.world_size)
+                   n_gpus=row["n_gpus"] or lay.world_size, registration=dict(row))
 
 
 @dataclasses.dataclass

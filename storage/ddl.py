@@ -259,6 +259,10 @@ TABLES: tuple[TableSpec, ...] = (
               partition_ns="analyzed_ns"),
     TableSpec("offsets", OFFSETS, ("source_id", "topic", "partition"), "latest"),
     TableSpec("alert_acks", ALERT_ACK, ("alert_id",), "latest", kind="alert_ack", latest_by=("acked_ns",)),
+    TableSpec("downtime", S.DOWNTIME, ("job_id", "attempt", "incident_id"), "first", kind="downtime",
+              partition_ns="incident_id"),
+    TableSpec("remedies", S.REMEDY, ("job_id", "attempt", "window_id", "advised_ns", "priority"), "first",
+              kind="remedy", partition_ns="advised_ns"),
 )
 TABLE_BY_NAME = {t.name: t for t in TABLES}
 TABLE_OF_KIND = {t.kind: t for t in TABLES if t.kind}

@@ -82,11 +82,20 @@ def _create_tables(*names: str) -> Callable[[object], None]:
     return apply
 
 
+def _v5_accounting(store) -> None:
+    _add_columns(store, "windows", ("mfu", "mfu_ideal"))
+    _add_columns(store, "jobs", ("params", "seq_len", "num_layers"))
+    _create_tables("downtime", "remedies")(store)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "base tables derived from ingest.schema", _v1_base_tables),
     Migration(2, "windows: M_W and M_S attribution columns", _v2_attribution, adds=(("windows", ("m_w", "m_s")),)),
     Migration(3, "op spans: retention by TTL where the engine has it", _v3_op_span_ttl),
     Migration(4, "alert acknowledgements", _create_tables("alert_acks"), creates=("alert_acks",)),
+    Migration(5, "accounting and remedies: MFU per window, FLOPs facts per job, fault downtime, remedies",
+              _v5_accounting, adds=(("windows", ("mfu", "mfu_ideal")), ("jobs", ("params", "seq_len", "num_layers"))),
+              creates=("downtime", "remedies")),
 )
 LATEST = MIGRATIONS[-1].version
 

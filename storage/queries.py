@@ -185,6 +185,58 @@ _QUERIES = [
         "hangs and node losses of one job, newest first, with wait chain and merged stacks",
     ),
     NamedQuery(
+        "gpu_hours_lost",
+        # Stragglers (windows) and the fault categories (downtime) side by side, per UTC week (Monday).
+        # The fleet filters apply to both; a fault counts in the week it started.
+        "SELECT week, cause, sum(gh) AS gpu_hours FROM ("
+        "SELECT toMonday(toDate(toDateTime(intDiv(analyzed_ns, 1000000000), 'UTC'))) AS week, "
+        "'stragglers' AS cause, sum(wasted_gpu_hours) AS gh FROM windows WHERE " + WHERE_FLEET + " GROUP BY week "
+        "UNION ALL SELECT week, cause, gh FROM ("
+        "SELECT toMonday(toDate(toDateTime(intDiv(fault_start_ns, 1000000000), 'UTC'))) AS week, "
+        "sum(detect_gpu_hours) AS d, sum(diagnose_gpu_hours) AS g, sum(isolate_gpu_hours) AS i, "
+        "sum(lost_progress_gpu_hours) AS l, sum(reinit_gpu_hours) AS r FROM downtime "
+        "WHERE fault_start_ns >= {since:Int64} AND fault_start_ns < {until:Int64} "
+        "AND ({team:String} = '' OR team = {team:String}) AND ({model:String} = '' OR model = {model:String}) "
+        "AND n_gpus >= {min_gpus:Int32} AND ({job_id:String} = '' OR job_id = {job_id:String}) GROUP BY week) "
+        "ARRAY JOIN ['fault: detection', 'fault: diagnosis', 'fault: isolation', 'fault: lost progress', "
+        "'fault: re-initialisation'] AS cause, [d, g, i, l, r] AS gh) "
+        "GROUP BY week, cause ORDER BY week, cause",
+        FLEET,
+        "where the GPU-hours went: straggler waste and each fault-downtime category (C4's), per week",
+    ),
+    NamedQuery(
+        "downtime_summary",
+        "SELECT n AS incidents, t AS gpu_hours, d AS detect_gpu_hours, g AS diagnose_gpu_hours, "
+        "i AS isolate_gpu_hours, l AS lost_progress_gpu_hours, r AS reinit_gpu_hours, "
+        "if(t > 0, (d + g) / t, nan) AS detection_share FROM ("
+        "SELECT count() AS n, sum(total_gpu_hours) AS t, sum(detect_gpu_hours) AS d, sum(diagnose_gpu_hours) AS g, "
+        "sum(isolate_gpu_hours) AS i, sum(lost_progress_gpu_hours) AS l, sum(reinit_gpu_hours) AS r FROM downtime "
+        "WHERE fault_start_ns >= {since:Int64} AND fault_start_ns < {until:Int64} "
+        "AND ({team:String} = '' OR team = {team:String}) AND ({model:String} = '' OR model = {model:String}) "
+        "AND n_gpus >= {min_gpus:Int32} AND ({job_id:String} = '' OR job_id = {job_id:String}))",
+        FLEET,
+        "fault downtime in C4's categories; detection_share = the part our own detection and diagnosis "
+        "latency accounts for",
+    ),
+    NamedQuery(
+        "mfu_distribution",
+        # Aggregates get other names inside: ClickHouse aliases would shadow the filtered columns.
+        "SELECT job_id, t AS team, m AS model, g AS n_gpus, a AS mfu, i AS mfu_ideal FROM ("
+        "SELECT job_id, any(team) AS t, any(model) AS m, max(n_gpus) AS g, "
+        "sum(mfu * step_time_actual * n_steps) / sum(step_time_actual * n_steps) AS a, "
+        "sum(mfu_ideal * step_time_actual * n_steps) / sum(step_time_actual * n_steps) AS i "
+        "FROM windows WHERE " + WHERE_FLEET + " AND mfu > 0 AND step_time_actual > 0 "
+        "GROUP BY job_id) ORDER BY mfu, job_id LIMIT {limit:UInt64}",
+        FLEET + (_limit(100_000),),
+        "per job: time-weighted MFU achieved and what the straggler-free ideal would reach (jobs with FLOPs info)",
+    ),
+    NamedQuery(
+        "job_downtime",
+        "SELECT * FROM downtime WHERE job_id = {job_id:String} ORDER BY fault_start_ns LIMIT {limit:UInt64}",
+        (_job_required(), _limit(1000)),
+        "fault incidents of one job and what each cost, per category",
+    ),
+    NamedQuery(
         "job_info",
         "SELECT * FROM jobs WHERE job_id = {job_id:String} "
         "AND ({attempt:Int32} < 0 OR attempt = {attempt:Int32}) ORDER BY attempt DESC LIMIT 1",
@@ -198,6 +250,17 @@ _QUERIES = [
         (_job_required(), ParamSpec("attempt", "Int32", 0, "the attempt"),
          ParamSpec("window_id", "Int64", None, "the window (its first step)"), _limit(2_000_000)),
         "raw op spans of one window (kept for small windows, for the timeline drill-down)",
+    ),
+    NamedQuery(
+        "job_remedies",
+        "SELECT attempt, window_id, advised_ns, priority, kind, verdict, action, predicted_gain, "
+        "step_time_before_s, step_time_after_s, details_json FROM remedies "
+        "WHERE job_id = {job_id:String} AND ({window_id:Int64} < 0 OR window_id = {window_id:Int64}) "
+        "AND (attempt, window_id, advised_ns) IN (SELECT attempt, window_id, max(advised_ns) FROM remedies "
+        "WHERE job_id = {job_id:String} GROUP BY attempt, window_id) "
+        "ORDER BY attempt, window_id, priority LIMIT {limit:UInt64}",
+        (_job_required(), ParamSpec("window_id", "Int64", -1, "only this window (-1: all)"), _limit(1000)),
+        "the latest advised remedies of a job's windows, best first",
     ),
     NamedQuery(
         "alert_history",

@@ -35,7 +35,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input or an unreachable service, not a bug."""
     errs: list[type[BaseException]] = [CLIError, config_mod.ConfigError, FileNotFoundError, PermissionError]
     for mod, name in (("ingest.broker", "BrokerError"), ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
-                      ("stragglerscope.replay", "ReplayError"),
+                      ("stragglerscope.replay", "ReplayError"), ("stragglerscope.advise", "AdviseError"),
                       ("analyzers.whatif", "WhatIfInputError"), ("ingest.schema", "DecodeError")):
         try:
             errs.append(getattr(__import__(mod, fromlist=[name]), name))
@@ -107,6 +107,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--meta", required=True, help="meta YAML with dp_size, pp_size, tp_size, vpp_size ...")
     p.add_argument("--json", required=True, dest="json_out", metavar="OUT.json", help="where to write the result")
     p.add_argument("--timeline", metavar="OUT.json.gz", help="also write actual and ideal timelines (Perfetto)")
+
+    p = sub.add_parser("advise", help="remedies for a job's window, ranked by their simulated gain",
+                       description="For the verdicts of one stored window (default: the job's latest), propose "
+                                   "the fix (layer repartition, sequence repacking, swapping a slow host, a "
+                                   "planned GC interval, draining a host or link, a recovery plan after node "
+                                   "loss) with its gain simulated on the window's own trace; print them best "
+                                   "first and store them for the console. Needs the window's raw op spans "
+                                   "(kept for windows up to pipeline.keep_op_spans_max_rows rows).")
+    _add_config(p)
+    p.add_argument("job", metavar="JOB", help="job id")
+    p.add_argument("--window", type=int, help="window id (its first step; default: the latest)")
+    p.add_argument("--attempt", type=int, default=-1, help="job attempt (default: the latest)")
+    p.add_argument("--num-layers", type=int, help="transformer layers of the model (enables repartitioning)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per host (default 8)")
+    p.add_argument("--spare-host", action="append", default=[], metavar="HOST",
+                   help="a spare host to swap in (repeatable)")
+    p.add_argument("--nodes-alive", type=int, help="hosts still usable after a node loss (enables a recovery plan)")
+    p.add_argument("--fault-tolerance", type=int, default=1, help="failures a recovery plan must survive (f)")
+    p.add_argument("--json", action="store_true", help="print the remedies as JSON lines")
+    p.add_argument("--no-store", action="store_true", help="print only; do not store the remedies")
+    p.add_argument("--store", help="store URL (overrides store.url)")
 
     p = sub.add_parser("import", help="convert existing traces to our records; optionally publish them",
                        description="Convert traces (golden: the what-if paper's parquet + meta YAML; kineto: "
@@ -212,6 +233,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             if isinstance(out, str) and not out.endswith("\n"):
                 sys.stdout.write("\n")
         return 0
+    if cmd == "advise":
+        return _advise(args, cfg)
     if cmd == "import":
         return _import(args, cfg)
     if cmd == "replay":
@@ -237,6 +260,35 @@ def _dispatch(args: argparse.Namespace) -> int:
               ready=lambda port: print(f"store {cfg.store.url} at http://127.0.0.1:{port}", flush=True))
         return 0
     raise CLIError(f"unknown command {cmd}")
+
+
+def _advise(args: argparse.Namespace, cfg) -> int:
+    import json
+
+    from storage import open_store
+    from stragglerscope.advise import AdviseOptions, advise_stored, format_remedies, remedy_table
+
+    for name in ("gpus_per_node", "fault_tolerance"):
+        if getattr(args, name) < (1 if name == "gpus_per_node" else 0):
+            raise CLIError(f"--{name.replace('_', '-')} is out of range")
+    opts = AdviseOptions(window_id=args.window, attempt=args.attempt, num_layers=args.num_layers,
+                         gpus_per_node=args.gpus_per_node, spare_hosts=tuple(args.spare_host),
+                         nodes_alive=args.nodes_alive, fault_tolerance=args.fault_tolerance)
+    store = open_store(cfg.store.url)
+    try:
+        store.setup()
+        print(f"advising {args.job} (re-simulating the window with each fix) ...", file=sys.stderr)
+        key, remedies = advise_stored(store, args.job, opts)
+        if not args.no_store and remedies:
+            store.insert("remedy", remedy_table(key, remedies))
+    finally:
+        store.close()
+    if args.json:
+        for r in remedies:
+            print(json.dumps(r.row(*key), default=str))
+    else:
+        print(format_remedies(key, remedies))
+    return 0
 
 
 def _import(args: argparse.Namespace, cfg) -> int:

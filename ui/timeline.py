@@ -16,9 +16,9 @@ MAX_OPS = 200_000
 
 
 def layout_of(registration: dict) -> S.JobLayout:
-    return S.JobLayout(dp_size=int(registration["dp_size"]), pp_size=int(registration["pp_size"]),
-                       tp_size=int(registration["tp_size"]), cp_size=int(registration["cp_size"]),
-                       vpp_size=int(registration["vpp_size"]))
+    from ray_jobs.windows import JobInfo
+
+    return JobInfo.from_row(registration).layout
 
 
 def timeline_frame(ops: pa.Table, layout: S.JobLayout, step: int | None = None,

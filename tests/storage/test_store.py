@@ -279,7 +279,11 @@ def test_migration_from_version_1_keeps_data(store_url):
         assert "m_w" not in cols and "m_s" not in cols
         assert "alert_acks_data" not in st.table_columns()
         old = window_rows(3, job="old")
-        old_rows = st._with_stored_ns(ddl.TABLE_BY_NAME["windows"], old).drop_columns(["m_w", "m_s"])
+        from storage.migrations import _added_later
+
+        later = sorted(_added_later("windows", 1))
+        assert {"m_w", "m_s", "mfu", "mfu_ideal"} <= set(later)
+        old_rows = st._with_stored_ns(ddl.TABLE_BY_NAME["windows"], old).drop_columns(later)
         st._insert("windows_data", old_rows)
         assert st.query("SELECT count() AS n FROM windows").column("n")[0].as_py() == 3
         st.setup()
@@ -355,3 +359,44 @@ def test_one_chdb_path_per_process(tmp_path):
             open_store(f"chdb://{tmp_path / 'b'}")
     finally:
         a.close()
+
+
+def test_where_the_gpu_hours_went_stragglers_and_faults_together(store):
+    """One query answers the week's bill: straggler waste and every C4 downtime category, matching truth."""
+    from analyzers.accounting import account_downtime, downtime_table
+    from ingest.downtimegen import generate_downtime_fleet
+
+    fleet = generate_downtime_fleet(n_jobs=4, days=3.0, seed=2)
+    rows = account_downtime(fleet.tables())
+    store.insert("downtime", downtime_table(rows))
+    store.insert("downtime", downtime_table(rows))  # idempotent per incident
+    windows = window_rows(4)
+    store.insert("window_result", windows)
+    got = store.run_named("gpu_hours_lost").to_pylist()
+    by_cause: dict[str, float] = {}
+    for r in got:
+        by_cause[r["cause"]] = by_cause.get(r["cause"], 0.0) + r["gpu_hours"]
+    truth = {c: sum(t[f"{c}_gpu_hours"] for t in fleet.truth)
+             for c in ("detect", "diagnose", "isolate", "lost_progress", "reinit")}
+    names = {"detect": "fault: detection", "diagnose": "fault: diagnosis", "isolate": "fault: isolation",
+             "lost_progress": "fault: lost progress", "reinit": "fault: re-initialisation"}
+    for c, want in truth.items():
+        assert by_cause[names[c]] == pytest.approx(want, rel=0.01), c
+    assert by_cause["stragglers"] == pytest.approx(sum(windows.column("wasted_gpu_hours").to_pylist()), rel=1e-9)
+    summary = store.run_named("downtime_summary").to_pylist()[0]
+    assert summary["incidents"] == len(fleet.truth)
+    assert summary["gpu_hours"] == pytest.approx(sum(t["total_gpu_hours"] for t in fleet.truth), rel=0.01)
+    assert 0 < summary["detection_share"] < 1
+    job = fleet.truth[0]["job_id"]
+    assert store.run_named("job_downtime", {"job_id": job}).num_rows == sum(t["job_id"] == job for t in fleet.truth)
+
+
+def test_mfu_distribution_weights_windows_by_time(store):
+    w = window_rows(2, job="m")
+    w = w.set_column(w.schema.get_field_index("mfu"), "mfu", pa.array([0.2, 0.4]))
+    w = w.set_column(w.schema.get_field_index("mfu_ideal"), "mfu_ideal", pa.array([0.5, 0.5]))
+    store.insert("window_result", w)
+    (row,) = store.run_named("mfu_distribution").to_pylist()
+    t = [a * n for a, n in zip(w.column("step_time_actual").to_pylist(), w.column("n_steps").to_pylist())]
+    assert row["mfu"] == pytest.approx((0.2 * t[0] + 0.4 * t[1]) / sum(t))
+    assert row["mfu_ideal"] == pytest.approx(0.5)

@@ -15,6 +15,13 @@ import pytest
 from ingest import schema as S
 
 
+def cause_of(n_jobs: int = 12, seed: int = 3) -> dict[str, str]:
+    """Injected cause of each demo job (the ground truth of the console tests)."""
+    from ingest.fleetgen import make_fleet
+
+    return {f"ui-{i:03d}": j.cause for i, j in enumerate(make_fleet(n_jobs, seed, 8, 256))}
+
+
 def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) -> list[str]:
     from analyzers.hang import HangTracker, HangParams
     from ingest.faultgen import hang_incident, link_incident
@@ -30,7 +37,7 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
     rules = AlertRules(AlertConfig(min_gpus=1, cooldown_s=0))
     by_kind: dict[str, list[pa.Table]] = {}
     for spec, wid, ops in fleet_windows(jobs, windows, 3, now - 3600 * 10**9):
-        info = JobInfo(spec.job_id, 0, spec.layout, 3, team=spec.team, model=spec.model, n_gpus=spec.n_gpus)
+        info = JobInfo.from_row(spec.registration(now, 3).to_pylist()[0])
         ccl = link_incident("link", 16, wid, job_id=spec.job_id) if spec.job_id == "ui-001" else None
         if ccl is not None:
             c = ccl.ccl
@@ -54,6 +61,11 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
     by_kind.setdefault("hang", []).append(S.from_rows(S.HANG, [row]))
     row["summary"] = hang.summary()
     by_kind["alert"].append(S.from_rows(S.ALERT, rules.evaluate_hang(row, 0.0, now)))
+    from analyzers.accounting import account_downtime, downtime_table
+    from ingest.downtimegen import generate_downtime_fleet
+
+    faults = generate_downtime_fleet(n_jobs=3, days=2.0, seed=1)
+    by_kind["downtime"] = [downtime_table(account_downtime(faults.tables()))]
     for kind, ts in by_kind.items():
         t = pa.concat_tables([x for x in ts if x.num_rows] or ts[:1])
         if t.num_rows:

@@ -32,6 +32,10 @@ def test_fleet_page(app):
     assert float(labels["Mean S"]) > 1.0
     assert at.dataframe, "top wasting jobs are listed"
     assert "CDF of straggler slowdown S" in _text(at)
+    # Stragglers and fault downtime side by side, and MFU from the registrations' FLOPs.
+    assert int(labels["Fault incidents"]) > 0 and labels["Fault downtime GPU-hours"] != "–"
+    assert labels["Downtime from detection + diagnosis"].endswith("%")
+    assert any(c.value.startswith("12 jobs · median MFU") for c in at.caption), [c.value for c in at.caption]
 
 
 def test_alerts_page(app):
@@ -66,6 +70,21 @@ def test_acknowledgements_are_stored_and_survive_a_new_session(app, demo_store_u
     next(b for b in other.button if b.label == "Re-open selected").click().run()
     next(t for t in other.toggle if t.label == "Show acknowledged").set_value(False).run()
     assert first in set(other.dataframe[0].value["alert_id"])
+
+
+def test_job_page_shows_stored_remedies_and_per_step_heatmaps(app):
+    from tests.ui.conftest import cause_of
+
+    at = app.run()
+    at.switch_page("pages/job.py").run()
+    job = next(j for j, c in cause_of().items() if c == "slow_worker")
+    at.selectbox(key="job").set_value(job).run()
+    assert not at.exception, at.exception
+    labels = [e.label for e in at.expander]
+    assert any(lab.startswith("1. swap_host (worker): +") for lab in labels), labels
+    steps = [o for o in at.selectbox(key="heat_step").options if o.startswith("step ")]
+    at.selectbox(key="heat_step").set_value(steps[0]).run()
+    assert not at.exception and not any("No per-step worker cells" in i.value for i in at.info)
 
 
 def test_job_page_timeline_of_actual_vs_ideal(app):

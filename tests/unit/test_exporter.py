@@ -84,3 +84,43 @@ def test_heartbeat_reports_the_op_in_flight_and_dumps_stacks_when_stuck():
 def test_folded_stacks_name_every_thread():
     text = folded_stacks()
     assert "MainThread" in text
+
+
+def test_heartbeats_report_the_last_completed_step_and_close_sends_the_last_one():
+    sent = []
+    exp = _exporter(sent)
+    assert exp.heartbeat().to_pylist()[0]["step_done"] == -1
+    for step in range(3):
+        with exp.step(step):
+            pass
+    before = exp.now_ns()
+    with pytest.raises(RuntimeError):
+        with exp.step(3):
+            raise RuntimeError("a step that fails did not complete")
+    hb = exp.heartbeat().to_pylist()[0]
+    assert hb["step"] == 3 and hb["step_done"] == 2 and 0 < hb["step_done_ns"] <= before
+    exp.close()
+    exp.close()
+    hbs = [t for t in sent if S.kind_of(t.schema) == "heartbeat"]
+    assert len(hbs) == 1 and hbs[0].to_pylist()[0]["step_done"] == 2, "close() sends one last heartbeat"
+
+
+def test_checkpoint_records_and_bad_arguments_never_raise():
+    sent = []
+    exp = _exporter(sent)
+    exp.checkpoint(99, "save", start_ns=10**18, duration_ns=5 * 10**9)
+    with exp.checkpointing(99, kind="load"):
+        time.sleep(0.001)
+    with pytest.raises(OSError):
+        with exp.checkpointing(199):
+            raise OSError("disk full: a failed save is not reported")
+    exp.checkpoint(5, "copy")
+    exp.checkpoint(-1)
+    rows = [r for t in sent if S.kind_of(t.schema) == "checkpoint" for r in t.to_pylist()]
+    assert [(r["step"], r["kind"], r["rank"], r["job_id"]) for r in rows] == [(99, "save", 3, "job"),
+                                                                              (99, "load", 3, "job")]
+    assert rows[0]["ts_ns"] == 10**18 and rows[0]["duration_ns"] == 5 * 10**9
+    assert rows[1]["duration_ns"] >= 1_000_000
+    assert exp.stats.checkpoints == 2 and exp.stats.errors == 2
+    kind, back = S.decode(S.encode(sent[-1]))
+    assert kind == "checkpoint" and back.num_rows == 1

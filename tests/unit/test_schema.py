@@ -108,3 +108,82 @@ def test_layout_from_golden_meta():
         S.JobLayout.from_meta({"dp_size": 4})
     with pytest.raises(ValueError, match="dp_size must be a positive integer"):
         S.JobLayout(dp_size=0, pp_size=1)
+
+
+# --------------------------------------------------------------------------
+# Version 2: checkpoints, downtime, fields added with defaults
+# --------------------------------------------------------------------------
+def _ckpt_rows():
+    return [dict(job_id="job-a", attempt=1, rank=r, step=999, ts_ns=10**18 + r, duration_ns=30 * 10**9, kind=k)
+            for r in (0, 1) for k in ("save", "load")]
+
+
+def test_checkpoint_round_trip_on_its_topic():
+    t = S.from_rows(S.CHECKPOINT, _ckpt_rows())
+    kind, back = S.decode(S.encode(t))
+    assert kind == "checkpoint" and back.equals(t)
+    assert S.TOPIC_OF_KIND["checkpoint"] == S.TOPIC_CHECKPOINTS and S.TOPIC_CHECKPOINTS in S.INPUT_TOPICS
+    assert S.unit_of(S.CHECKPOINT, "duration_ns") == "ns" and S.unit_of(S.CHECKPOINT, "ts_ns") == "ns"
+
+
+def test_validate_checkpoints_splits_bad_rows_with_reason():
+    rows = _ckpt_rows()
+    rows[1]["kind"] = "copy"
+    rows[2]["duration_ns"] = -1
+    good, bad, reason = S.validate_checkpoints(S.from_rows(S.CHECKPOINT, rows))
+    assert (good.num_rows, bad.num_rows) == (2, 2) and "unknown kind" in reason
+    assert S.validate_checkpoints(S.from_rows(S.CHECKPOINT, _ckpt_rows()))[1] is None
+
+
+@pytest.mark.parametrize("schema", list(S.ALL_SCHEMAS.values()), ids=list(S.ALL_SCHEMAS))
+def test_fields_added_later_come_last_with_a_default(schema):
+    since = [int((f.metadata or {}).get(b"since", b"1")) for f in schema]
+    assert since == sorted(since), "a field added later goes at the end of its schema"
+    for f, v in zip(schema, since):
+        assert (v > 1) == S.default_of(f)[0], f.name
+
+
+def _as_version_1(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """What a version-1 producer sent: without the fields added since, labelled version 1."""
+    old = [f.name for f in schema if S.default_of(f)[0]]
+    md = dict(table.schema.metadata or {})
+    md[b"stragglerscope.version"] = b"1"
+    return table.drop_columns(old).replace_schema_metadata(md)
+
+
+def test_version_1_records_still_decode_with_defaults():
+    import math
+
+    from ingest.fleetgen import JobSpec
+
+    reg = JobSpec("job-a", S.JobLayout(dp_size=2, pp_size=2), num_microbatches=4).registration(5, 2)
+    kind, back = S.decode(S.encode(_as_version_1(reg, S.JOB_REGISTRATION)))
+    assert kind == "job_registration" and back.column("params").to_pylist() == [0]
+    assert back.column("seq_len").to_pylist() == [0] and back.column("n_gpus").to_pylist() == [4]
+
+    win = S.from_rows(S.WINDOW_RESULT, [dict(
+        job_id="j", attempt=0, window_id=0, first_step=0, last_step=1, n_steps=2, start_ns=0, end_ns=1,
+        analyzed_ns=2, team="", model="", n_gpus=8, dp_size=8, pp_size=1, slowdown=1.2, launch_slowdown=1.0,
+        waste_fraction=0.1, step_time_actual=1.0, step_time_sim=1.0, step_time_ideal=0.8, gpu_hours=1.0,
+        wasted_gpu_hours=0.1, m_w=0.5, m_s=0.1, verdict="", verdicts_json="[]", complete=True, note="", n_ops=1)])
+    assert math.isnan(win.column("mfu")[0].as_py())  # from_rows fills what a row leaves out
+    kind, back = S.decode(S.encode(_as_version_1(win, S.WINDOW_RESULT)))
+    assert kind == "window_result" and math.isnan(back.column("mfu_ideal")[0].as_py())
+
+    hb = S.from_rows(S.HEARTBEAT, [dict(job_id="j", attempt=0, rank=0, host="h", pid=1, ts_ns=1, step=3,
+                                        last_op="", last_op_end_ns=0, inflight_op="", inflight_group="",
+                                        inflight_seq=-1, inflight_since_ns=-1, clock_offset_ns=0, stack="")])
+    back = S.conform(_as_version_1(hb, S.HEARTBEAT), S.HEARTBEAT)
+    assert back.column("step_done").to_pylist() == [-1] and back.column("step_done_ns").to_pylist() == [-1]
+
+
+def test_versions_outside_the_readable_range_are_rejected():
+    for v in (b"0", b"3", b"x"):
+        t = _spans().replace_schema_metadata({b"stragglerscope.kind": b"op_span", b"stragglerscope.version": v})
+        with pytest.raises(S.DecodeError, match="unsupported schema version"):
+            S.decode(S.encode(t))
+
+
+def test_a_new_field_still_needs_a_default():
+    with pytest.raises(ValueError, match="needs a default"):
+        S._f("x", pa.int64(), "", "doc", since=2)

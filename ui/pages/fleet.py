@@ -1,4 +1,4 @@
-"""Fleet at a glance: how much straggling costs, where, and which jobs."""
+"""Fleet at a glance: where the GPU-hours went (stragglers and fault downtime), MFU, and which jobs."""
 import altair as alt
 import streamlit as st
 
@@ -49,6 +49,40 @@ with right:
     st.subheader("Wasted GPU-hours by team")
     by_team = named("wasted_by_team", **params)
     bar(by_team, by_team.columns[0] if len(by_team.columns) else "", "wasted_gpu_hours")
+
+st.subheader("Where the GPU-hours went")
+lost = named("gpu_hours_lost", **params)
+down = named("downtime_summary", **params)
+d = down.to_dict("records")[0] if not down.empty else {}
+c = st.columns(4)
+c[0].metric("Straggler GPU-hours", fmt(float(lost[lost["cause"] == "stragglers"]["gpu_hours"].sum())
+                                        if not lost.empty else 0.0))
+c[1].metric("Fault downtime GPU-hours", fmt(d.get("gpu_hours")))
+c[2].metric("Fault incidents", fmt(d.get("incidents")))
+ds = d.get("detection_share")
+c[3].metric("Downtime from detection + diagnosis", "–" if ds is None or ds != ds else f"{100 * ds:.1f}%",
+            help="The part of fault downtime between the fault and the culprit being named: what faster "
+                 "detection and diagnosis can win back (C4's categories).")
+if lost.empty or lost["gpu_hours"].sum() <= 0:
+    st.info("No straggler waste or fault downtime recorded in this period.")
+else:
+    lost = lost.assign(week=lost["week"].astype(str))
+    st.altair_chart(alt.Chart(lost).mark_bar().encode(
+        x=alt.X("week:O", title="week (Monday, UTC)"), y=alt.Y("sum(gpu_hours):Q", title="GPU-hours lost"),
+        color=alt.Color("cause:N", title=None), tooltip=["week", "cause", "gpu_hours"]), width="stretch")
+
+st.subheader("MFU across jobs")
+mfu = named("mfu_distribution", **params)
+if mfu.empty:
+    st.info("No job registered its FLOPs (flops_per_token or params, tokens_per_step, peak FLOP/s).")
+else:
+    long = mfu.melt(id_vars=["job_id"], value_vars=["mfu", "mfu_ideal"], var_name="at", value_name="MFU")
+    long["at"] = long["at"].map({"mfu": "achieved", "mfu_ideal": "without stragglers"})
+    st.altair_chart(alt.Chart(long).mark_bar(opacity=0.6).encode(
+        x=alt.X("MFU:Q", bin=alt.Bin(maxbins=30)), y=alt.Y("count():Q", title="jobs", stack=None),
+        color=alt.Color("at:N", title=None)), width="stretch")
+    st.caption(f"{len(mfu)} jobs · median MFU {mfu['mfu'].median():.3f} achieved, "
+               f"{mfu['mfu_ideal'].median():.3f} without stragglers")
 
 st.subheader("Top wasting jobs")
 top = named("top_wasting_jobs", **params, limit=20)

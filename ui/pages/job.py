@@ -6,7 +6,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from ui.data import named, window_timeline
+from ui.data import advise_window, named, window_timeline
 from ui.widgets import heatmap
 
 st.title("Job")
@@ -76,6 +76,27 @@ for v in verdicts:
         st.json(v.get("evidence", {}))
 if row.get("note"):
     st.caption(f"Note: {row['note']}")
+
+st.subheader("Remedies")
+remedies = named("job_remedies", job_id=job, window_id=int(wid))
+if st.button("Advise now (re-simulates this window with each fix)", key="advise"):
+    msg = advise_window(job, int(row["attempt"]), int(wid))
+    if msg:
+        st.info(msg)
+    remedies = named("job_remedies", job_id=job, window_id=int(wid))
+if remedies.empty:
+    st.write("No remedies stored for this window yet (windows with a verdict get them in the pipeline; "
+             "`stragglerscope advise` or the button computes them on demand).")
+for _, r in remedies.iterrows():
+    gain = r["predicted_gain"]
+    label = "restores progress" if gain > 1e6 else (f"+{100 * gain:.1f}% step time" if gain == gain else "gain n/a")
+    with st.expander(f"{int(r['priority'])}. {r['kind']} ({r['verdict']}): {label}", expanded=int(r["priority"]) == 1):
+        st.markdown(r["action"])
+        c = st.columns(2)
+        c[0].metric("Step time now", f"{r['step_time_before_s']:.3f} s")
+        after = r["step_time_after_s"]
+        c[1].metric("Predicted after the fix", f"{after:.3f} s" if after < 1e6 else "–")
+        st.json(json.loads(r["details_json"] or "{}"), expanded=False)
 
 st.subheader("Actual vs simulated ideal timeline")
 if not step_ids:

@@ -1,0 +1,97 @@
+"""`stragglerscope advise JOB`: the remedies of one stored window, ranked by simulated gain, stored back.
+
+Reads the job's registration, the window's kept raw op spans and its link
+faults from the store, runs ``analyzers.remedies.advise`` (which re-simulates
+the window with each fix applied), prints the remedies and stores them as
+REMEDY rows (one batch per run, stamped ``advised_ns``; readers show the
+latest batch of a window), so the console's job page shows them too.
+
+What the trace cannot tell (layers of the model, GPUs per node, spare hosts,
+nodes still alive) comes from the registration where it has it and from
+options otherwise; a remedy that needs a missing fact is left out.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pyarrow as pa
+
+from ingest import schema as S
+
+
+class AdviseError(ValueError):
+    """The store lacks what advice needs (job, window, kept op spans)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AdviseOptions:
+    window_id: int | None = None
+    attempt: int = -1
+    num_layers: int | None = None
+    gpus_per_node: int = 8
+    spare_hosts: tuple[str, ...] = ()
+    nodes_alive: int | None = None
+    fault_tolerance: int = 1
+    min_gain: float = 0.01
+
+
+def advise_stored(store, job_id: str, opts: AdviseOptions = AdviseOptions()) -> tuple[tuple[str, int, int], list]:
+    """((job, attempt, window), remedies) of one stored window; raises AdviseError when it cannot."""
+    from analyzers.remedies import JobInfo, advise
+    from ray_jobs.windows import JobInfo as Registered
+
+    reg = store.run_named("job_info", {"job_id": job_id, "attempt": opts.attempt}).to_pylist()
+    if not reg:
+        raise AdviseError(f"job {job_id!r} is not registered in the store")
+    reg = reg[0]
+    attempt = int(reg["attempt"])
+    windows = store.run_named("job_windows", {"job_id": job_id}).to_pylist()
+    windows = [w for w in windows if int(w["attempt"]) == attempt]
+    if not windows:
+        raise AdviseError(f"job {job_id!r} attempt {attempt} has no analysed window")
+    if opts.window_id is None:
+        window_id = max(int(w["window_id"]) for w in windows)
+    else:
+        window_id = int(opts.window_id)
+        if window_id not in {int(w["window_id"]) for w in windows}:
+            known = ", ".join(str(w["window_id"]) for w in windows[:20])
+            raise AdviseError(f"job {job_id!r} has no window {window_id} (windows: {known})")
+    ops = store.run_named("window_ops", {"job_id": job_id, "attempt": attempt, "window_id": window_id})
+    if ops.num_rows == 0:
+        raise AdviseError(f"no raw op spans are kept for window {window_id} of {job_id!r} (larger than "
+                          "pipeline.keep_op_spans_max_rows, or past the retention)")
+    links = store.run_named("job_links", {"job_id": job_id, "window_id": window_id}).to_pylist()
+    links = [f for f in links if int(f["attempt"]) == attempt]
+    num_layers = opts.num_layers or int(reg.get("num_layers") or 0) or None
+    info = JobInfo(layout=Registered.from_row(reg).layout, num_layers=num_layers, gpus_per_node=opts.gpus_per_node,
+                   spare_hosts=tuple(opts.spare_hosts), nodes_alive=opts.nodes_alive,
+                   fault_tolerance=opts.fault_tolerance)
+    remedies = advise(S.conform(ops, S.OP_SPAN), info, None, links, min_gain=opts.min_gain)
+    return (job_id, attempt, window_id), remedies
+
+
+def remedy_table(key: tuple[str, int, int], remedies, advised_ns: int | None = None) -> pa.Table:
+    ts = time.time_ns() if advised_ns is None else advised_ns
+    rows = []
+    for r in remedies:
+        row = dict(r.row(*key), advised_ns=ts)
+        for k in ("predicted_gain", "step_time_before_s", "step_time_after_s"):
+            if row[k] in (float("inf"), float("-inf")):  # the schema's stand-in for "restores progress"
+                row[k] = 1e30 if row[k] > 0 else -1e30
+        rows.append(row)
+    return S.from_rows(S.REMEDY, rows)
+
+
+def format_remedies(key: tuple[str, int, int], remedies) -> str:
+    job, attempt, window = key
+    if not remedies:
+        return f"{job} attempt {attempt} window {window}: no remedy with a gain worth acting on."
+    lines = [f"{job} attempt {attempt} window {window}: {len(remedies)} remedies, best first", ""]
+    for r in remedies:
+        gain = "n/a" if r.predicted_gain != r.predicted_gain else (
+            "restores progress" if r.predicted_gain == float("inf") else f"+{100 * r.predicted_gain:.1f}%")
+        lines.append(f"{r.priority}. [{r.kind}] {gain} step time ({r.step_time_before_s:.3f} s -> "
+                     f"{r.step_time_after_s:.3f} s), for {r.verdict}")
+        lines.append(f"   {r.action}")
+    return "\n".join(lines)

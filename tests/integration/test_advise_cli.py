@@ -1,0 +1,53 @@
+"""`stragglerscope advise JOB`: remedies of a stored window, printed best first and stored for the console."""
+import json
+
+import pytest
+
+from stragglerscope.cli import main
+
+pytestmark = pytest.mark.integration  # a real chDB store
+
+
+@pytest.fixture(scope="module")
+def store_url(tmp_path_factory):
+    from storage import open_store
+    from tests.ui.conftest import fill_demo_store
+
+    url = f"chdb://{tmp_path_factory.mktemp('advise') / 'store'}"
+    store = open_store(url)
+    store.setup()
+    fill_demo_store(store, n_jobs=8, windows=1, seed=3)
+    store.close()
+    return url
+
+
+def _job_with(cause):
+    from tests.ui.conftest import cause_of
+
+    return next(j for j, c in cause_of(8, 3).items() if c == cause)
+
+
+def test_advise_prints_and_stores_the_ranked_remedies(store_url, capsys):
+    from storage import open_store
+
+    job = _job_with("heavy_last_stage")
+    assert main(["advise", job, "--store", store_url]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{job} attempt 0 window 0:") and "1. [repartition] +" in out, out
+    store = open_store(store_url)
+    try:
+        rows = store.run_named("job_remedies", {"job_id": job}).to_pylist()
+    finally:
+        store.close()
+    assert rows[0]["kind"] == "repartition" and rows[0]["priority"] == 1 and rows[0]["predicted_gain"] > 0.01
+    # The advice is the latest batch: running again replaces what readers see, it does not add to it.
+    assert main(["advise", job, "--store", store_url, "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["kind"] for r in lines] == [r["kind"] for r in rows]
+
+
+def test_advise_errors_are_one_clear_line(store_url, capsys):
+    assert main(["advise", "no-such-job", "--store", store_url]) == 2
+    assert "advise: error: job 'no-such-job' is not registered in the store" in capsys.readouterr().err
+    assert main(["advise", _job_with("none"), "--window", "7", "--store", store_url]) == 2
+    assert "has no window 7 (windows: 0)" in capsys.readouterr().err
