@@ -1,6 +1,7 @@
 """The shard loop without Kafka or Ray: routing, close policy, dead letters, offsets, replay."""
 
 import pyarrow as pa
+import pytest
 
 from ingest import schema as S
 from ingest.fleetgen import JobSpec, generate_window
@@ -242,3 +243,33 @@ def test_ccl_records_of_a_window_get_link_diagnosis():
     top = max(sink.rows["link_fault"], key=lambda r: r["confidence"])
     assert (top["kind"], top["src"]) == ("source", inc.truth["src"])
     assert [a["rule"] for a in sink.rows["alert"]] == ["link"]
+
+
+def test_checkpoints_and_restarts_become_stored_downtime_rows():
+    """The shard feeds registrations, heartbeats and checkpoints to the downtime accountant and stores
+    the incidents it closes; lost progress since the last checkpoint matches the generator's truth."""
+    from ingest.downtimegen import generate_downtime_fleet
+
+    fleet = generate_downtime_fleet(n_jobs=2, days=1.0, seed=4, heartbeat_s=60.0)
+    tables = []
+    for _, chunk in fleet.chunks(3600.0):  # in the order records are sent
+        tables += [t for t in chunk if S.kind_of(t.schema) in S.INPUT_SCHEMAS]
+    msgs = []
+    for t in tables:  # one message per job per table: messages carry one job's records
+        for job in sorted(set(t.column("job_id").to_pylist())):
+            msgs.append(t.filter(pa.compute.equal(t["job_id"], job)))
+    w, _, sink = make_worker(messages_for(msgs))
+    w._wall_ns = lambda: fleet.end_ns + 10**12  # long after the last incident closed
+    clock = w._clock = Clock()
+    for i in range(len(msgs) + 5):
+        clock.t = 11.0 * i  # the accountant is asked every 10 s
+        w.step(poll_timeout_ms=0)
+    assert w.stats.checkpoints == fleet.checkpoints.num_rows
+    stored = sink.rows.get("downtime", [])
+    restarted = [t for t in fleet.truth if t["restart_ns"] >= 0]
+    assert restarted and len(stored) >= len(restarted)
+    got = {(r["job_id"], r["fault_step"]): r for r in stored}
+    for t in restarted:
+        r = got[(t["job_id"], t["fault_step"])]
+        assert r["lost_steps"] == t["lost_steps"]
+        assert r["lost_progress_gpu_hours"] == pytest.approx(t["lost_progress_gpu_hours"], rel=0.01, abs=1e-6)
