@@ -30,6 +30,7 @@ class HangMonitor:
         self._last_seen: dict[tuple[str, int], float] = {}
         self._last_eval = 0.0
         self._last_input = 0.0
+        self._freshest_ns = 0  # newest heartbeat seen from any job (job clock)
         self.hangs_found = 0
 
     def _by_job(self, table: pa.Table):
@@ -46,6 +47,8 @@ class HangMonitor:
 
     def add_heartbeats(self, table: pa.Table, now: float) -> None:
         self._last_input = now
+        if table.num_rows:
+            self._freshest_ns = max(self._freshest_ns, int(pc.max(table["ts_ns"]).as_py()))
         for key, tr, sub in self._by_job(table):
             tr.add_heartbeats(sub)
             self._last_seen[key] = now
@@ -61,6 +64,11 @@ class HangMonitor:
             return []
         self._last_eval = now
         now_ns = time.time_ns() if now_ns is None else now_ns
+        if self._freshest_ns:
+            # Judge the data as of what it has reached: while the input lags (a backlog after a
+            # restart, a slow consumer) the newest records are older than the wall clock, and
+            # measuring stalls against the wall would call every job hung on stale state.
+            now_ns = min(now_ns, self._freshest_ns + int(self.params.heartbeat_timeout_s * 1e9))
         input_alive = now - self._last_input < self.params.heartbeat_timeout_s
         rows = []
         for key, tr in list(self.trackers.items()):

@@ -133,3 +133,15 @@ def test_the_chain_is_followed_to_the_rank_that_waits_for_nobody():
     assert hang.kind == "comm_hang"
     assert hang.missing_ranks == [1] and (hang.group, hang.seq) == ("ranks:0-1", 12)
     assert hang.stuck_ranks == [0, 2, 3]
+
+
+def test_a_lagging_input_is_judged_as_of_its_newest_heartbeat():
+    """A backlog (records older than the wall clock) must not read as every job being hung."""
+    from ray_jobs.hangs import HangMonitor
+
+    inc = hang_incident("healthy", 8, 0, job_id="lagging")
+    mon = HangMonitor(HangParams(floor_s=60), every_s=0.0)
+    mon.add_ccl(inc.ccl, 0.0)
+    mon.add_heartbeats(inc.heartbeats, 0.0)
+    # The same data evaluated ten minutes of wall clock later: the input lags, nothing is hung.
+    assert mon.evaluate(1.0, inc.now_ns + 600 * 10**9) == []
