@@ -231,6 +231,19 @@ _QUERIES = [
         "per job: time-weighted MFU achieved and what the straggler-free ideal would reach (jobs with FLOPs info)",
     ),
     NamedQuery(
+        "mfu_histogram",
+        # Binned in the store: a fleet's per-job rows would be too many to ship to a chart.
+        "SELECT b / {bins:Float64} AS mfu_from, (b + 1) / {bins:Float64} AS mfu_to, countIf(k = 0) AS achieved, "
+        "countIf(k = 1) AS without_stragglers FROM (SELECT tupleElement(p, 1) AS k, tupleElement(p, 2) AS b FROM ("
+        "SELECT arrayJoin([(0, toInt32(floor(a * {bins:Float64}))), (1, toInt32(floor(i * {bins:Float64})))]) AS p "
+        "FROM (SELECT sum(mfu * step_time_actual * n_steps) / sum(step_time_actual * n_steps) AS a, "
+        "sum(mfu_ideal * step_time_actual * n_steps) / sum(step_time_actual * n_steps) AS i "
+        "FROM windows WHERE " + WHERE_FLEET + " AND mfu > 0 AND step_time_actual > 0 GROUP BY job_id))) "
+        "GROUP BY b ORDER BY b",
+        FLEET + (ParamSpec("bins", "Float64", 50.0, "bins per unit of MFU (50: 2% wide)"),),
+        "how many jobs reach each MFU, achieved and without stragglers",
+    ),
+    NamedQuery(
         "job_downtime",
         "SELECT * FROM downtime WHERE job_id = {job_id:String} ORDER BY fault_start_ns LIMIT {limit:UInt64}",
         (_job_required(), _limit(1000)),

@@ -1,7 +1,5 @@
 """Fleet at a glance: where the GPU-hours went (stragglers and fault downtime), MFU, and which jobs."""
 import altair as alt
-import numpy as np
-import pandas as pd
 import streamlit as st
 
 from ui.data import named
@@ -74,20 +72,25 @@ else:
         color=alt.Color("cause:N", title=None), tooltip=["week", "cause", "gpu_hours"]), width="stretch")
 
 st.subheader("MFU across jobs")
-mfu = named("mfu_distribution", **params)
-if mfu.empty:
+hist = named("mfu_histogram", **params)
+if hist.empty:
     st.info("No job registered its FLOPs (flops_per_token or params, tokens_per_step, peak FLOP/s).")
 else:
-    # Binned here, not in the browser: a fleet has far more jobs than a chart should ship.
-    edges = np.linspace(0.0, max(0.05, float(np.nanmax(mfu[["mfu", "mfu_ideal"]].to_numpy())) * 1.05), 31)
-    hist = pd.concat([pd.DataFrame({"MFU": edges[:-1], "MFU_end": edges[1:], "jobs": np.histogram(
-        mfu[col].dropna(), edges)[0], "at": label}) for col, label in (("mfu", "achieved"),
-                                                                      ("mfu_ideal", "without stragglers"))])
-    st.altair_chart(alt.Chart(hist).mark_bar(opacity=0.6).encode(
-        x=alt.X("MFU:Q", title="MFU"), x2="MFU_end:Q", y=alt.Y("jobs:Q", stack=None),
-        color=alt.Color("at:N", title=None), tooltip=["at", "MFU", "MFU_end", "jobs"]), width="stretch")
-    st.caption(f"{len(mfu)} jobs · median MFU {mfu['mfu'].median():.3f} achieved, "
-               f"{mfu['mfu_ideal'].median():.3f} without stragglers")
+    long = hist.melt(id_vars=["mfu_from", "mfu_to"], value_vars=["achieved", "without_stragglers"],
+                     var_name="at", value_name="jobs")
+    long["at"] = long["at"].str.replace("_", " ")
+    st.altair_chart(alt.Chart(long).mark_bar(opacity=0.6).encode(
+        x=alt.X("mfu_from:Q", title="MFU"), x2="mfu_to:Q", y=alt.Y("jobs:Q", stack=None),
+        color=alt.Color("at:N", title=None), tooltip=["at", "mfu_from", "mfu_to", "jobs"]), width="stretch")
+    n = int(hist["achieved"].sum())
+    mid = (hist["mfu_from"] + hist["mfu_to"]) / 2
+
+    def _median(counts) -> float:
+        c = counts.cumsum()
+        return float(mid[c >= c.iloc[-1] / 2].iloc[0])
+
+    st.caption(f"{n} jobs · median MFU ≈ {_median(hist['achieved']):.2f} achieved, "
+               f"{_median(hist['without_stragglers']):.2f} without stragglers")
 
 st.subheader("Top wasting jobs")
 top = named("top_wasting_jobs", **params, limit=20)
