@@ -262,9 +262,6 @@ class ShardWorker:
         for kind, table in tables.items():
             if table.num_rows:
                 self.sink.write(kind, table)
-        if 0 < win.ops.num_rows <= self.cfg.pipeline.keep_op_spans_max_rows:
-            # Raw spans for the console's actual-vs-ideal timeline; before the window row (flush order).
-            self.sink.write("op_span", win.ops)
         self.sink.flush()
         # Results are stored: only now is the window done (its offsets may advance).
         self.tracker.mark_stored(win.key)
@@ -272,6 +269,21 @@ class ShardWorker:
         self.stats.analyzer_seconds += self._clock() - t0
         self.stats.window_latency_s_last = self._clock() - t0
         self._publish(tables["alert"].to_pylist())
+        self._keep_spans(tables, win)
+
+    def _keep_spans(self, tables: dict[str, pa.Table], win: ReadyWindow) -> None:
+        """Raw spans of a window worth drilling into (a verdict or a link fault), for the console's
+        timeline and `advise`; written after the results so alerts never wait for them, and best
+        effort: a failure here costs the drill-down, not the window."""
+        row = tables["window_result"].to_pylist()[0]
+        flagged = row["verdict"] not in ("", "none") or ("link_fault" in tables and tables["link_fault"].num_rows)
+        if not flagged or not 0 < win.ops.num_rows <= self.cfg.pipeline.keep_op_spans_max_rows:
+            return
+        try:
+            self.sink.write("op_span", win.ops)
+            self.sink.flush()
+        except Exception as e:
+            log.warning("keeping the op spans of %s failed: %s", win.key, e)
 
     def _check_hangs(self, now: float) -> None:
         """Store new hangs and their alerts (hangs must not wait for any window to close)."""

@@ -82,9 +82,12 @@ _QUERIES = [
         "fleet_summary",
         "SELECT count() AS jobs, sum(n_windows) AS windows, if(count() = 0, nan, avg(s)) AS mean_slowdown, "
         "if(count() = 0, nan, quantileExact(0.9)(s)) AS p90_slowdown, sum(wh) AS wasted_gpu_hours, "
-        f"sum(gh) AS gpu_hours FROM ({PER_JOB})",
-        FLEET,
-        "jobs analysed, windows, mean and p90 of S_job, wasted GPU-hours and GPU-hours",
+        "sum(gh) AS gpu_hours, if(sum(gh) > 0, sum(wh) / sum(gh), nan) AS waste_share, "
+        "if(count() = 0, nan, countIf(s >= {threshold:Float64}) / count()) AS straggling_share "
+        f"FROM ({PER_JOB})",
+        FLEET + (ParamSpec("threshold", "Float64", 1.1, "S_job at or above this counts as straggling"),),
+        "jobs analysed, windows, mean and p90 of S_job, wasted GPU-hours, GPU-hours, their ratio, and the "
+        "share of jobs with S_job >= threshold (the console's headline in one scan)",
     ),
     NamedQuery(
         "slowdown_cdf",

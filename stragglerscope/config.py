@@ -53,8 +53,8 @@ class PipelineConfig:
     """Rows held in open windows per shard before the shard stops polling."""
     metrics_port: int = 0
     """Prometheus metrics on 127.0.0.1:PORT; 0 = a free port, -1 = off."""
-    keep_op_spans_max_rows: int = 1_000_000
-    """Windows of at most this many op rows keep their raw spans in the store (timeline drill-down); 0 = none."""
+    keep_op_spans_max_rows: int = 200_000
+    """Windows with a verdict and at most this many op rows keep their raw spans (timeline, advise); 0 = none."""
     ready_timeout_s: float = 120.0
     """How long to wait at start for every shard actor to be consuming before giving up."""
     log_format: str = "text"

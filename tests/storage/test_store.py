@@ -65,6 +65,8 @@ def test_fleet_queries(store):
     assert share["share"] == pytest.approx(2 / 3)
     assert store.run_named("straggling_share", {"threshold": "1.3"}).to_pylist()[0]["straggling_jobs"] == 1
     assert store.run_named("waste_share").to_pylist()[0]["share"] == pytest.approx(wasted / 95)
+    # The console's headline comes from fleet_summary alone: the same shares in one scan.
+    assert (s["straggling_share"], s["waste_share"]) == pytest.approx((2 / 3, wasted / 95))
     cdf = store.run_named("slowdown_cdf").to_pylist()
     assert [r["slowdown"] for r in cdf] == pytest.approx([1.05, 1.2, 1.5])
     assert [r["share"] for r in cdf] == pytest.approx([1 / 3, 2 / 3, 1.0])

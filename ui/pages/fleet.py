@@ -16,13 +16,15 @@ for c, (key, label) in zip(cols, [("jobs", "Jobs analysed"), ("windows", "Window
                                   ("wasted_gpu_hours", "Wasted GPU-hours")]):
     c.metric(label, fmt(row.get(key)))
 
-share = named("straggling_share", **params)
-waste = named("waste_share", **params)
 c1, c2 = st.columns(2)
-if not share.empty:
-    c1.metric("Jobs with S ≥ 1.1", f"{100 * float(share.iloc[0].get('share', 0) or 0):.1f}%")
-if not waste.empty:
-    c2.metric("Share of GPU-hours wasted", f"{100 * float(waste.iloc[0].get('share', 0) or 0):.1f}%")
+
+
+def _pct(v) -> str:
+    return "–" if v is None or v != v else f"{100 * float(v):.1f}%"
+
+
+c1.metric("Jobs with S ≥ 1.1", _pct(row.get("straggling_share")))
+c2.metric("Share of GPU-hours wasted", _pct(row.get("waste_share")))
 
 left, right = st.columns(2)
 with left:
