@@ -52,7 +52,7 @@ def main() -> int:
 
     import tempfile
 
-    from ingest.fleetgen import JobSpec, generate_window, make_fleet
+    from ingest.fleetgen import generate_window, make_fleet
     from ingest.producer import TelemetryProducer
     from ingest.schema import JobLayout
     from stragglerscope.config import Config

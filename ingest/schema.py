@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 from typing import Any, Iterable, Mapping
 
 import pyarrow as pa
@@ -630,14 +631,15 @@ def validate_op_spans(table: pa.Table) -> tuple[pa.Table, pa.Table | None, str]:
         pc.less(table["duration_ns"], 0),
         pc.or_(pc.less(table["dp_rank"], 0), pc.or_(pc.less(table["pp_rank"], 0), pc.less(table["step"], 0))),
     )
+    return _split_bad(table, bad_mask, "op spans with negative duration, rank or step")
+
+
+def _split_bad(table: pa.Table, bad_mask: pa.ChunkedArray, what: str) -> tuple[pa.Table, pa.Table | None, str]:
+    """(good rows, bad rows or None, "<count> <what>") of a validator's mask."""
     n_bad = pc.sum(pc.cast(bad_mask, pa.int64())).as_py() or 0
     if not n_bad:
         return table, None, ""
-    return (
-        table.filter(pc.invert(bad_mask)),
-        table.filter(bad_mask),
-        f"{n_bad} op spans with negative duration, rank or step",
-    )
+    return table.filter(pc.invert(bad_mask)), table.filter(bad_mask), f"{n_bad} {what}"
 
 
 def validate_checkpoints(table: pa.Table) -> tuple[pa.Table, pa.Table | None, str]:
@@ -649,14 +651,7 @@ def validate_checkpoints(table: pa.Table) -> tuple[pa.Table, pa.Table | None, st
         pc.invert(pc.is_in(table["kind"], pa.array(CHECKPOINT_KINDS))),
         pc.or_(pc.less(table["step"], 0), pc.or_(pc.less(table["duration_ns"], 0), pc.less(table["rank"], 0))),
     )
-    n_bad = pc.sum(pc.cast(bad_mask, pa.int64())).as_py() or 0
-    if not n_bad:
-        return table, None, ""
-    return (
-        table.filter(pc.invert(bad_mask)),
-        table.filter(bad_mask),
-        f"{n_bad} checkpoint records with an unknown kind or a negative step, duration or rank",
-    )
+    return _split_bad(table, bad_mask, "checkpoint records with an unknown kind or a negative step, duration or rank")
 
 
 def empty(schema: pa.Schema) -> pa.Table:
@@ -690,9 +685,23 @@ def fill_defaults(table: pa.Table, schema: pa.Schema) -> pa.Table:
     return table
 
 
+def json_safe(x: Any) -> Any:
+    """JSON-safe copy: NaN and infinities -> None, numpy scalars -> Python, tuples -> lists, keys -> str."""
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
 def dumps(obj: Any) -> str:
-    """JSON for the *_json evidence columns: compact, NaN-free, stable key order."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default, allow_nan=False)
+    """JSON for the *_json evidence columns: compact, NaN-free (NaN -> null), stable key order."""
+    return json.dumps(json_safe(obj), sort_keys=True, separators=(",", ":"), default=_json_default,
+                      allow_nan=False)
 
 
 def _json_default(o: Any) -> Any:

@@ -110,7 +110,7 @@ def analyze_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], comp
         step_time_ideal=float(np.mean(list(ideal.values()))) if ideal else float("nan"),
         gpu_hours=gpu_hours, wasted_gpu_hours=gpu_hours * waste if waste == waste else 0.0,
         m_w=_finite(res.get("M_W")), m_s=_finite(res.get("M_S")),
-        verdict=_main_verdict(verdicts), verdicts_json=S.dumps(_clean(verdicts)),
+        verdict=_main_verdict(verdicts), verdicts_json=S.dumps(verdicts),
         note="; ".join([x for x in [note] + warnings if x])[:4000],
     )
     steps = sorted(actual)
@@ -163,27 +163,17 @@ def _per_step_workers(res: dict, base: dict, out: dict) -> None:
                                                    s_pp=spp, s_w=min(sdp, spp)))
 
 
-def _remedies(ops: pa.Table, info: JobInfo, result, links: pa.Table, key) -> list[dict]:
-    """Ranked remedies of a window with a verdict or a link fault; never costs the window its result."""
-    import time
-
-    from analyzers.remedies import JobInfo as Facts, advise
+def _remedies(ops: pa.Table, info: JobInfo, result, links: pa.Table, key) -> pa.Table | None:
+    """REMEDY rows of a window with a verdict or a link fault; never costs the window its result."""
+    from analyzers.remedies import JobInfo as Facts, advise, remedy_table
 
     try:
         reg = info.registration or {}
         facts = Facts(layout=info.layout, num_layers=int(reg.get("num_layers") or 0) or None)
-        ts = time.time_ns()
-        rows = []
-        for r in advise(ops, facts, result, links.to_pylist()):
-            row = r.row(*key)
-            for k in ("predicted_gain", "step_time_before_s", "step_time_after_s"):
-                if row[k] in (float("inf"), float("-inf")):
-                    row[k] = 1e30 if row[k] > 0 else -1e30
-            rows.append(dict(row, advised_ns=ts))
-        return rows
+        return remedy_table(key, advise(ops, facts, result, links.to_pylist()), time.time_ns())
     except Exception as e:
         log.warning("remedies of %s failed: %s", key, e)
-        return []
+        return None
 
 
 def failed_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], reason: str) -> dict[str, pa.Table]:
@@ -203,19 +193,6 @@ def _main_verdict(verdicts) -> str:
     return ""
 
 
-def _clean(obj):
-    """Make evidence JSON-safe: NaN and infinities become None."""
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, (float, np.floating)):
-        return float(obj) if math.isfinite(obj) else None
-    if isinstance(obj, np.integer):
-        return int(obj)
-    return obj
-
-
 def _link_faults(ccl: pa.Table | None, key) -> pa.Table:
     """Link diagnosis of the window's CCL records (LINK_FAULT rows); never raises."""
     if ccl is None or ccl.num_rows == 0:
@@ -229,15 +206,15 @@ def _link_faults(ccl: pa.Table | None, key) -> pa.Table:
         return S.empty(S.LINK_FAULT)
     return S.from_rows(S.LINK_FAULT, [dict(
         job_id=key[0], attempt=key[1], window_id=key[2], group=f.group, kind=f.kind, src=f.src, dst=f.dst,
-        confidence=f.confidence, slowdown=f.slowdown, evidence_json=S.dumps(_clean(f.evidence))) for f in faults])
+        confidence=f.confidence, slowdown=f.slowdown, evidence_json=S.dumps(f.evidence)) for f in faults])
 
 
-def _tables(row: dict, out: dict[str, list[dict]], links: pa.Table | None = None) -> dict[str, pa.Table]:
+def _tables(row: dict, out: dict, links: pa.Table | None = None) -> dict[str, pa.Table]:
     tables = {"window_result": S.from_rows(S.WINDOW_RESULT, [row])}
     tables["link_fault"] = links if links is not None else S.empty(S.LINK_FAULT)
     tables["optype_slowdown"] = S.from_rows(S.OPTYPE_SLOWDOWN, out["optype_slowdown"])
     tables["worker_slowdown"] = S.from_rows(S.WORKER_SLOWDOWN, out["worker_slowdown"])
     tables["step_result"] = S.from_rows(S.STEP_RESULT, out["step_result"])
-    if out.get("remedy"):
-        tables["remedy"] = S.from_rows(S.REMEDY, out["remedy"])
+    if out.get("remedy") is not None and out["remedy"].num_rows:
+        tables["remedy"] = out["remedy"]
     return tables

@@ -275,9 +275,10 @@ class ShardWorker:
         """Raw spans of a window worth drilling into (a verdict or a link fault), for the console's
         timeline and `advise`; written after the results so alerts never wait for them, and best
         effort: a failure here costs the drill-down, not the window."""
-        row = tables["window_result"].to_pylist()[0]
-        flagged = row["verdict"] not in ("", "none") or ("link_fault" in tables and tables["link_fault"].num_rows)
-        if not flagged or not 0 < win.ops.num_rows <= self.cfg.pipeline.keep_op_spans_max_rows:
+        if not 0 < win.ops.num_rows <= self.cfg.pipeline.keep_op_spans_max_rows:
+            return
+        verdict = tables["window_result"]["verdict"][0].as_py()
+        if verdict in ("", "none") and not ("link_fault" in tables and tables["link_fault"].num_rows):
             return
         try:
             self.sink.write("op_span", win.ops)
@@ -291,11 +292,13 @@ class ShardWorker:
         if not rows:
             return
         alerts = [a for r in rows for a in self.rules.evaluate_hang(r, time.time(), time.time_ns())]
-        self.sink.write("hang", hang_table(rows))
-        self.downtime.add_hangs(hang_table(rows))
+        hangs = hang_table(rows)
+        self.sink.write("hang", hangs)
+        self.downtime.add_hangs(hangs)
         if alerts:
-            self.sink.write("alert", S.from_rows(S.ALERT, alerts))
-            self.downtime.add_alerts(S.from_rows(S.ALERT, alerts))
+            alert_rows = S.from_rows(S.ALERT, alerts)
+            self.sink.write("alert", alert_rows)
+            self.downtime.add_alerts(alert_rows)
         self.sink.flush()
         self.stats.hangs += len(rows)
         self._publish(alerts)

@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import pyarrow as pa
-
 from ingest import schema as S
 
 
@@ -71,16 +69,15 @@ def advise_stored(store, job_id: str, opts: AdviseOptions = AdviseOptions()) -> 
     return (job_id, attempt, window_id), remedies
 
 
-def remedy_table(key: tuple[str, int, int], remedies, advised_ns: int | None = None) -> pa.Table:
-    ts = time.time_ns() if advised_ns is None else advised_ns
-    rows = []
-    for r in remedies:
-        row = dict(r.row(*key), advised_ns=ts)
-        for k in ("predicted_gain", "step_time_before_s", "step_time_after_s"):
-            if row[k] in (float("inf"), float("-inf")):  # the schema's stand-in for "restores progress"
-                row[k] = 1e30 if row[k] > 0 else -1e30
-        rows.append(row)
-    return S.from_rows(S.REMEDY, rows)
+def advise_and_store(store, job_id: str, opts: AdviseOptions = AdviseOptions(),
+                     keep: bool = True) -> tuple[tuple[str, int, int], list]:
+    """``advise_stored``, then (with ``keep``) store the remedies as one batch for the console."""
+    from analyzers.remedies import remedy_table
+
+    key, remedies = advise_stored(store, job_id, opts)
+    if keep and remedies:
+        store.insert("remedy", remedy_table(key, remedies, time.time_ns()))
+    return key, remedies
 
 
 def format_remedies(key: tuple[str, int, int], remedies) -> str:

@@ -266,7 +266,7 @@ def _advise(args: argparse.Namespace, cfg) -> int:
     import json
 
     from storage import open_store
-    from stragglerscope.advise import AdviseOptions, advise_stored, format_remedies, remedy_table
+    from stragglerscope.advise import AdviseOptions, advise_and_store, format_remedies
 
     for name in ("gpus_per_node", "fault_tolerance"):
         if getattr(args, name) < (1 if name == "gpus_per_node" else 0):
@@ -278,9 +278,7 @@ def _advise(args: argparse.Namespace, cfg) -> int:
     try:
         store.setup()
         print(f"advising {args.job} (re-simulating the window with each fix) ...", file=sys.stderr)
-        key, remedies = advise_stored(store, args.job, opts)
-        if not args.no_store and remedies:
-            store.insert("remedy", remedy_table(key, remedies))
+        key, remedies = advise_and_store(store, args.job, opts, keep=not args.no_store)
     finally:
         store.close()
     if args.json:

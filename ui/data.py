@@ -85,15 +85,14 @@ def window_timeline(job_id: str, attempt: int, window_id: int, step: int, worker
 
 def advise_window(job_id: str, attempt: int, window_id: int) -> str:
     """Compute and store the remedies of one window; returns a message when there is none to store."""
-    from stragglerscope.advise import AdviseError, AdviseOptions, advise_stored, remedy_table
+    from stragglerscope.advise import AdviseError, AdviseOptions, advise_and_store
 
-    store = _store(store_url())
     try:
-        key, remedies = advise_stored(store, job_id, AdviseOptions(window_id=window_id, attempt=attempt))
+        _key, remedies = advise_and_store(_store(store_url()), job_id,
+                                          AdviseOptions(window_id=window_id, attempt=attempt))
     except AdviseError as e:
         return f"No advice: {e}."
     if not remedies:
         return "No remedy with a gain worth acting on for this window."
-    store.insert("remedy", remedy_table(key, remedies))
     named.clear()
     return ""

@@ -5,7 +5,7 @@ Public API
   ranked remedies for one analysed window (repartition, repack, swap_host,
   gc_interval, drain_link, recovery_plan).
 - ``Remedy``: kind, verdict, action, predicted_gain, step times before/after,
-  details; ``Remedy.row(job_id, attempt, window_id)`` for storage.
+  details; ``Remedy.row(job_id, attempt, window_id)`` and ``remedy_table`` for storage.
 - ``JobInfo``: what the trace does not carry (layers, hosts, sequences, nodes alive).
 - ``plan_recovery(n_nodes_alive, layer_s, gpus_per_node, f, global_batch, ...) -> RecoveryPlan``:
   Oobleck-style pipeline templates, instantiation and batch distribution.
@@ -15,8 +15,8 @@ Modules: ``resim`` (re-simulating with changed durations), ``partition``,
 numpy and pyarrow only.
 """
 from .advise import advise, rank
-from .model import KINDS, JobInfo, Remedy
+from .model import KINDS, JobInfo, Remedy, remedy_table
 from .recovery import PipelineTemplate, RecoveryPlan, distribute_batch, partition_layers, plan_recovery
 
 __all__ = ["KINDS", "JobInfo", "PipelineTemplate", "RecoveryPlan", "Remedy", "advise", "distribute_batch",
-           "partition_layers", "plan_recovery", "rank"]
+           "partition_layers", "plan_recovery", "rank", "remedy_table"]

@@ -21,21 +21,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from ingest.schema import JobLayout
+from ingest import schema as S
+from ingest.schema import JobLayout, json_safe
 
 KINDS = ("repartition", "repack", "swap_host", "gc_interval", "drain_link", "recovery_plan")
-
-
-def _json_safe(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,17 +43,35 @@ class Remedy:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown remedy kind {self.kind!r} (known: {', '.join(KINDS)})")
-        object.__setattr__(self, "details", _json_safe(self.details))
+        object.__setattr__(self, "details", json_safe(self.details))
 
     def row(self, job_id: str, attempt: int, window_id: int) -> dict[str, Any]:
-        """Flat record for storage: str/int/float fields, the plan as ``details_json``."""
+        """Flat record for storage: str/int/float fields, the plan as ``details_json``.
+
+        Infinite gains and step times (a recovery plan restores stopped progress;
+        nothing can run) become the REMEDY schema's stand-in, +-1e30.
+        """
         return {
             "job_id": str(job_id), "attempt": int(attempt), "window_id": int(window_id),
             "priority": int(self.priority), "kind": self.kind, "verdict": self.verdict, "action": self.action,
-            "predicted_gain": float(self.predicted_gain), "step_time_before_s": float(self.step_time_before_s),
-            "step_time_after_s": float(self.step_time_after_s),
+            "predicted_gain": _finite(self.predicted_gain), "step_time_before_s": _finite(self.step_time_before_s),
+            "step_time_after_s": _finite(self.step_time_after_s),
             "details_json": json.dumps(self.details, sort_keys=True, allow_nan=False),
         }
+
+
+def _finite(x: float) -> float:
+    x = float(x)
+    return (STORED_INF if x > 0 else -STORED_INF) if math.isinf(x) else x
+
+
+STORED_INF = 1e30
+"""How REMEDY rows store an infinite gain or step time."""
+
+
+def remedy_table(key: tuple[str, int, int], remedies, advised_ns: int) -> pa.Table:
+    """REMEDY rows of one advice batch (one ``advised_ns``) for window ``key``."""
+    return S.from_rows(S.REMEDY, [dict(r.row(*key), advised_ns=advised_ns) for r in remedies])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,21 +10,9 @@ stage}`` = by_{optype,dp_rank,pp_rank}.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-
-def _clean(x: Any) -> Any:
-    """JSON-safe copy: NaN/inf -> None, numpy scalars -> Python, tuples -> lists."""
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
+from ingest.schema import json_safe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,4 +58,4 @@ class WhatIfResult:
     def to_json_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
         d["verdict"] = self.verdict
-        return _clean(d)
+        return json_safe(d)

@@ -104,7 +104,6 @@ def test_a_silent_process_on_a_live_host_is_a_hung_rank_not_node_loss():
 
 def test_the_chain_is_followed_to_the_rank_that_waits_for_nobody():
     """Rank 2 has waited longest, on rank 0; but rank 0 waits inside a collective for rank 1 (stopped)."""
-    import pyarrow as pa
 
     from ingest import schema as S
 
