@@ -9,7 +9,8 @@ Recorder's view). ``evaluate(now_ns)`` decides:
   ``heartbeat_timeout_s``) while others still report: those ranks are
   missing, their hosts the suspects.
 - otherwise, when no rank has made progress for the hang threshold
-  ``max(floor_s, k x median step time)``:
+  ``max(floor_s, k x median step time)`` (``max(floor_s, startup_s)`` while
+  no rank has begun its first step):
   - **comm_hang**: some ranks are inside collective n of a group and others
     never entered it: the latter are missing (the suspects), the former stuck;
     if every member entered, the collective itself is stuck (a link or NIC):
@@ -21,8 +22,11 @@ Recorder's view). ``evaluate(now_ns)`` decides:
 Defaults and why: ``floor_s = 120`` because checkpoint saves and evaluation
 legitimately stall steps for a minute or two; ``k = 10`` so a job whose steps
 take 30 s is not called hung before 5 minutes; ``heartbeat_timeout_s = 30``,
-six missed 5 s heartbeats, well beyond GC or scheduling jitter. All three are
-parameters (``HangParams``) set from the pipeline configuration.
+six missed 5 s heartbeats, well beyond GC or scheduling jitter;
+``startup_s = 600`` because before the first step there is no step time to
+scale by, and start-up (imports, rendezvous, communicator set-up, checkpoint
+load) legitimately stalls for minutes while some ranks already report. All
+four are parameters (``HangParams``) set from the pipeline configuration.
 
 ``evaluate`` also builds the evidence: the wait chain (for each rank, what it
 waits on and for whom, and the root of the chain) and the merged stacks of
@@ -62,6 +66,7 @@ class HangParams:
     floor_s: float = 120.0
     k_steps: float = 10.0
     heartbeat_timeout_s: float = 30.0
+    startup_s: float = 600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +175,9 @@ class HangTracker:
 
     # -- output -------------------------------------------------------------
     def threshold_s(self) -> float:
+        if not any(st.step >= 0 for st in self.ranks.values()):
+            # Still starting: heartbeats report step -1 until the first step begins.
+            return max(self.params.floor_s, self.params.startup_s)
         med = float(np.median(self.step_times)) if self.step_times else 0.0
         return max(self.params.floor_s, self.params.k_steps * med)
 

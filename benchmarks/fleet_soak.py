@@ -30,6 +30,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 
+# First match wins: the specific needles before the catch-all "ray" (raylet, GCS, idle workers, agents).
+ROLES = (("shards", "ray::ShardActor"), ("analysis", "ray::analyze_window"), ("store", "-m storage.daemon"),
+         ("broker", "tansu"), ("ray", "/ray/"), ("ray", "ray::"))
+
+
+def rss_by_role_mb() -> dict[str, float]:
+    """Resident memory of our processes by role (from /proc), to say which one grows."""
+    import os
+
+    out = dict.fromkeys(role for role, _ in ROLES)
+    out = {role: 0.0 for role in out}
+    out["soak"] = 0.0
+    me = os.getpid()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            rss = next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:"))
+        except (OSError, StopIteration, ValueError):
+            continue
+        if int(pid) == me:
+            out["soak"] += rss / 1024
+            continue
+        for role, needle in ROLES:
+            if needle in cmd:
+                out[role] += rss / 1024
+                break
+    return out
+
+
 def mem_used_mb() -> float:
     info = {}
     for line in open("/proc/meminfo"):
@@ -124,14 +153,18 @@ def main() -> int:
                     k = (job, int(att), int(wid))
                     if k in sent_at:
                         al.append((ts - sent_at[k]) / 1e9)
-                lag = sum(s.get("lag", 0) for s in svc.pipeline.status())
+                status = svc.pipeline.status()
+                lag = sum(s.get("lag", 0) for s in status)
+                loop_max = max((s.get("loop_seconds_max", 0.0) for s in status), default=0.0)
                 mem = mem_used_mb()
+                rss = rss_by_role_mb()
                 mem_samples.append(mem)
                 print(f"t={args.minutes * 60 - (t_end - now):6.0f}s published={published} ({ops_sent:,} ops) "
                       f"stored={len(seen_windows)} lag={lag} window p50/p99={pct(wl, 50):.2f}/{pct(wl, 99):.2f}s "
                       f"(last 60 s: {pct(recent, 50):.2f}/{pct(recent, 99):.2f}s) "
                       f"alerts={len(al)} p50/p99={pct(al, 50):.2f}/{pct(al, 99):.2f}s "
-                      f"mem={mem:,.0f} MB (+{mem - mem0:,.0f})", flush=True)
+                      f"mem={mem:,.0f} MB (+{mem - mem0:,.0f}) longest loop {loop_max:.1f}s "
+                      f"rss MB " + " ".join(f"{k}={v:,.0f}" for k, v in rss.items()), flush=True)
             time.sleep(0.05)
         half = len(mem_samples) // 2
         if half:

@@ -32,6 +32,7 @@ class HangMonitor:
         self._last_input = 0.0
         self._freshest_ns = 0  # newest heartbeat seen from any job (job clock)
         self.hangs_found = 0
+        self.heartbeat_age_s = 0.0  # wall clock minus the newest heartbeat, at its arrival
 
     def _by_job(self, table: pa.Table):
         jobs = pc.unique(table["job_id"]).to_pylist()
@@ -48,7 +49,10 @@ class HangMonitor:
     def add_heartbeats(self, table: pa.Table, now: float) -> None:
         self._last_input = now
         if table.num_rows:
-            self._freshest_ns = max(self._freshest_ns, int(pc.max(table["ts_ns"]).as_py()))
+            newest = int(pc.max(table["ts_ns"]).as_py())
+            self._freshest_ns = max(self._freshest_ns, newest)
+            # How stale the input is on arrival (exporter -> broker -> here); hang detection waits for it.
+            self.heartbeat_age_s = time.time_ns() / 1e9 - newest / 1e9
         for key, tr, sub in self._by_job(table):
             tr.add_heartbeats(sub)
             self._last_seen[key] = now

@@ -26,6 +26,9 @@ from ingest import schema as S
 
 log = logging.getLogger(__name__)
 
+# A flush longer than this holds up the shard loop (hang checks included): it is logged per table.
+SLOW_FLUSH_S = 1.0
+
 TopicPartition = tuple[str, int]
 
 
@@ -186,10 +189,15 @@ class ResultWriter:
         buf, self._buf = self._buf, {}
         # The window row goes last: once it is stored the window counts as done
         # (``window_stored``), so a crash mid-flush re-analyses the window.
+        took = []
         for kind in sorted(buf, key=lambda k: k == "window_result"):
             tables = buf[kind]
             table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+            t0 = time.perf_counter()
             self._store.insert(kind, table)
+            took.append((kind, table.num_rows, time.perf_counter() - t0))
+        if sum(t for _, _, t in took) > SLOW_FLUSH_S:
+            log.warning("slow store flush: %s", ", ".join(f"{k} {n} rows {t:.2f} s" for k, n, t in took))
 
     def window_stored(self, key) -> bool:
         return self._store.window_stored(key)

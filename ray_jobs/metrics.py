@@ -28,6 +28,8 @@ _METRICS = (
     ("open_windows", "ss_open_windows", "gauge", "windows being filled"),
     ("buffered_rows", "ss_buffered_rows", "gauge", "op-span rows held in open windows"),
     ("lag", "ss_consumer_lag", "gauge", "records not yet consumed"),
+    ("heartbeat_age_s", "ss_heartbeat_age_seconds", "gauge", "age of the newest heartbeat on arrival"),
+    ("loop_seconds_max", "ss_loop_seconds_max", "gauge", "longest shard loop iteration in the last 1-2 minutes"),
 )
 
 

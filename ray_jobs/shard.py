@@ -59,8 +59,16 @@ class ShardStats:
     open_windows: int = 0
     buffered_rows: int = 0
     lag: int = 0
+    heartbeat_age_s: float = 0.0
+    """Age of the newest heartbeat when it arrived (exporter, broker and consumer delay together)."""
+    loop_seconds_max: float = 0.0
+    """Longest loop iteration (poll, dispatch, collect, hangs, commit) in the last one to two minutes."""
     idle: bool = False
     error: str = ""
+
+
+# An iteration longer than this delays hang checks noticeably: it is logged with its phases.
+SLOW_ITERATION_S = 2.0
 
 
 class ShardWorker:
@@ -83,6 +91,8 @@ class ShardWorker:
         self._thread: threading.Thread | None = None
         self._inflight: list[tuple[Any, ReadyWindow, float]] = []
         self._committed: dict = {}
+        self._commit_due = 0.0
+        self._loop_max = [0.0, 0.0, 0.0]  # [this minute, the previous minute, when this minute ends]
 
     # -- lifecycle ----------------------------------------------------------
     def setup(self) -> None:
@@ -94,7 +104,7 @@ class ShardWorker:
         self.tracker = WindowTracker(self.cfg.pipeline.idle_timeout_s, is_stored=self.sink.window_stored)
         self.rules = AlertRules(self.cfg.alerts)
         h = self.cfg.hang
-        self.hangs = HangMonitor(HangParams(h.floor_s, h.k_steps, h.heartbeat_timeout_s))
+        self.hangs = HangMonitor(HangParams(h.floor_s, h.k_steps, h.heartbeat_timeout_s, h.startup_s))
         # Fault downtime (detection, diagnosis, lost progress, re-init) from the same stream.
         self.downtime = DowntimeAccountant()
         self._downtime_due = 0.0
@@ -116,10 +126,15 @@ class ShardWorker:
         return True
 
     def stop(self) -> bool:
-        """Finish the current iteration, then close the clients; stored offsets stay as they are."""
+        """Finish the current iteration, store the offsets its stored results cover, close the clients."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(30)
+        if (self._thread is None or not self._thread.is_alive()) and hasattr(self, "tracker"):
+            try:
+                self._commit()  # the commit interval may have held the last positions back
+            except Exception as e:
+                log.warning("final offset store failed: %s", e)
         for c in (getattr(self, "source", None), getattr(self, "sink", None), getattr(self, "webhook", None)):
             if c is not None and hasattr(c, "close"):
                 try:
@@ -133,12 +148,23 @@ class ShardWorker:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            t0 = time.perf_counter()
             try:
                 self.step()
+                self._note_loop_time(t0, time.perf_counter())
             except Exception as e:  # keep the actor alive; the failure is visible in status()
                 log.exception("shard %d step failed", self.index)
                 self.stats.error = f"{type(e).__name__}: {e}"[:500]
                 time.sleep(1.0)
+
+    def _note_loop_time(self, t0: float, t1: float) -> None:
+        """A rolling maximum: a stalled iteration shows for one to two minutes, then ages out."""
+        cur, prev, ends = self._loop_max
+        if t1 >= ends:
+            cur, prev, ends = 0.0, (cur if t1 < ends + 60 else 0.0), t1 + 60
+        cur = max(cur, t1 - t0)
+        self._loop_max = [cur, prev, ends]
+        self.stats.loop_seconds_max = max(cur, prev)
 
     # -- one iteration ------------------------------------------------------
     def step(self, poll_timeout_ms: int = 200) -> None:
@@ -147,21 +173,34 @@ class ShardWorker:
         pcfg = self.cfg.pipeline
         busy = len(self._inflight) >= pcfg.max_inflight or self.tracker.buffered_rows() >= pcfg.max_buffered_rows
         got = 0
+        marks = [("start", time.perf_counter())]
         if not busy:
             for msg in self.source.poll(poll_timeout_ms):
                 self._handle(msg, now)
                 got += 1
+        marks.append(("poll+handle", time.perf_counter()))
         for win in self.tracker.ready(now):
             self._dispatch(win)
+        marks.append(("dispatch", time.perf_counter()))
         self._collect(block=busy)
+        marks.append(("collect", time.perf_counter()))
         self._check_hangs(now)
+        marks.append(("hangs", time.perf_counter()))
         self._account_downtime(now)
-        self._commit()
+        marks.append(("downtime", time.perf_counter()))
+        self._commit(now)
+        marks.append(("commit", time.perf_counter()))
+        if marks[-1][1] - marks[0][1] > SLOW_ITERATION_S:
+            # Hang alerts wait for the loop: say where a slow iteration spent its time.
+            parts = ", ".join(f"{name} {t - marks[i][1]:.2f} s" for i, (name, t) in enumerate(marks[1:]))
+            log.warning("shard %d: slow loop iteration, %.2f s (%s; %d messages)", self.index,
+                        marks[-1][1] - marks[0][1], parts, got)
         st = self.stats
         st.inflight = len(self._inflight)
         st.open_windows = len(self.tracker.open)
         st.buffered_rows = self.tracker.buffered_rows()
         st.lag = self.source.lag()
+        st.heartbeat_age_s = self.hangs.heartbeat_age_s
         st.records = self.tracker.counters.records
         st.late_records = self.tracker.counters.late_records
         if self.webhook is not None:
@@ -231,6 +270,7 @@ class ShardWorker:
             return
         done, pending = resolve_ready(self._inflight, timeout_s=0.5 if block else 0.0)
         self._inflight = pending
+        batch = []
         for (tables, err), win, t0 in done:
             if tables is None:
                 # The task died after Ray's own retries (worker killed, OOM): store the
@@ -239,52 +279,78 @@ class ShardWorker:
                 self.stats.windows_failed += 1
                 info = self.tracker.job(win.key[0], win.key[1]) or _unregistered(win)
                 tables = failed_window(win.ops, info, win.key, f"analysis task failed: {err}")
+            batch.append((tables, win, t0))
+        if not batch:
+            return
+        try:
+            self._store(batch)
+            return
+        except Exception as e:
+            if len(batch) == 1:
+                self._store_failed(batch[0], e)
+                return
+        # One window's rows may be what the store refuses: store the rest one by one.
+        for entry in batch:
             try:
-                self._store(tables, win, t0)
-            except Exception as e:  # store unreachable: keep the result, retry on the next step
-                log.warning("storing %s failed, will retry: %s", win.key, e)
-                self.stats.error = f"store: {type(e).__name__}: {e}"[:500]
-                self._inflight.append((tables, win, t0))
+                self._store([entry])
+            except Exception as e:
+                self._store_failed(entry, e)
 
-    def _store(self, tables: dict[str, pa.Table], win: ReadyWindow, t0: float) -> None:
-        """Write a window's tables and its alerts; only then is the window done.
+    def _store_failed(self, entry, e: Exception) -> None:
+        """Store unreachable (or refusing): keep the result, retry on the next step."""
+        log.warning("storing %s failed, will retry: %s", entry[1].key, e)
+        self.stats.error = f"store: {type(e).__name__}: {e}"[:500]
+        self._inflight.append(entry)
 
+    def _store(self, batch: list[tuple[dict[str, pa.Table], ReadyWindow, float]]) -> None:
+        """Write the tables and alerts of the windows done in this iteration; only then are they done.
+
+        One flush for the whole batch (one insert per table kind): a store
+        insert costs about the same for one window as for twenty, and a loop
+        that stored twenty windows one by one held hang checks up for seconds.
         Alerts are evaluated once and kept in ``tables``, so a retry after a
         failed write stores the same alerts instead of cooling them down.
         """
-        if "alert" not in tables:
-            row = tables["window_result"].to_pylist()[0]
-            wall, wall_ns = time.time(), time.time_ns()
-            alerts = self.rules.evaluate_window(row, wall, wall_ns)
-            if "link_fault" in tables and tables["link_fault"].num_rows:
-                alerts += self.rules.evaluate_links(tables["link_fault"].to_pylist(), wall, wall_ns)
-            tables["alert"] = S.from_rows(S.ALERT, alerts)
-        for kind, table in tables.items():
-            if table.num_rows:
-                self.sink.write(kind, table)
+        for tables, _win, _t0 in batch:
+            if "alert" not in tables:
+                row = tables["window_result"].to_pylist()[0]
+                wall, wall_ns = time.time(), time.time_ns()
+                alerts = self.rules.evaluate_window(row, wall, wall_ns)
+                if "link_fault" in tables and tables["link_fault"].num_rows:
+                    alerts += self.rules.evaluate_links(tables["link_fault"].to_pylist(), wall, wall_ns)
+                tables["alert"] = S.from_rows(S.ALERT, alerts)
+            for kind, table in tables.items():
+                if table.num_rows:
+                    self.sink.write(kind, table)
         self.sink.flush()
-        # Results are stored: only now is the window done (its offsets may advance).
-        self.tracker.mark_stored(win.key)
-        self.stats.windows_stored += 1
-        self.stats.analyzer_seconds += self._clock() - t0
-        self.stats.window_latency_s_last = self._clock() - t0
-        self._publish(tables["alert"].to_pylist())
-        self._keep_spans(tables, win)
+        for tables, win, t0 in batch:
+            # Results are stored: only now is the window done (its offsets may advance).
+            self.tracker.mark_stored(win.key)
+            self.stats.windows_stored += 1
+            self.stats.analyzer_seconds += self._clock() - t0
+            self.stats.window_latency_s_last = self._clock() - t0
+            self._publish(tables["alert"].to_pylist())
+        self._keep_spans(batch)
 
-    def _keep_spans(self, tables: dict[str, pa.Table], win: ReadyWindow) -> None:
-        """Raw spans of a window worth drilling into (a verdict or a link fault), for the console's
+    def _keep_spans(self, batch: list[tuple[dict[str, pa.Table], ReadyWindow, float]]) -> None:
+        """Raw spans of windows worth drilling into (a verdict or a link fault), for the console's
         timeline and `advise`; written after the results so alerts never wait for them, and best
-        effort: a failure here costs the drill-down, not the window."""
-        if not 0 < win.ops.num_rows <= self.cfg.pipeline.keep_op_spans_max_rows:
-            return
-        verdict = tables["window_result"]["verdict"][0].as_py()
-        if verdict in ("", "none") and not ("link_fault" in tables and tables["link_fault"].num_rows):
+        effort: a failure here costs the drill-down, not the windows."""
+        kept = 0
+        for tables, win, _t0 in batch:
+            if not 0 < win.ops.num_rows <= self.cfg.pipeline.keep_op_spans_max_rows:
+                continue
+            verdict = tables["window_result"]["verdict"][0].as_py()
+            if verdict in ("", "none") and not ("link_fault" in tables and tables["link_fault"].num_rows):
+                continue
+            self.sink.write("op_span", win.ops)
+            kept += 1
+        if not kept:
             return
         try:
-            self.sink.write("op_span", win.ops)
             self.sink.flush()
         except Exception as e:
-            log.warning("keeping the op spans of %s failed: %s", win.key, e)
+            log.warning("keeping the op spans of %d windows failed: %s", kept, e)
 
     def _check_hangs(self, now: float) -> None:
         """Store new hangs and their alerts (hangs must not wait for any window to close)."""
@@ -322,15 +388,25 @@ class ShardWorker:
             if self.webhook is not None:
                 self.webhook.submit(a)
 
-    def _commit(self) -> None:
+    def _commit(self, now: float | None = None) -> None:
+        """Store the offsets up to which every result is stored; at most once per commit interval.
+
+        Every heartbeat advances the position, so storing on every iteration would be an insert
+        several times a second per shard, for nothing: a restart re-reads from the stored offsets
+        and the results' keys absorb the repeats. ``now=None`` stores regardless (stop).
+        """
         # Dead letters and registrations written since the last flush are covered
         # by the offsets about to be stored: store them first.
         self.sink.flush()
+        if now is not None and now < self._commit_due:
+            return
         positions = self.source.positions()
         committable = self.tracker.committable(positions)
         if committable != self._committed:  # an idle shard writes nothing
             self.sink.store_offsets(self.source_id, committable)
             self._committed = committable
+            if now is not None:
+                self._commit_due = now + self.cfg.pipeline.commit_interval_s
 
 
 def _unregistered(win: ReadyWindow) -> JobInfo:

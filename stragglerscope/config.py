@@ -57,6 +57,8 @@ class PipelineConfig:
     """Windows with a verdict and at most this many op rows keep their raw spans (timeline, advise); 0 = none."""
     ready_timeout_s: float = 120.0
     """How long to wait at start for every shard actor to be consuming before giving up."""
+    commit_interval_s: float = 2.0
+    """Store consumer offsets at most this often (each store is an insert); a restart re-reads at most this much."""
     log_format: str = "text"
     """Shard and CLI logs: 'text', or 'json' for one JSON object per line (for a log shipper)."""
 
@@ -83,6 +85,8 @@ class HangConfig:
     """... and for at least this many median step times of the job."""
     heartbeat_timeout_s: float = 30.0
     """Ranks silent this long while others report are lost (six missed 5 s heartbeats)."""
+    startup_s: float = 600.0
+    """Before any rank begins its first step, no progress for this long is a hang (start-up takes minutes)."""
 
 
 @dataclasses.dataclass(frozen=True)

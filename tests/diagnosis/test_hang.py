@@ -1,7 +1,7 @@
 """Hang detection on generated incidents and on hand-made edge cases."""
 import pytest
 
-from analyzers.hang import HangParams, HangTracker
+from analyzers.hang import HangParams, HangTracker, _Rank
 from analyzers.stacks import merge_stacks
 from ingest.faultgen import hang_incident
 
@@ -38,6 +38,7 @@ def test_a_progressing_job_is_not_hung(n):
 
 def test_threshold_follows_the_step_time():
     t = HangTracker("j", params=HangParams(floor_s=10, k_steps=10))
+    t.ranks[0] = _Rank(step=3)
     assert t.threshold_s() == 10
     t.step_times = [5.0] * 10
     assert t.threshold_s() == 50
@@ -144,3 +145,25 @@ def test_a_lagging_input_is_judged_as_of_its_newest_heartbeat():
     mon.add_heartbeats(inc.heartbeats, 0.0)
     # The same data evaluated ten minutes of wall clock later: the input lags, nothing is hung.
     assert mon.evaluate(1.0, inc.now_ns + 600 * 10**9) == []
+
+
+def test_a_starting_job_gets_the_startup_threshold_not_the_floor():
+    """Before the first step (heartbeats say step -1), ranks that wait for slower starters are not hung."""
+    from ingest import schema as S
+
+    s = 10**9
+    params = HangParams(floor_s=4, k_steps=10, heartbeat_timeout_s=3, startup_s=30)
+
+    def hb(rank, ts, step):
+        return dict(job_id="j", attempt=0, rank=rank, host="h0", pid=rank, ts_ns=ts, step=step, last_op="",
+                    last_op_end_ns=0, inflight_op="", inflight_group="", inflight_seq=-1, inflight_since_ns=-1,
+                    clock_offset_ns=0, stack="")
+
+    t = HangTracker("j", params=params)
+    t.add_heartbeats(S.from_rows(S.HEARTBEAT, [hb(0, r * s // 2, -1) for r in range(63)]))
+    assert t.threshold_s() == 30
+    assert t.evaluate(10 * s, input_alive=True) is None  # 10 s of start-up: past the floor, not a hang
+    hang = t.evaluate(31 * s, input_alive=True)
+    assert hang is not None and hang.kind == "noncomm_hang"  # stuck in start-up for longer than startup_s
+    t.add_heartbeats(S.from_rows(S.HEARTBEAT, [hb(0, 32 * s, 0)]))
+    assert t.threshold_s() == 4  # training began: the floor (and the step time) rule again

@@ -52,3 +52,11 @@ def test_describe_lists_every_key_with_its_meaning():
     text = C.describe()
     assert "[kafka]" in text and "bootstrap = ''" in text and "Tansu" in text
     assert "idle_timeout_s" in text
+
+
+def test_the_readme_configuration_table_is_the_code_s():
+    """README's reference is `stragglerscope config` pasted: a new key must appear in both."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert C.describe().strip() in readme

@@ -37,7 +37,9 @@ def job(job_id, dp=2, pp=2):
 
 def make_worker(messages, sink=None, calls=None, clock=None, **pipeline):
     cfg = Config()
-    cfg = cfg.replace(pipeline=dict({"idle_timeout_s": 10.0}, **pipeline), alerts={"min_gpus": 1})
+    # Offsets are stored on every iteration unless a test asks for the commit interval.
+    cfg = cfg.replace(pipeline=dict({"idle_timeout_s": 10.0, "commit_interval_s": 0.0}, **pipeline),
+                      alerts={"min_gpus": 1})
     src = FakeSource(messages)
     sink = sink or FakeSink()
     w = ShardWorker(0, [0], cfg, "src-1", consumer_factory=lambda: src, sink_factory=lambda: sink,
@@ -273,3 +275,53 @@ def test_checkpoints_and_restarts_become_stored_downtime_rows():
         r = got[(t["job_id"], t["fault_step"])]
         assert r["lost_steps"] == t["lost_steps"]
         assert r["lost_progress_gpu_hours"] == pytest.approx(t["lost_progress_gpu_hours"], rel=0.01, abs=1e-6)
+
+
+def test_offsets_are_stored_at_most_once_per_commit_interval_and_on_stop():
+    a = job("a")
+    hb = [S.from_rows(S.HEARTBEAT, [dict(job_id="a", attempt=0, rank=0, host="h", pid=1, ts_ns=i, step=i,
+                                         last_op="", last_op_end_ns=i, inflight_op="", inflight_group="",
+                                         inflight_seq=-1, inflight_since_ns=-1, clock_offset_ns=0, stack="")])
+          for i in range(10)]
+    clock = Clock()
+    w, src, sink = make_worker(messages_for([a.registration(0, STEPS)] + hb), clock=clock, commit_interval_s=2.0)
+    stores = []
+    sink_store = sink.store_offsets
+    sink.store_offsets = lambda sid, off: (stores.append(dict(off)), sink_store(sid, off))
+    for i in range(10):  # ten iterations 0.5 s apart, each consuming one heartbeat
+        clock.t = 0.5 * i
+        w.step(poll_timeout_ms=0)
+    assert 2 <= len(stores) <= 3, stores  # at 0 s, 2 s, 4 s: not ten inserts
+    before_stop = sink.offsets["src-1"].get((S.TOPIC_HEARTBEATS, 0), 0)
+    w.stop()
+    assert sink.offsets["src-1"][(S.TOPIC_HEARTBEATS, 0)] >= before_stop
+    assert sink.offsets["src-1"][(S.TOPIC_HEARTBEATS, 0)] == src.positions()[(S.TOPIC_HEARTBEATS, 0)]
+
+
+def test_windows_done_together_are_stored_in_one_flush():
+    """Twenty windows finishing in one iteration: one flush for their results (and one for kept spans),
+    not forty; storing them one by one held the loop (and hang checks) up for seconds."""
+
+    class KindsSink(FakeSink):
+        def __init__(self):
+            super().__init__()
+            self.flushed_kinds = []
+
+        def flush(self):
+            if self._buf:
+                self.flushed_kinds.append(sorted(self._buf))
+            super().flush()
+
+    specs = [job(f"j{i}") for i in range(20)]
+    tables = [s.registration(0, STEPS) for s in specs] + [generate_window(s, 0, STEPS, 0) for s in specs]
+    src = FakeSource(messages_for(tables), batch=len(tables))
+    sink = KindsSink()
+    cfg = Config().replace(pipeline={"idle_timeout_s": 10.0, "commit_interval_s": 0.0}, alerts={"min_gpus": 1})
+    w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: src, sink_factory=lambda: sink,
+                    submit=fake_analysis([]), clock=Clock())
+    w.setup()
+    run(w, 3)
+    assert len(sink.rows["window_result"]) == 20 and w.stats.windows_stored == 20
+    with_windows = [k for k in sink.flushed_kinds if "window_result" in k]
+    assert len(with_windows) == 1, sink.flushed_kinds
+    assert sum("op_span" in k for k in sink.flushed_kinds) == 1
