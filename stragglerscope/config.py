@@ -57,6 +57,8 @@ class PipelineConfig:
     """Windows with a verdict and at most this many op rows keep their raw spans (timeline, advise); 0 = none."""
     ready_timeout_s: float = 120.0
     """How long to wait at start for every shard actor to be consuming before giving up."""
+    handle_budget_s: float = 0.5
+    """Seconds per loop iteration spent handling polled records before hangs, results and offsets get a turn."""
     commit_interval_s: float = 2.0
     """Store consumer offsets at most this often (each store is an insert); a restart re-reads at most this much."""
     log_format: str = "text"
