@@ -31,7 +31,9 @@ def test_sigstopped_rank_is_the_missing_rank_of_a_comm_hang(broker):
          "--steps", "8", "--stop-rank", "1", "--stop-at-step", "3", "--heartbeat-s", "0.5",
          "--hang-dump-s", "2", "--dist-timeout", "90"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    monitor = HangMonitor(HangParams(floor_s=4.0, k_steps=10.0, heartbeat_timeout_s=3.0), every_s=0.5)
+    # Margins for a loaded 2-core CI machine: a heartbeat thread can be starved for seconds there, and a
+    # rank silent for heartbeat_timeout_s no longer tells where it waits.
+    monitor = HangMonitor(HangParams(floor_s=8.0, k_steps=10.0, heartbeat_timeout_s=6.0), every_s=0.5)
     src = KafkaSource(broker.bootstrap, [S.TOPIC_HEARTBEATS, S.TOPIC_CCL], range(4))
     src.seek({})
     hangs = []
