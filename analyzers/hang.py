@@ -128,6 +128,7 @@ class HangTracker:
         self.group_ranks: dict[str, set[int]] = {}
         self.step_times: list[float] = []
         self.reported: tuple | None = None
+        self._started = False  # some rank has begun a step (see threshold_s)
 
     # -- input --------------------------------------------------------------
     def add_heartbeats(self, hb: pa.Table) -> None:
@@ -175,9 +176,12 @@ class HangTracker:
 
     # -- output -------------------------------------------------------------
     def threshold_s(self) -> float:
-        if not any(st.step >= 0 for st in self.ranks.values()):
-            # Still starting: heartbeats report step -1 until the first step begins.
-            return max(self.params.floor_s, self.params.startup_s)
+        if not self._started:
+            # Still starting: heartbeats report step -1 until the first step begins. Once a rank
+            # has stepped the job has started for good, so the scan over ranks stops then.
+            self._started = any(st.step >= 0 for st in self.ranks.values())
+            if not self._started:
+                return max(self.params.floor_s, self.params.startup_s)
         med = float(np.median(self.step_times)) if self.step_times else 0.0
         return max(self.params.floor_s, self.params.k_steps * med)
 

@@ -39,8 +39,7 @@ def rss_by_role_mb() -> dict[str, float]:
     """Resident memory of our processes by role (from /proc), to say which one grows."""
     import os
 
-    out = dict.fromkeys(role for role, _ in ROLES)
-    out = {role: 0.0 for role in out}
+    out = {role: 0.0 for role, _ in ROLES}
     out["soak"] = 0.0
     me = os.getpid()
     for pid in filter(str.isdigit, os.listdir("/proc")):
