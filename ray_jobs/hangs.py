@@ -29,10 +29,11 @@ class HangMonitor:
         self.trackers: dict[tuple[str, int], HangTracker] = {}
         self._last_seen: dict[tuple[str, int], float] = {}
         self._last_eval = 0.0
-        self._last_input = 0.0
+        self.last_input = 0.0
         self._freshest_ns = 0  # newest heartbeat seen from any job (job clock)
         self.hangs_found = 0
         self.heartbeat_age_s = 0.0  # wall clock minus the newest heartbeat, at its arrival
+        self.clock_held_back_s = 0.0  # wall clock minus the evaluation time, at the last evaluation
 
     def _by_job(self, table: pa.Table):
         jobs = pc.unique(table["job_id"]).to_pylist()
@@ -47,7 +48,7 @@ class HangMonitor:
                 yield key, tr, sub
 
     def add_heartbeats(self, table: pa.Table, now: float) -> None:
-        self._last_input = now
+        self.last_input = now
         if table.num_rows:
             newest = int(pc.max(table["ts_ns"]).as_py())
             self._freshest_ns = max(self._freshest_ns, newest)
@@ -72,8 +73,9 @@ class HangMonitor:
             # Judge the data as of what it has reached: while the input lags (a backlog after a
             # restart, a slow consumer) the newest records are older than the wall clock, and
             # measuring stalls against the wall would call every job hung on stale state.
-            now_ns = min(now_ns, self._freshest_ns + int(self.params.heartbeat_timeout_s * 1e9))
-        input_alive = now - self._last_input < self.params.heartbeat_timeout_s
+            wall_ns, now_ns = now_ns, min(now_ns, self._freshest_ns + int(self.params.heartbeat_timeout_s * 1e9))
+            self.clock_held_back_s = (wall_ns - now_ns) / _NS
+        input_alive = now - self.last_input < self.params.heartbeat_timeout_s
         rows = []
         for key, tr in list(self.trackers.items()):
             if now - self._last_seen.get(key, now) > self.forget_after_s:

@@ -29,6 +29,9 @@ _METRICS = (
     ("buffered_rows", "ss_buffered_rows", "gauge", "op-span rows held in open windows"),
     ("lag", "ss_consumer_lag", "gauge", "records not yet consumed"),
     ("heartbeat_age_s", "ss_heartbeat_age_seconds", "gauge", "age of the newest heartbeat on arrival"),
+    ("heartbeat_silence_s", "ss_heartbeat_silence_seconds", "gauge", "seconds since any heartbeat arrived"),
+    ("hang_clock_held_back_s", "ss_hang_clock_held_back_seconds", "gauge",
+     "how far hang checks judged behind the wall clock, waiting for lagging input"),
     ("loop_seconds_max", "ss_loop_seconds_max", "gauge", "longest shard loop iteration in the last 1-2 minutes"),
 )
 

@@ -62,6 +62,10 @@ class ShardStats:
     lag: int = 0
     heartbeat_age_s: float = 0.0
     """Age of the newest heartbeat when it arrived (exporter, broker and consumer delay together)."""
+    heartbeat_silence_s: float = 0.0
+    """Seconds since the last heartbeat of any job arrived (hang checks judge silence only while input flows)."""
+    hang_clock_held_back_s: float = 0.0
+    """How far the hang checks' clock was held behind the wall at their last run, waiting for lagging input."""
     loop_seconds_max: float = 0.0
     """Longest loop iteration (poll, dispatch, collect, hangs, commit) in the last one to two minutes."""
     idle: bool = False
@@ -70,6 +74,19 @@ class ShardStats:
 
 # An iteration longer than this delays hang checks noticeably: it is logged with its phases.
 SLOW_ITERATION_S = 2.0
+
+
+def _pay_import_costs() -> None:
+    """Import now what the loop would otherwise import on its first record.
+
+    pyarrow imports pandas the first time it builds a table from Python objects.
+    On a loaded 2-core machine that import took 10-12 s inside the handling of
+    the first heartbeat, and hang checks waited for it (seen in CI).
+    """
+    try:
+        import pandas  # noqa: F401
+    except ImportError:  # pyarrow then never imports it either
+        pass
 
 
 class ShardWorker:
@@ -101,6 +118,7 @@ class ShardWorker:
         """Create clients (here, not in __init__: Ray pickles the object), seek to stored offsets."""
         from ray_jobs.io import KafkaSource, ResultWriter
 
+        _pay_import_costs()
         self.sink = self._sink_factory() if self._sink_factory else ResultWriter(self.cfg.store.url)
         self.sink.setup()
         self.tracker = WindowTracker(self.cfg.pipeline.idle_timeout_s, is_stored=self.sink.window_stored)
@@ -179,14 +197,19 @@ class ShardWorker:
         if not busy:
             if not self._polled:
                 self._polled.extend(self.source.poll(poll_timeout_ms))
+            marks.append(("poll", time.perf_counter()))
             # A poll can bring hundreds of large batches (a backlog); handling them all at once
             # held hang checks and stores up for 20 s. Handle for a time budget, keep the rest
             # (their offsets advance only once handled), and come back on the next iteration.
             budget_end = marks[0][1] + pcfg.handle_budget_s
             while self._polled and (got == 0 or time.perf_counter() < budget_end):
-                self._handle(self._polled.popleft(), now)
+                msg, h0 = self._polled.popleft(), time.perf_counter()
+                self._handle(msg, now)
                 got += 1
-        marks.append(("poll+handle", time.perf_counter()))
+                if time.perf_counter() - h0 > SLOW_ITERATION_S / 2:
+                    log.warning("shard %d: handling one message on %s (%d bytes) took %.2f s", self.index,
+                                msg.topic, len(msg.value or b""), time.perf_counter() - h0)
+        marks.append(("handle", time.perf_counter()))
         for win in self.tracker.ready(now):
             self._dispatch(win)
         marks.append(("dispatch", time.perf_counter()))
@@ -209,6 +232,8 @@ class ShardWorker:
         st.buffered_rows = self.tracker.buffered_rows()
         st.lag = self.source.lag() + len(self._polled)
         st.heartbeat_age_s = self.hangs.heartbeat_age_s
+        st.heartbeat_silence_s = now - self.hangs.last_input if self.hangs.last_input else 0.0
+        st.hang_clock_held_back_s = self.hangs.clock_held_back_s
         st.records = self.tracker.counters.records
         st.late_records = self.tracker.counters.late_records
         if self.webhook is not None:

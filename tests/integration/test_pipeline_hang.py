@@ -19,7 +19,15 @@ from ingest.broker import ensure_topics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-FLOOR_S = 5.0
+# Margins for a loaded 2-core CI machine, where a starved rank's heartbeats can arrive seconds
+# late: a live rank must not look silent (heartbeat timeout 6 s, twelve 0.5 s heartbeats), and
+# the stopped rank must look silent by the time the stall is judged (floor 8 s > timeout).
+# k = 1 keeps the threshold at the floor: step-time scaling is the unit tests' business, and
+# here it made the threshold depend on how slow the machine was.
+FLOOR_S = 8.0
+HEARTBEAT_TIMEOUT_S = 6.0
+# The shards' view each second, to explain a slow detection.
+HEALTH = ("messages", "heartbeats", "heartbeat_age_s", "heartbeat_silence_s", "hang_clock_held_back_s", "loop_seconds_max")
 
 
 def test_hang_alert_is_stored_within_threshold_plus_5s(broker, ray_local, tmp_path, artifacts):
@@ -36,7 +44,7 @@ def test_hang_alert_is_stored_within_threshold_plus_5s(broker, ray_local, tmp_pa
         cfg = Config().replace(
             kafka={"bootstrap": broker.bootstrap, "partitions": 4}, store={"url": daemon.url},
             pipeline={"shards": 2, "idle_timeout_s": 60.0},
-            hang={"floor_s": FLOOR_S, "k_steps": 10.0, "heartbeat_timeout_s": 3.0})
+            hang={"floor_s": FLOOR_S, "k_steps": 1.0, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S})
         pipe = Pipeline(cfg, source_id=f"src-{uuid.uuid4().hex[:6]}").start()
         pipe.wait_ready()  # the job must not start before its shard listens
         proc = subprocess.Popen(
@@ -49,9 +57,8 @@ def test_hang_alert_is_stored_within_threshold_plus_5s(broker, ray_local, tmp_pa
             rows, health, next_status = [], [], 0.0
             while time.monotonic() < deadline and not rows:
                 rows = store.run_named("job_hangs", {"job_id": job}).to_pylist()
-                if time.monotonic() >= next_status:  # the shards' view, to explain a slow detection
-                    health.append([(round(st.get("heartbeat_age_s", -1), 2), round(st.get("loop_seconds_max", -1), 2))
-                                   for st in pipe.status()])
+                if time.monotonic() >= next_status:
+                    health.append([tuple(round(st.get(k, -1), 2) for k in HEALTH) for st in pipe.status()])
                     next_status = time.monotonic() + 1.0
                 time.sleep(0.25)
             seen_ns = time.time_ns()
@@ -63,7 +70,8 @@ def test_hang_alert_is_stored_within_threshold_plus_5s(broker, ray_local, tmp_pa
             store.close()
     assert rows, "no hang stored"
     h = rows[-1]  # the first hang found (newest first), which raised the alert
-    brief = [{k: r[k] for k in ("kind", "missing_ranks", "since_ns", "hang_id")} for r in rows]
+    brief = [{k: r[k] for k in ("kind", "group", "seq", "missing_ranks", "stuck_ranks", "since_ns", "hang_id")}
+             | {"wait_chain": json.loads(r["evidence_json"])["wait_chain"]} for r in rows]
     assert h["kind"] == "comm_hang" and h["missing_ranks"] == "1", brief
     # The alert of this very hang (its id ends with the hang id), not of an earlier one.
     mine = [a for a in alerts if a["alert_id"].endswith(f"/{h['hang_id']}")]
@@ -79,6 +87,8 @@ def test_hang_alert_is_stored_within_threshold_plus_5s(broker, ray_local, tmp_pa
         f"threshold {threshold:.1f} s; alert raised {latency:.2f} s and seen in the store "
         f"<= {stored_after:.2f} s after the last progress (stall seen {h['duration_s']:.2f} s, "
         f"clock held back {held_back:.2f} s by input lag)\n")
+    # Shown in full on failure (an assertion message is cut short).
+    print("per shard", HEALTH, "each second:\n" + "\n".join(map(str, health)))
     assert latency <= threshold + 5.0, (latency, threshold, h["duration_s"], held_back,
-                                        "(heartbeat age s, longest loop s) per shard, each second:", health)
+                                        HEALTH, "per shard, each second:", health)
     assert stored_after <= threshold + 5.0 + 0.5, (stored_after, threshold)
