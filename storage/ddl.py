@@ -8,7 +8,8 @@ here. ``arrow_type`` is the inverse used to read results of a server.
 Layout (the same DDL on chDB 26.x and the Debian 18.16 server):
 
 - Each stored kind has a data table ``<name>_data`` (MergeTree family,
-  partitioned by UTC day of a nanosecond column, ordered by its natural key)
+  partitioned by UTC month of a nanosecond column, or by day where old data
+  is dropped by retention, ordered by its natural key)
   and a view ``<name>`` that readers query: the view removes duplicates
   (``FINAL`` over a ReplacingMergeTree, or the latest row per key), so
   nothing a reader sees is counted twice.
@@ -274,6 +275,19 @@ def day_expr(ns_column: str) -> str:
     return f"toDate(toDateTime(intDiv({quote(ns_column)}, 1000000000), 'UTC'))"
 
 
+def partition_expr(spec: "TableSpec") -> str:
+    """UTC day for tables with retention (old days are dropped whole), else UTC month.
+
+    A year of daily partitions left the windows table in 368 parts, and every
+    fleet query paid for opening them: the console's Fleet queries took 1.1-1.2 s
+    on 300,000 windows, 0.5 s with monthly partitions (the ClickHouse default
+    advice). Duplicates never straddle partitions ("first" tables drop them at
+    insert), so FINAL stays exact within each partition.
+    """
+    day = day_expr(spec.partition_ns)
+    return day if spec.retention else f"toStartOfMonth({day})"
+
+
 def column_sql(field: pa.Field, caps: Capabilities) -> str:
     typ = clickhouse_type(field.type, nullable=field.nullable, low_cardinality=field.name in LOW_CARDINALITY,
                           caps=caps)
@@ -287,7 +301,7 @@ def create_table_sql(spec: TableSpec, caps: Capabilities, *, exclude: frozenset[
     engine = "ReplacingMergeTree(`stored_ns`)"
     order = ", ".join(quote(k) for k in spec.key)
     sql = (f"CREATE TABLE IF NOT EXISTS {quote(spec.data)} (\n    {cols}\n) ENGINE = {engine}\n"
-           f"PARTITION BY {day_expr(spec.partition_ns)}\nORDER BY ({order})")
+           f"PARTITION BY {partition_expr(spec)}\nORDER BY ({order})")
     if spec.retention and retention_days and caps.ttl:
         sql += "\n" + ttl_clause(retention_days)
     return sql

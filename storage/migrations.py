@@ -117,8 +117,9 @@ def migrate(store, target: int | None = None) -> list[int]:
             applied.append(m.version)
     changed = bool(applied)
     if target == LATEST:
+        columns = store.table_columns()  # one catalogue read, not one per table (console start-up)
         for spec in ddl.TABLES:  # columns added to the schema module since the last step
-            have = store.table_columns().get(spec.data, {})
+            have = columns.get(spec.data, {})
             missing = tuple(f.name for f in spec.fields if f.name not in have)
             if missing:
                 _add_columns(store, spec.name, missing)

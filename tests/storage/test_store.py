@@ -70,6 +70,9 @@ def test_fleet_queries(store):
     cdf = store.run_named("slowdown_cdf").to_pylist()
     assert [r["slowdown"] for r in cdf] == pytest.approx([1.05, 1.2, 1.5])
     assert [r["share"] for r in cdf] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    # Fewer points than jobs: the minimum, then evenly spaced ranks up to the maximum.
+    one = store.run_named("slowdown_cdf", {"points": 1}).to_pylist()
+    assert [v for r in one for v in (r["slowdown"], r["share"])] == pytest.approx([1.05, 1 / 3, 1.5, 1.0])
     by_team = {r["team"]: r for r in store.run_named("wasted_by_team").to_pylist()}
     assert set(by_team) == {"llm", "vision"} and by_team["vision"]["windows"] == 3
     by_cause = {r["cause"]: r["windows"] for r in store.run_named("wasted_by_cause").to_pylist()}
