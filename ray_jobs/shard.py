@@ -63,7 +63,8 @@ class ShardStats:
     heartbeat_age_s: float = 0.0
     """Age of the newest heartbeat when it arrived (exporter, broker and consumer delay together)."""
     heartbeat_silence_s: float = 0.0
-    """Seconds since the last heartbeat of any job arrived (hang checks judge silence only while input flows)."""
+    """Seconds since the last heartbeat of any job arrived; 0 before the first (hang checks judge silence
+    only while input flows)."""
     hang_clock_held_back_s: float = 0.0
     """How far the hang checks' clock was held behind the wall at their last run, waiting for lagging input."""
     loop_seconds_max: float = 0.0
