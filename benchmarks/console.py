@@ -115,32 +115,21 @@ def browser_timings(store_url: str, repeat: int) -> None:
     the click (or the address) until its script finished in the browser.
     """
     import subprocess
-    import urllib.request
 
     from playwright.sync_api import sync_playwright
 
     from ingest.broker import free_port
     from storage import StoreDaemon
+    from stragglerscope.config import Config
+    from stragglerscope.demo import start_console, wait_console
     from ui.data import FLEET_TTL_S
 
     with StoreDaemon(store_url) as daemon:
-        port = free_port()
-        env = dict(os.environ, STRAGGLERSCOPE_STORE=daemon.url)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "streamlit", "run", str(ROOT / "ui" / "app.py"), "--server.address", "127.0.0.1",
-             "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
+        cfg = Config().replace(ui={"address": "127.0.0.1", "port": free_port()})
+        proc = start_console(daemon.url, cfg, output=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{cfg.ui.port}"
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    with urllib.request.urlopen(url + "/_stcore/health", timeout=1):
-                        break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise SystemExit("the console did not come up within 60 s")
-                    time.sleep(0.3)
+            wait_console(url)
             with sync_playwright() as p:
                 b = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True,
                                       args=["--no-sandbox", "--disable-gpu", "--no-first-run"])

@@ -68,8 +68,11 @@ def produce_fleet(bootstrap: str, opts: DemoOptions, tag: str,
     return keys, n_ops
 
 
-def start_console(store_url: str, cfg: Config) -> subprocess.Popen:
-    """The Streamlit console on 127.0.0.1 (``ui.port``), reading ``store_url``."""
+def start_console(store_url: str, cfg: Config, output=None) -> subprocess.Popen:
+    """The Streamlit console on ``ui.address``:``ui.port``, reading ``store_url``.
+
+    ``output``: where its stdout and stderr go (default: this process's; tests pass a pipe).
+    """
     from pathlib import Path
     import os
 
@@ -78,7 +81,25 @@ def start_console(store_url: str, cfg: Config) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "streamlit", "run", str(app),
            "--server.address", cfg.ui.address, "--server.port", str(cfg.ui.port),
            "--server.headless", "true", "--browser.gatherUsageStats", "false"]
-    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=output,
+                            stderr=None if output is None else subprocess.STDOUT, start_new_session=True)
+
+
+def wait_console(url: str, timeout_s: float = 60.0) -> None:
+    """Until the console at ``url`` answers its health check; TimeoutError after ``timeout_s``."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/_stcore/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the console at {url} did not answer within {timeout_s:.0f} s")
+        time.sleep(0.3)
 
 
 def run_demo(cfg: Config, opts: DemoOptions) -> int:

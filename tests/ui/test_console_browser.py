@@ -6,17 +6,13 @@ error; a PNG of each lands in tests/artifacts/ for review.
 """
 import os
 import subprocess
-import sys
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.integration
 
 CHROMIUM = "/usr/bin/chromium"
-ROOT = Path(__file__).resolve().parents[2]
 # (page, its link in the sidebar, text that proves real content)
 PAGES = [("fleet", None, "Jobs analysed"), ("alerts", "Alerts", "refreshed every 5 s"),
          ("job", "Job", "Worker slowdown"), ("sql", "SQL", "Named queries")]
@@ -26,6 +22,8 @@ PAGES = [("fleet", None, "Jobs analysed"), ("alerts", "Alerts", "refreshed every
 def console(tmp_path_factory):
     from ingest.broker import free_port
     from storage import StoreDaemon, open_store
+    from stragglerscope.config import Config
+    from stragglerscope.demo import start_console, wait_console
     from tests.ui.conftest import fill_demo_store
 
     if not os.path.exists(CHROMIUM):
@@ -36,22 +34,12 @@ def console(tmp_path_factory):
         store.setup()
         fill_demo_store(store)
         store.close()
-        port = free_port()
-        env = dict(os.environ, STRAGGLERSCOPE_STORE=daemon.url)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "streamlit", "run", str(ROOT / "ui" / "app.py"), "--server.address", "127.0.0.1",
-             "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(url + "/_stcore/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.3)
-        else:
+        cfg = Config().replace(ui={"address": "127.0.0.1", "port": free_port()})
+        proc = start_console(daemon.url, cfg, output=subprocess.PIPE)
+        url = f"http://127.0.0.1:{cfg.ui.port}"
+        try:
+            wait_console(url)
+        except TimeoutError:
             proc.kill()
             pytest.fail("streamlit did not come up: " + proc.stdout.read().decode()[-2000:])
         yield url
