@@ -1,8 +1,9 @@
 """Synthetic fleet: Megatron-like hybrid-parallel jobs with injected straggler causes.
 
 Used by the demo, tests and benchmarks. Deterministic by seed. Each job is a
-1F1B pipeline (PP) replicated over DP ranks (TP/CP folded into the worker);
-one window is a profiling session of consecutive steps. Start times come from
+1F1B pipeline (PP) replicated over DP ranks (TP/CP folded into the worker),
+or with ``layout.vpp_size`` > 1 Megatron's interleaved 1F1B over that many
+model chunks per stage; one window is a profiling session of consecutive steps. Start times come from
 an event schedule that follows the same rules a real job obeys (a compute op
 waits for its recv and for the previous compute op; a transfer ends when both
 peers are in it and the bytes have moved; collectives end when the last member
@@ -83,6 +84,9 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         pp = self.layout.pp_size
+        if self.layout.vpp_size > 1 and (pp < 2 or self.num_microbatches % pp):
+            raise ValueError(f"interleaved 1F1B (vpp_size {self.layout.vpp_size}) needs pp_size >= 2 and "
+                             f"num_microbatches a multiple of pp_size, got pp {pp}, m {self.num_microbatches}")
         if self.stage_layers is not None and (len(self.stage_layers) != pp or min(self.stage_layers) < 0
                                               or sum(self.stage_layers) < 1):
             raise ValueError(f"stage_layers needs {pp} non-negative counts, got {self.stage_layers!r}")
@@ -103,7 +107,8 @@ class JobSpec:
     def params(self) -> int:
         """A model size that makes the healthy job run at NOMINAL_MFU (6 x params FLOPs per token)."""
         lay = self.layout
-        step_s = ((self.num_microbatches + lay.pp_size - 1) * (self.fwd_ms + self.bwd_ms) + self.optimizer_ms) / 1e3
+        bubble = (lay.pp_size - 1) / lay.vpp_size  # interleaving shrinks the pipeline bubble by vpp
+        step_s = ((self.num_microbatches + bubble) * (self.fwd_ms + self.bwd_ms) + self.optimizer_ms) / 1e3
         return int(NOMINAL_MFU * step_s * self.n_gpus * 989e12 / (6 * self.tokens_per_step))
 
     def registration(self, ts_ns: int, profiled_steps: int) -> pa.Table:
@@ -123,13 +128,32 @@ class JobSpec:
         )
 
 
-def _stage_order(s: int, pp: int, m: int) -> list[tuple[str, int]]:
-    """1F1B order of compute ops on stage s: warm-up forwards, steady 1F1B, cool-down."""
-    warm = min(pp - s - 1, m)
-    order = [("F", i) for i in range(warm)]
-    for i in range(m - warm):
-        order += [("F", warm + i), ("B", i)]
-    order += [("B", i) for i in range(m - warm, m)]
+def _stage_order(s: int, pp: int, m: int, vpp: int = 1) -> list[tuple[str, int, int]]:
+    """Compute ops of stage s in launch order, as (kind, microbatch, model chunk): warm-up forwards,
+    steady 1F1B, cool-down backwards.
+
+    With ``vpp`` > 1 this is Megatron's interleaved schedule: the m x vpp virtual
+    microbatches go in groups of ``pp`` microbatches per chunk, forward through
+    chunks 0..vpp-1 and backward through vpp-1..0, with a longer warm-up.
+    """
+    if vpp == 1:
+        fwd = bwd = [(i, 0) for i in range(m)]
+        warm = min(pp - s - 1, m)
+    else:
+        def unit(k: int, forward: bool) -> tuple[int, int]:
+            group, within = divmod(k, pp * vpp)
+            chunk = within // pp
+            return group * pp + within % pp, (chunk if forward else vpp - 1 - chunk)
+
+        total = m * vpp
+        fwd = [unit(k, True) for k in range(total)]
+        bwd = [unit(k, False) for k in range(total)]
+        warm = total if m == pp else min((pp - s - 1) * 2 + (vpp - 1) * pp, total)
+    n = len(fwd)
+    order = [("F", *fwd[i]) for i in range(warm)]
+    for i in range(n - warm):
+        order += [("F", *fwd[warm + i]), ("B", *bwd[i])]
+    order += [("B", *bwd[i]) for i in range(n - warm, n)]
     return order
 
 
@@ -165,7 +189,8 @@ class _Ops:
 def generate_window(spec: JobSpec, window_id: int, n_steps: int, t0_ns: int) -> pa.Table:
     """Op spans (OP_SPAN) of ``n_steps`` steps starting at step ``window_id``."""
     lay = spec.layout
-    dp, pp, m = lay.dp_size, lay.pp_size, spec.num_microbatches
+    dp, pp, m, vpp = lay.dp_size, lay.pp_size, spec.num_microbatches, lay.vpp_size
+    n_chunks = pp * vpp  # global model chunks; chunk c of stage s is global chunk c * pp + s
     rng = np.random.default_rng([spec.seed, zlib.crc32(spec.job_id.encode()), window_id])
     ops = _Ops(dp)
     has_dp = dp * lay.cp_size > 1
@@ -197,19 +222,26 @@ def generate_window(spec: JobSpec, window_id: int, n_steps: int, t0_ns: int) -> 
         else:
             seqlen = np.ones((dp, m))
         c_free = np.zeros((pp, dp), np.int64)  # compute stream free at
-        # params-all-gather per stage: a DP collective.
+        # params-all-gather per stage and model chunk: a DP collective, chunk after chunk.
+        ag_end = np.full((pp, vpp), step_start, np.int64)
         for s in range(pp):
             if has_dp:
                 st = step_start + rng.integers(0, 200_000, dp)
-                end = st.max() + int(spec.dp_comm_ms * ms * 0.3 * rng.uniform(0.9, 1.1) * nic[s])
-                ops.add(s, step, "params-all-gather", st, np.full(dp, end), 0, mc=0)
-                c_free[s] = end
-            else:
-                c_free[s] = step_start
-        fwd_end = np.zeros((pp, m, dp), np.int64)
-        bwd_end = np.zeros((pp, m, dp), np.int64)
-        done = np.zeros((pp, m, 2), bool)
-        orders = [_stage_order(s, pp, m) for s in range(pp)]
+                for c in range(vpp):
+                    end = st.max() + int(spec.dp_comm_ms * ms * 0.3 / vpp * rng.uniform(0.9, 1.1) * nic[s])
+                    ops.add(s, step, "params-all-gather", st, np.full(dp, end), c, mc=c)
+                    ag_end[s, c] = end
+                    st = np.full(dp, end + _GAP_NS)
+            c_free[s] = ag_end[s, 0]
+        fwd_end = np.zeros((n_chunks, m, dp), np.int64)
+        bwd_end = np.zeros((n_chunks, m, dp), np.int64)
+        done = np.zeros((n_chunks, m, 2), bool)
+        orders = [_stage_order(s, pp, m, vpp) for s in range(pp)]
+        # Each send stream runs one transfer at a time: a send blocked on a busy receiver delays the next
+        # one. (With interleaving, stage pp-1's sends to stage 0's next chunk queue up behind its warm-up.)
+        # Receivers consume a stage's outputs in the order it produced them, so recording sends when their
+        # receiver is scheduled keeps each stream in launch order.
+        send_free = np.zeros((pp, 2, dp), np.int64)
         pos = [0] * pp
         seq = {(s, kind): 0 for s in range(pp) for kind in ("fr", "fs", "br", "bs")}
         fcount = [0] * pp
@@ -219,40 +251,42 @@ def generate_window(spec: JobSpec, window_id: int, n_steps: int, t0_ns: int) -> 
             progressed = False
             for s in range(pp):
                 while pos[s] < len(orders[s]):
-                    kind, i = orders[s][pos[s]]
-                    if kind == "F" and s > 0 and not done[s - 1, i, 0]:
-                        break
-                    if kind == "B" and s < pp - 1 and not done[s + 1, i, 1]:
+                    kind, i, c = orders[s][pos[s]]
+                    g = c * pp + s
+                    # The producer of this op's input: the previous global chunk forward, the next backward.
+                    src = g - 1 if kind == "F" else g + 1
+                    has_src = 0 <= src < n_chunks
+                    if has_src and not done[src, i, 0 if kind == "F" else 1]:
                         break
                     ready = c_free[s] + _GAP_NS
-                    if kind == "F" and s > 0:
-                        send_st = fwd_end[s - 1, i] + _GAP_NS
+                    if kind == "F" and c > 0:
+                        ready = np.maximum(ready, ag_end[s, c] + _GAP_NS)
+                    if has_src:
+                        sp = src % pp
+                        stream = send_free[sp, 0 if kind == "F" else 1]
+                        send_st = np.maximum((fwd_end if kind == "F" else bwd_end)[src, i], stream) + _GAP_NS
                         xfer = int(spec.p2p_ms * ms * rng.uniform(0.9, 1.1))
                         end = np.maximum(send_st, ready) + xfer
-                        ops.add(s, step, "forward-recv", ready, end, seq[s, "fr"]); seq[s, "fr"] += 1
-                        ops.add(s - 1, step, "forward-send", send_st, end, seq[s - 1, "fs"]); seq[s - 1, "fs"] += 1
+                        stream[:] = end
+                        d = "forward" if kind == "F" else "backward"
+                        r, sn = ("fr", "fs") if kind == "F" else ("br", "bs")
+                        ops.add(s, step, f"{d}-recv", ready, end, seq[s, r]); seq[s, r] += 1
+                        ops.add(sp, step, f"{d}-send", send_st, end, seq[sp, sn]); seq[sp, sn] += 1
                         ready = end + _GAP_NS
-                    if kind == "B" and s < pp - 1:
-                        send_st = bwd_end[s + 1, i] + _GAP_NS
-                        xfer = int(spec.p2p_ms * ms * rng.uniform(0.9, 1.1))
-                        end = np.maximum(send_st, ready) + xfer
-                        ops.add(s, step, "backward-recv", ready, end, seq[s, "br"]); seq[s, "br"] += 1
-                        ops.add(s + 1, step, "backward-send", send_st, end, seq[s + 1, "bs"]); seq[s + 1, "bs"] += 1
-                        ready = end + _GAP_NS
-                    base = spec.fwd_ms if kind == "F" else spec.bwd_ms
+                    base = (spec.fwd_ms if kind == "F" else spec.bwd_ms) / vpp
                     noise = rng.normal(1.0, spec.noise, dp).clip(0.8, 1.2)
                     dur = (base * ms * scale[s] * seqlen[:, i] * noise).astype(np.int64)
                     end = ready + dur
                     optype = "forward-compute" if kind == "F" else "backward-compute"
                     cnt = fcount if kind == "F" else bcount
-                    ops.add(s, step, optype, ready, end, cnt[s], mc=0, gmc=s, mb=i)
+                    ops.add(s, step, optype, ready, end, cnt[s], mc=c, gmc=g, mb=i)
                     cnt[s] += 1
                     if kind == "F":
-                        fwd_end[s, i] = end
-                        done[s, i, 0] = True
+                        fwd_end[g, i] = end
+                        done[g, i, 0] = True
                     else:
-                        bwd_end[s, i] = end
-                        done[s, i, 1] = True
+                        bwd_end[g, i] = end
+                        done[g, i, 1] = True
                     c_free[s] = end
                     pos[s] += 1
                     remaining -= 1
@@ -285,9 +319,10 @@ def generate_window(spec: JobSpec, window_id: int, n_steps: int, t0_ns: int) -> 
             chain[pp - 1] = end + _GAP_NS
         if has_dp:
             for s in range(pp):
-                end = chain[s].max() + int(spec.dp_comm_ms * ms * rng.uniform(0.9, 1.1) * nic[s])
-                ops.add(s, step, "grads-reduce-scatter", chain[s], np.full(dp, end), 0, mc=0)
-                chain[s] = end + _GAP_NS
+                for c in range(vpp):
+                    end = chain[s].max() + int(spec.dp_comm_ms * ms * rng.uniform(0.9, 1.1) / vpp * nic[s])
+                    ops.add(s, step, "grads-reduce-scatter", chain[s], np.full(dp, end), c, mc=c)
+                    chain[s] = end + _GAP_NS
         clip_end = chain.max() + int(0.3 * ms)
         for s in range(pp):
             ops.add(s, step, "optimizer-clip-main-grad", chain[s], np.full(dp, clip_end), 0)
@@ -407,9 +442,11 @@ def _to_table(spec: JobSpec, window_id: int, ops: _Ops) -> pa.Table:
 
 
 def make_fleet(n_jobs: int = 20, seed: int = 0, min_gpus: int = 8, max_gpus: int = 512,
-               causes: tuple[str, ...] = CAUSES) -> list[JobSpec]:
-    """A mixed fleet: sizes are powers of two in [min_gpus, max_gpus], causes round-robin."""
+               causes: tuple[str, ...] = CAUSES, vpp_share: float = 0.25) -> list[JobSpec]:
+    """A mixed fleet: sizes are powers of two in [min_gpus, max_gpus], causes round-robin; about
+    ``vpp_share`` of the pipelined jobs run interleaved 1F1B with two model chunks per stage."""
     rng = np.random.default_rng(seed)
+    vpp_rng = np.random.default_rng([seed, 11])  # its own stream: every other draw stays as it was
     sizes = [2 ** k for k in range(int(np.log2(min_gpus)), int(np.log2(max_gpus)) + 1)]
     teams = ("pretrain", "multimodal", "rlhf", "research")
     models = ("gpt-7b", "gpt-13b", "moe-30b", "llama-70b")
@@ -419,7 +456,8 @@ def make_fleet(n_jobs: int = 20, seed: int = 0, min_gpus: int = 8, max_gpus: int
         tp = int(min(8, max(1, n // 16)))
         pp = int(rng.choice([p for p in (1, 2, 4, 8) if n // tp // p >= 1 and p <= n // tp]))
         dp = max(1, n // (tp * pp))
-        lay = JobLayout(dp_size=dp, pp_size=pp, tp_size=tp)
+        vpp = 2 if pp > 1 and vpp_rng.random() < vpp_share else 1
+        lay = JobLayout(dp_size=dp, pp_size=pp, tp_size=tp, vpp_size=vpp)
         cause = causes[j % len(causes)]
         factor = {"none": 1.0, "slow_worker": float(rng.uniform(1.4, 2.0)),
                   "heavy_last_stage": float(rng.uniform(1.3, 1.6)), "seq_imbalance": 1.35,

@@ -63,6 +63,21 @@ class Capabilities:
         return self.version >= (20, 11)
 
     @property
+    def skip_insert_merge(self) -> bool:
+        """``optimize_on_insert`` exists (20.12+); before it, inserts did not collapse a block's duplicates."""
+        return self.version >= (20, 12)
+
+    def insert_settings(self) -> dict[str, int]:
+        """Settings for our inserts.
+
+        ``optimize_on_insert = 0``: a ReplacingMergeTree insert otherwise collapses duplicate keys inside
+        the block, row by row, which made the engine's insert 3.7x slower (1M window rows: 3.7 s vs
+        1.0 s on chDB). It would find nothing: ``Store.insert`` drops in-batch duplicates first, and
+        reads deduplicate with FINAL anyway.
+        """
+        return {"optimize_on_insert": 0} if self.skip_insert_merge else {}
+
+    @property
     def query_parameters(self) -> bool:
         """``{name:Type}`` placeholders bound by the engine itself (chDB passes them in-process)."""
         return self.embedded and self.version >= (22, 1)

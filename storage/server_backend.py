@@ -157,7 +157,8 @@ class ServerStore(SQLStore):
         for col in rows.columns:
             data.append(col.to_pylist() if pa.types.is_list(col.type) else col.to_numpy(zero_copy_only=False))
         with self._lock:
-            self._call(self._client, f"INSERT INTO {ddl.quote(table_name)} ({cols}) VALUES", data)
+            self._call(self._client, f"INSERT INTO {ddl.quote(table_name)} ({cols}) VALUES", data,
+                       settings=self.caps.insert_settings())
 
     def close(self) -> None:
         if not self._closed:

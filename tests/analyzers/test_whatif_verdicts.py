@@ -9,7 +9,8 @@ from ingest.schema import JobLayout
 
 EXPECTED = {"slow_worker": "worker", "heavy_last_stage": "last_stage_imbalance",
             "seq_imbalance": "sequence_imbalance", "gc": "gc", "none": ""}
-LAYOUTS = [JobLayout(4, 4, 2), JobLayout(8, 2, 1), JobLayout(2, 4, 1, cp_size=2)]
+LAYOUTS = [JobLayout(4, 4, 2), JobLayout(8, 2, 1), JobLayout(2, 4, 1, cp_size=2), JobLayout(4, 4, 2, vpp_size=2),
+           JobLayout(4, 2, 1, vpp_size=3)]
 
 
 def run(cause: str, lay: JobLayout, seed: int = 0, **kw):
@@ -19,7 +20,7 @@ def run(cause: str, lay: JobLayout, seed: int = 0, **kw):
     return analyze(generate_window(spec, 40, 4, 10**12), lay)
 
 
-@pytest.mark.parametrize("lay", LAYOUTS, ids=lambda l: f"dp{l.dp_size}pp{l.pp_size}cp{l.cp_size}")
+@pytest.mark.parametrize("lay", LAYOUTS, ids=lambda l: f"dp{l.dp_size}pp{l.pp_size}cp{l.cp_size}vpp{l.vpp_size}")
 @pytest.mark.parametrize("cause", list(EXPECTED))
 def test_main_verdict_matches_the_injected_cause(cause, lay):
     res = run(cause, lay)

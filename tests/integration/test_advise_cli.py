@@ -22,9 +22,12 @@ def store_url(tmp_path_factory):
 
 
 def _job_with(cause):
-    from tests.ui.conftest import cause_of
+    """The first job of the fixture's fleet with ``cause`` running plain 1F1B (the repartition remedy
+    models 1F1B stage partitions; it offers nothing for interleaved jobs)."""
+    from ingest.fleetgen import make_fleet
 
-    return next(j for j, c in cause_of(8, 3).items() if c == cause)
+    return next(f"ui-{i:03d}" for i, j in enumerate(make_fleet(8, 3, 8, 256))
+                if j.cause == cause and j.layout.vpp_size == 1)
 
 
 def test_advise_prints_and_stores_the_ranked_remedies(store_url, capsys):

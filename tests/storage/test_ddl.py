@@ -63,6 +63,12 @@ def test_capabilities_from_version(version, embedded, lc, ttl, local_final):
     assert (caps.low_cardinality, caps.ttl, caps.partition_local_final) == (lc, ttl, local_final)
 
 
+def test_insert_settings_only_where_the_engine_has_them():
+    assert Capabilities.from_version("26.9.2.1", True).insert_settings() == {"optimize_on_insert": 0}
+    assert Capabilities.from_version("20.12.1").insert_settings() == {"optimize_on_insert": 0}
+    assert Capabilities.from_version("18.16.1").insert_settings() == {}  # unknown setting there: an error
+
+
 def test_every_stored_kind_has_a_table():
     wanted = set(S.RESULT_SCHEMAS) | {"job_registration", "op_span"}
     assert wanted <= set(ddl.TABLE_OF_KIND)
