@@ -6,7 +6,7 @@ Embedded services (Tansu, the chDB store behind its daemon, a local Ray with
 the configured shard actors). ``--jobs`` generated jobs of 128 to 8,192 GPUs
 (log-uniform, mixed straggler causes) each publish one profiling session
 (a window of 3 steps) every ``--session-every-s`` seconds on average,
-NDTimeline-like, with random phases, until ``--minutes`` have passed. Every
+NDTimeline-like, as Poisson arrivals from the start, until ``--minutes`` have passed. Every
 straggling window raises an alert (cool-down 0 here, so each one counts).
 
 Reported every 30 s and at the end: windows published and stored, consumer
@@ -102,7 +102,10 @@ def main() -> int:
                                         cause_pp=int(rng.integers(pp))))
     t_end = time.monotonic() + args.minutes * 60
     sent_at: dict[tuple, int] = {}
-    next_session = [(time.monotonic() + float(rng.uniform(0, args.session_every_s)), j) for j in range(len(jobs))]
+    # Sessions of a job are a Poisson process (exponential gaps), and so is its first one: a steady fleet
+    # from the first second. (A uniform first phase over one mean gap, as before 2026-11-23, doubled the
+    # rate in minutes 5-10: every job's first session plus the second of those that started early.)
+    next_session = [(time.monotonic() + float(rng.exponential(args.session_every_s)), j) for j in range(len(jobs))]
     heapq.heapify(next_session)
     window_of = [0] * len(jobs)
     mem0 = mem_used_mb()

@@ -18,6 +18,7 @@ _METRICS = (
     ("ccl_records", "ss_ccl_records_total", "counter", "collective records seen"),
     ("windows_stored", "ss_windows_stored_total", "counter", "windows analysed and stored"),
     ("windows_failed", "ss_windows_failed_total", "counter", "windows whose analysis task failed"),
+    ("span_windows_kept", "ss_span_windows_kept_total", "counter", "windows whose raw op spans were stored"),
     ("alerts", "ss_alerts_total", "counter", "alerts raised"),
     ("webhook_sent", "ss_webhook_sent_total", "counter", "alerts POSTed to the webhook"),
     ("webhook_failed", "ss_webhook_failed_total", "counter", "alerts the webhook refused after retries"),

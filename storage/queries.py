@@ -274,6 +274,14 @@ _QUERIES = [
         "raw op spans of one window (kept for small windows, for the timeline drill-down)",
     ),
     NamedQuery(
+        "job_span_windows",
+        "SELECT attempt, window_id FROM op_spans WHERE job_id = {job_id:String} "
+        "AND ({attempt:Int32} < 0 OR attempt = {attempt:Int32}) "
+        "GROUP BY attempt, window_id ORDER BY attempt, window_id",
+        (_job_required(), ParamSpec("attempt", "Int32", -1, "the attempt (-1: every attempt)")),
+        "the windows of one job whose raw op spans are kept (pipeline.keep_op_spans_every_s)",
+    ),
+    NamedQuery(
         "job_remedies",
         "SELECT attempt, window_id, advised_ns, priority, kind, verdict, action, predicted_gain, "
         "step_time_before_s, step_time_after_s, details_json FROM remedies "

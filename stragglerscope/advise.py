@@ -49,7 +49,11 @@ def advise_stored(store, job_id: str, opts: AdviseOptions = AdviseOptions()) -> 
     if not windows:
         raise AdviseError(f"job {job_id!r} attempt {attempt} has no analysed window")
     if opts.window_id is None:
-        window_id = max(int(w["window_id"]) for w in windows)
+        # The latest window that kept its raw spans (the pipeline keeps some: pipeline.keep_op_spans_*).
+        kept = store.run_named("job_span_windows", {"job_id": job_id, "attempt": attempt}).column("window_id")
+        analysed = {int(w["window_id"]) for w in windows}
+        kept = [int(k) for k in kept.to_pylist() if int(k) in analysed]
+        window_id = max(kept) if kept else max(analysed)
     else:
         window_id = int(opts.window_id)
         if window_id not in {int(w["window_id"]) for w in windows}:
@@ -57,8 +61,9 @@ def advise_stored(store, job_id: str, opts: AdviseOptions = AdviseOptions()) -> 
             raise AdviseError(f"job {job_id!r} has no window {window_id} (windows: {known})")
     ops = store.run_named("window_ops", {"job_id": job_id, "attempt": attempt, "window_id": window_id})
     if ops.num_rows == 0:
-        raise AdviseError(f"no raw op spans are kept for window {window_id} of {job_id!r} (larger than "
-                          "pipeline.keep_op_spans_max_rows, or past the retention)")
+        raise AdviseError(f"no raw op spans are kept for window {window_id} of {job_id!r} (only windows with a "
+                          "verdict keep them, one per job per pipeline.keep_op_spans_every_s and each new verdict; "
+                          "not those over pipeline.keep_op_spans_max_rows, nor past the retention)")
     links = store.run_named("job_links", {"job_id": job_id, "window_id": window_id}).to_pylist()
     links = [f for f in links if int(f["attempt"]) == attempt]
     num_layers = opts.num_layers or int(reg.get("num_layers") or 0) or None

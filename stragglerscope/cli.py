@@ -109,15 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", metavar="OUT.json.gz", help="also write actual and ideal timelines (Perfetto)")
 
     p = sub.add_parser("advise", help="remedies for a job's window, ranked by their simulated gain",
-                       description="For the verdicts of one stored window (default: the job's latest), propose "
+                       description="For the verdicts of one stored window (default: the job's latest with raw spans), propose "
                                    "the fix (layer repartition, sequence repacking, swapping a slow host, a "
                                    "planned GC interval, draining a host or link, a recovery plan after node "
                                    "loss) with its gain simulated on the window's own trace; print them best "
                                    "first and store them for the console. Needs the window's raw op spans "
-                                   "(kept for windows up to pipeline.keep_op_spans_max_rows rows).")
+                                   "(kept for windows with a verdict up to pipeline.keep_op_spans_max_rows rows, one per job per "
+                                   "pipeline.keep_op_spans_every_s and each new verdict).")
     _add_config(p)
     p.add_argument("job", metavar="JOB", help="job id")
-    p.add_argument("--window", type=int, help="window id (its first step; default: the latest)")
+    p.add_argument("--window", type=int, help="window id (its first step; default: the latest with raw spans)")
     p.add_argument("--attempt", type=int, default=-1, help="job attempt (default: the latest)")
     p.add_argument("--num-layers", type=int, help="transformer layers of the model (enables repartitioning)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per host (default 8)")

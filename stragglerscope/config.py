@@ -55,6 +55,8 @@ class PipelineConfig:
     """Prometheus metrics on 127.0.0.1:PORT; 0 = a free port, -1 = off."""
     keep_op_spans_max_rows: int = 200_000
     """Windows with a verdict and at most this many op rows keep their raw spans (timeline, advise); 0 = none."""
+    keep_op_spans_every_s: float = 1800.0
+    """Per job, keep spans of one window per this many seconds of its clock, plus each change of verdict; 0 = all."""
     ready_timeout_s: float = 120.0
     """How long to wait at start for every shard actor to be consuming before giving up."""
     handle_budget_s: float = 0.5

@@ -1,6 +1,7 @@
 """Actual vs simulated ideal timeline of one step, for the job page.
 
-The store keeps the raw op spans of small windows (``pipeline.keep_op_spans_max_rows``);
+The store keeps the raw op spans of some windows (``pipeline.keep_op_spans_max_rows`` and
+``keep_op_spans_every_s``);
 this re-runs the what-if simulator on them (the analyzers stay pure; the
 console only shapes their output into a frame for a Gantt chart) and keeps a
 few workers of one step, so the chart stays readable and fast.

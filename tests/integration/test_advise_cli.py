@@ -54,3 +54,22 @@ def test_advise_errors_are_one_clear_line(store_url, capsys):
     assert "advise: error: job 'no-such-job' is not registered in the store" in capsys.readouterr().err
     assert main(["advise", _job_with("none"), "--window", "7", "--store", store_url]) == 2
     assert "has no window 7 (windows: 0)" in capsys.readouterr().err
+
+
+def test_advise_defaults_to_the_latest_window_with_kept_spans(store_url, capsys):
+    """The pipeline keeps raw spans of some windows only (pipeline.keep_op_spans_every_s): a newer window
+    without them does not hide the advice of the one that has them; asked for by id, it is a clear error."""
+    from storage import open_store
+    from tests.storage.conftest import window_rows
+
+    job = _job_with("heavy_last_stage")
+    store = open_store(store_url)
+    try:
+        store.insert("window_result", window_rows(1, job=job, first_window=90))
+    finally:
+        store.close()
+    assert main(["advise", job, "--store", store_url]) == 0
+    assert capsys.readouterr().out.startswith(f"{job} attempt 0 window 0:")
+    assert main(["advise", job, "--window", "90", "--store", store_url]) == 2
+    err = capsys.readouterr().err
+    assert "no raw op spans are kept for window 90" in err and "keep_op_spans_every_s" in err

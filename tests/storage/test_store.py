@@ -283,6 +283,19 @@ def test_op_span_retention(store):
     assert store.query("SELECT count() AS n FROM op_spans").column("n")[0].as_py() == 0
 
 
+def test_windows_with_kept_spans(store):
+    def span(attempt, window_id, rank):
+        return dict(job_id="a", attempt=attempt, rank=rank, dp_rank=rank, pp_rank=0, window_id=window_id, step=1,
+                    optype="forward-compute", start_ns=BASE_NS, duration_ns=5, seq_id=0, mc=0, gmc=0, mb_id=0)
+
+    store.insert("op_span", S.from_rows(S.OP_SPAN, [span(a, w, r) for a, w in ((0, 30), (0, 10), (1, 50))
+                                                    for r in range(3)]))
+    store.insert("op_span", S.from_rows(S.OP_SPAN, [dict(span(0, 70, 0), job_id="b")]))
+    got = store.run_named("job_span_windows", {"job_id": "a"}).to_pylist()
+    assert got == [{"attempt": 0, "window_id": 10}, {"attempt": 0, "window_id": 30}, {"attempt": 1, "window_id": 50}]
+    assert store.run_named("job_span_windows", {"job_id": "a", "attempt": 1}).column("window_id").to_pylist() == [50]
+
+
 def test_setup_is_idempotent(store):
     store.insert("window_result", window_rows(2))
     store.setup()

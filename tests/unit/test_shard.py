@@ -71,9 +71,34 @@ def test_complete_windows_are_analysed_stored_and_committed():
     assert len(sink.rows["job_registration"]) == 2
     assert w.stats.windows_stored == 3
     assert [a["rule"] for a in sink.rows["alert"]] == ["slowdown", "slowdown"]  # a is cooled down once
-    # Raw spans of these small windows are kept for the timeline drill-down.
-    sent = sum(t.num_rows for t in tables[2:])
-    assert len(sink.rows["op_span"]) == sent
+    # Raw spans of these small windows with a verdict are kept for the timeline drill-down: one window per
+    # job within keep_op_spans_every_s (a's second window starts at the same time and has the same verdict).
+    sent = sum(t.num_rows for t in tables[2:4])
+    assert len(sink.rows["op_span"]) == sent and w.stats.span_windows_kept == 2
+
+
+def test_kept_spans_one_window_per_job_and_interval_plus_each_new_verdict():
+    a = job("a")
+    starts = {0: 0, 100: 60, 200: 120, 300: 1900, 400: 1960}  # window -> start, seconds of the job's clock
+    verdicts = {0: "worker", 100: "worker", 200: "gc", 300: "gc", 400: "gc"}
+    tables = [a.registration(0, STEPS)] + [generate_window(a, wid, STEPS, t * 10**9) for wid, t in starts.items()]
+
+    def submit(ops, info, key, complete, note, ccl=None):
+        row = _window_row(info, key, ops, complete, note)
+        row.update(slowdown=1.5, waste_fraction=1 / 3, launch_slowdown=1.0, verdict=verdicts[key[2]])
+        return _tables(row, {"optype_slowdown": [], "worker_slowdown": [], "step_result": []})
+
+    def kept(**pipeline):
+        w, _, sink = make_worker(messages_for(tables), **pipeline)
+        w._submit = submit
+        run(w)
+        assert len(sink.rows["window_result"]) == len(starts)
+        return sorted({r["window_id"] for r in sink.rows.get("op_span", [])})
+
+    # 0: the first; 100: same verdict 60 s later (no); 200: a new verdict; 300: same verdict, 1,780 s after
+    # the last kept (no); 400: 1,840 s after it.
+    assert kept() == [0, 200, 400]
+    assert kept(keep_op_spans_every_s=0) == [0, 100, 200, 300, 400]
 
 
 def test_large_windows_do_not_keep_raw_spans():
