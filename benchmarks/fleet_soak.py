@@ -73,6 +73,20 @@ def pct(xs, q):
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
+def latencies(sent_at: dict, stored_at: dict, since_ns: int = 0) -> list[float]:
+    """Seconds from each window's last record sent to its row stored, for windows sent since ``since_ns``."""
+    return [(ts - sent_at[k]) / 1e9 for k, ts in stored_at.items() if sent_at.get(k, -1) >= since_ns]
+
+
+def alert_windows(alerts: dict[str, int]) -> dict[tuple, int]:
+    """{(job, attempt, window): alert time} from alert ids ``job/attempt/rule/window``."""
+    out = {}
+    for aid, ts in alerts.items():
+        job, att, _, wid = aid.split("/")
+        out[(job, int(att), int(wid))] = ts
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", type=int, default=1000)
@@ -104,6 +118,7 @@ def main() -> int:
                                         num_microbatches=2 * pp, cause_dp=int(rng.integers(dp)),
                                         cause_pp=int(rng.integers(pp))))
     t_end = time.monotonic() + args.minutes * 60
+    warm_ns = time.time_ns() + int(WARMUP_S * 1e9)  # windows sent before this meet a pipeline still starting
     sent_at: dict[tuple, int] = {}
     # Sessions of a job are a Poisson process (exponential gaps), and so is its first one: a steady fleet
     # from the first second. (A uniform first phase over one mean gap, as before 2026-11-23, doubled the
@@ -149,15 +164,9 @@ def main() -> int:
                                     "AND startsWith(job_id, 'soak-')")
                 for aid, ts in zip(a["alert_id"].to_pylist(), a["ts_ns"].to_pylist()):
                     seen_alerts.setdefault(aid, ts)
-                wl = [(ts - sent_at[k]) / 1e9 for k, ts in seen_windows.items() if k in sent_at]
-                recent = [(ts - sent_at[k]) / 1e9 for k, ts in seen_windows.items()
-                          if k in sent_at and sent_at[k] >= time.time_ns() - 60 * 10**9]
-                al = []
-                for aid, ts in seen_alerts.items():
-                    job, att, _, wid = aid.split("/")
-                    k = (job, int(att), int(wid))
-                    if k in sent_at:
-                        al.append((ts - sent_at[k]) / 1e9)
+                wl = latencies(sent_at, seen_windows)
+                recent = latencies(sent_at, seen_windows, since_ns=time.time_ns() - 60 * 10**9)
+                al = latencies(sent_at, alert_windows(seen_alerts))
                 status = svc.pipeline.status()
                 lag = sum(s.get("lag", 0) for s in status)
                 loop_max = max((s.get("loop_seconds_max", 0.0) for s in status), default=0.0)
@@ -177,11 +186,8 @@ def main() -> int:
                   f"{np.median(mem_samples[half:]):,.0f} MB")
         # Whole-run percentiles include the start-up backlog (Ray workers starting, first imports): also
         # give them for windows sent after the warm-up.
-        warm_ns = time.time_ns() - int((time.monotonic() - (t_end - args.minutes * 60 + WARMUP_S)) * 1e9)
-        wl = [(ts - sent_at[k]) / 1e9 for k, ts in seen_windows.items() if k in sent_at and sent_at[k] >= warm_ns]
-        al = [(ts - sent_at[k]) / 1e9 for aid, ts in seen_alerts.items()
-              for k in [(aid.split("/")[0], int(aid.split("/")[1]), int(aid.split("/")[3]))]
-              if k in sent_at and sent_at[k] >= warm_ns]
+        wl = latencies(sent_at, seen_windows, since_ns=warm_ns)
+        al = latencies(sent_at, alert_windows(seen_alerts), since_ns=warm_ns)
         print(f"sent after the first {WARMUP_S:.0f} s: {len(wl)} windows p50/p99={pct(wl, 50):.2f}/{pct(wl, 99):.2f}s, "
               f"{len(al)} alerts p50/p99={pct(al, 50):.2f}/{pct(al, 99):.2f}s")
         print(f"dropped by the producer: {prod.stats.records_dropped}")

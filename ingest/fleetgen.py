@@ -25,6 +25,7 @@ the original job differ only by the fix.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import zlib
 from typing import Iterator
@@ -44,6 +45,7 @@ _GAP_NS = 20_000  # launch gap between dependent ops (CPU work the trace does no
 
 
 SEQ_LEN = 4096
+PASSES = ("forward", "backward")
 NOMINAL_MFU = 0.45  # MFU of a healthy generated job's nominal step (registration FLOPs are derived from it)
 
 
@@ -233,8 +235,7 @@ def generate_window(spec: JobSpec, window_id: int, n_steps: int, t0_ns: int) -> 
                     ag_end[s, c] = end
                     st = np.full(dp, end + _GAP_NS)
             c_free[s] = ag_end[s, 0]
-        fwd_end = np.zeros((n_chunks, m, dp), np.int64)
-        bwd_end = np.zeros((n_chunks, m, dp), np.int64)
+        pass_end = np.zeros((2, n_chunks, m, dp), np.int64)  # [forward/backward, global chunk, microbatch]
         done = np.zeros((n_chunks, m, 2), bool)
         orders = [_stage_order(s, pp, m, vpp) for s in range(pp)]
         # Each send stream runs one transfer at a time: a send blocked on a busy receiver delays the next
@@ -243,50 +244,44 @@ def generate_window(spec: JobSpec, window_id: int, n_steps: int, t0_ns: int) -> 
         # receiver is scheduled keeps each stream in launch order.
         send_free = np.zeros((pp, 2, dp), np.int64)
         pos = [0] * pp
-        seq = {(s, kind): 0 for s in range(pp) for kind in ("fr", "fs", "br", "bs")}
-        fcount = [0] * pp
-        bcount = [0] * pp
+        seq: dict[tuple[int, str], int] = collections.Counter()  # (stage, optype) -> ops recorded so far
         remaining = sum(len(o) for o in orders)
         while remaining:
             progressed = False
             for s in range(pp):
                 while pos[s] < len(orders[s]):
                     kind, i, c = orders[s][pos[s]]
+                    d = 0 if kind == "F" else 1
+                    name = PASSES[d]
                     g = c * pp + s
                     # The producer of this op's input: the previous global chunk forward, the next backward.
-                    src = g - 1 if kind == "F" else g + 1
+                    src = g - 1 if d == 0 else g + 1
                     has_src = 0 <= src < n_chunks
-                    if has_src and not done[src, i, 0 if kind == "F" else 1]:
+                    if has_src and not done[src, i, d]:
                         break
                     ready = c_free[s] + _GAP_NS
-                    if kind == "F" and c > 0:
+                    if d == 0 and c > 0:
                         ready = np.maximum(ready, ag_end[s, c] + _GAP_NS)
                     if has_src:
                         sp = src % pp
-                        stream = send_free[sp, 0 if kind == "F" else 1]
-                        send_st = np.maximum((fwd_end if kind == "F" else bwd_end)[src, i], stream) + _GAP_NS
+                        stream = send_free[sp, d]
+                        send_st = np.maximum(pass_end[d, src, i], stream) + _GAP_NS
                         xfer = int(spec.p2p_ms * ms * rng.uniform(0.9, 1.1))
                         end = np.maximum(send_st, ready) + xfer
                         stream[:] = end
-                        d = "forward" if kind == "F" else "backward"
-                        r, sn = ("fr", "fs") if kind == "F" else ("br", "bs")
-                        ops.add(s, step, f"{d}-recv", ready, end, seq[s, r]); seq[s, r] += 1
-                        ops.add(sp, step, f"{d}-send", send_st, end, seq[sp, sn]); seq[sp, sn] += 1
+                        for stage, op, st0 in ((s, f"{name}-recv", ready), (sp, f"{name}-send", send_st)):
+                            ops.add(stage, step, op, st0, end, seq[stage, op])
+                            seq[stage, op] += 1
                         ready = end + _GAP_NS
-                    base = (spec.fwd_ms if kind == "F" else spec.bwd_ms) / vpp
+                    base = (spec.fwd_ms if d == 0 else spec.bwd_ms) / vpp
                     noise = rng.normal(1.0, spec.noise, dp).clip(0.8, 1.2)
                     dur = (base * ms * scale[s] * seqlen[:, i] * noise).astype(np.int64)
                     end = ready + dur
-                    optype = "forward-compute" if kind == "F" else "backward-compute"
-                    cnt = fcount if kind == "F" else bcount
-                    ops.add(s, step, optype, ready, end, cnt[s], mc=c, gmc=g, mb=i)
-                    cnt[s] += 1
-                    if kind == "F":
-                        fwd_end[g, i] = end
-                        done[g, i, 0] = True
-                    else:
-                        bwd_end[g, i] = end
-                        done[g, i, 1] = True
+                    optype = f"{name}-compute"
+                    ops.add(s, step, optype, ready, end, seq[s, optype], mc=c, gmc=g, mb=i)
+                    seq[s, optype] += 1
+                    pass_end[d, g, i] = end
+                    done[g, i, d] = True
                     c_free[s] = end
                     pos[s] += 1
                     remaining -= 1

@@ -113,6 +113,9 @@ class ChdbStore(SQLStore):
         self._shared = _acquire(self.path)
         self._lock = self._shared.lock
         self.caps = ddl.Capabilities.from_version(self._shared.version, embedded=True)
+        # A backfill batch may span many day partitions (op spans); the engine's default limit is 100.
+        settings = {"max_partitions_per_insert_block": 0, **self.caps.insert_settings()}
+        self._insert_settings = ", ".join(f"{k} = {v}" for k, v in settings.items())
 
     def _run(self, sql: str, fmt: str, params: dict | None = None, tables: dict[str, pa.Table] | None = None):
         self._check_open()
@@ -138,21 +141,16 @@ class ChdbStore(SQLStore):
         values = {n: (v.isoformat() if hasattr(v, "isoformat") else v) for n, (_t, v) in (params or {}).items()}
         return self._run(sql, "ArrowTable", values, tables)
 
-    def _insert_settings(self) -> str:
-        # A backfill batch may span many day partitions (op spans); the engine's default limit is 100.
-        settings = {"max_partitions_per_insert_block": 0, **self.caps.insert_settings()}
-        return ", ".join(f"{k} = {v}" for k, v in settings.items())
-
     def _insert(self, table_name: str, rows: pa.Table) -> None:
         cols = ", ".join(ddl.quote(c) for c in rows.column_names)
         self._run(f"INSERT INTO {ddl.quote(table_name)} ({cols}) SELECT * FROM _ext_rows "
-                  f"SETTINGS {self._insert_settings()}", "CSV", tables={"_ext_rows": rows})
+                  f"SETTINGS {self._insert_settings}", "CSV", tables={"_ext_rows": rows})
 
     def _insert_select(self, spec: ddl.TableSpec, select: str, params: dict, tables: dict) -> None:
         cols = ", ".join(ddl.quote(f.name) for f in ddl.storage_schema(spec))
         values = {n: v for n, (_t, v) in params.items()}
         self._run(f"INSERT INTO {ddl.quote(spec.data)} ({cols}) {select} "
-                  f"SETTINGS {self._insert_settings()}", "CSV", values, tables)
+                  f"SETTINGS {self._insert_settings}", "CSV", values, tables)
 
     def close(self) -> None:
         if not self._closed:

@@ -61,9 +61,9 @@ def advise_stored(store, job_id: str, opts: AdviseOptions = AdviseOptions()) -> 
             raise AdviseError(f"job {job_id!r} has no window {window_id} (windows: {known})")
     ops = store.run_named("window_ops", {"job_id": job_id, "attempt": attempt, "window_id": window_id})
     if ops.num_rows == 0:
-        raise AdviseError(f"no raw op spans are kept for window {window_id} of {job_id!r} (only windows with a "
-                          "verdict keep them, one per job per pipeline.keep_op_spans_every_s and each new verdict; "
-                          "not those over pipeline.keep_op_spans_max_rows, nor past the retention)")
+        from stragglerscope.config import SPANS_KEPT_RULE
+
+        raise AdviseError(f"no raw op spans are kept for window {window_id} of {job_id!r} ({SPANS_KEPT_RULE})")
     links = store.run_named("job_links", {"job_id": job_id, "window_id": window_id}).to_pylist()
     links = [f for f in links if int(f["attempt"]) == attempt]
     num_layers = opts.num_layers or int(reg.get("num_layers") or 0) or None

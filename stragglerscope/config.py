@@ -41,6 +41,12 @@ class RayConfig:
     """CPUs of the local Ray (ignored with an address)."""
 
 
+SPANS_KEPT_RULE = ("only windows with a verdict keep them, one per job per pipeline.keep_op_spans_every_s "
+                   "and each new verdict; not those over pipeline.keep_op_spans_max_rows, nor past the "
+                   "op-span retention")
+"""Which windows keep their raw op spans, for messages that say why a window has none."""
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
     shards: int = 2

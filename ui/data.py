@@ -78,10 +78,9 @@ def window_timeline(job_id: str, attempt: int, window_id: int, step: int, worker
     if ops.num_rows == 0:
         kept = store.run_named("job_span_windows", {"job_id": job_id, "attempt": attempt}).column("window_id")
         which = ", ".join(str(k) for k in kept.to_pylist()[-10:]) or "none"
-        return None, (f"no raw op spans are kept for this window; this job's windows with spans: {which} "
-                      "(only windows with a verdict keep them, one per job per pipeline.keep_op_spans_every_s "
-                      "and each new verdict; not those over pipeline.keep_op_spans_max_rows, nor past the "
-                      "op-span retention)")
+        from stragglerscope.config import SPANS_KEPT_RULE
+
+        return None, f"no raw op spans are kept for this window; this job's windows with spans: {which} ({SPANS_KEPT_RULE})"
     frame, events = timeline_frame(ops, layout_of(reg[0]), step=step, workers=workers)
     doc = gzip.compress(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode(), 5)
     return frame, doc
