@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from storage import ddl
 from storage.errors import StoreError, first_line
+from storage.keys import HighWater
 from storage.sqltext import read_only_wrapped, replace_identifier
 from storage.store import SQLStore
 
@@ -40,6 +41,8 @@ class _Shared:
         self.path = path
         self.refs = 0
         self.lock = threading.RLock()
+        # Every writer of this path goes through this process (the flock below), so the marks are exact.
+        self.high_water = HighWater()
         Path(path).mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -114,7 +117,11 @@ class ChdbStore(SQLStore):
         self._lock = self._shared.lock
         self.caps = ddl.Capabilities.from_version(self._shared.version, embedded=True)
         # A backfill batch may span many day partitions (op spans); the engine's default limit is 100.
-        settings = {"max_partitions_per_insert_block": 0, **self.caps.insert_settings()}
+        # Blocks of 128k rows instead of the default 1M: the engine then writes one block's part while the
+        # Python() source converts the next, on both cores. 875k window rows: 0.43-0.66 s instead of 0.9 s
+        # (more parts per partition, which the engine merges in the background).
+        settings = {"max_partitions_per_insert_block": 0, "min_insert_block_size_rows": 1 << 17,
+                    **self.caps.insert_settings()}
         self._insert_settings = ", ".join(f"{k} = {v}" for k, v in settings.items())
 
     def _run(self, sql: str, fmt: str, params: dict | None = None, tables: dict[str, pa.Table] | None = None):
@@ -133,6 +140,9 @@ class ChdbStore(SQLStore):
 
     def _execute(self, sql: str) -> None:
         self._run(sql, "CSV")
+
+    def _high_water(self) -> HighWater:
+        return self._shared.high_water
 
     def _select(self, sql: str, params: dict[str, tuple[str, Any]] | None = None,
                 tables: dict[str, pa.Table] | None = None, read_only: str | None = None) -> pa.Table:

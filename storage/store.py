@@ -12,7 +12,9 @@ Idempotence (a crash replays and nothing is counted twice):
    alerts, dead letters) ``insert`` drops rows whose key is in the batch
    twice or is stored already, under the store's lock. With chDB every
    writer goes through one process (the store daemon), so check and insert
-   are atomic and a key is stored at most once.
+   are atomic and a key is stored at most once. There, rows above a job
+   attempt's stored high-water mark of window_id skip the read-back of
+   stored keys (``storage.keys``).
 2. Deduplication on read. Data tables are ReplacingMergeTree on the natural
    key, and readers query views that read ``FINAL`` (or the latest row per
    key for jobs and offsets). Two servers' clients racing on the same key
@@ -41,11 +43,13 @@ import pyarrow.compute as pc
 from ingest import schema as S
 from storage import ddl
 from storage.errors import StoreError
+from storage.keys import GROWING_KEY, HighWater, PendingMarks, first_of_each_key
 from storage.params import bind, bind_free
 from storage.sqltext import check_read_only, placeholders
 
 DEFAULT_RETENTION_DAYS = 7
 RETENTION_CHECK_S = 3600.0
+DERIVE_COUNT_MIN_ROWS = 10_000
 
 
 class Store(abc.ABC):
@@ -193,6 +197,9 @@ class SQLStore(Store):
 
         self._check_open()
         with self._lock:
+            marks = self._high_water()
+            if marks is not None:
+                marks.forget()
             migrate(self, target_version)
 
     def schema_version(self) -> int:
@@ -216,27 +223,48 @@ class SQLStore(Store):
             return
         rows = self._with_stored_ns(spec, table)
         with self._lock:
+            pending = None
             if spec.mode == "first":
-                rows = self._drop_stored(spec, rows)
+                rows, pending = self._drop_stored(spec, rows)
             if rows.num_rows:
                 self._insert(spec.data, rows)
                 if kind == "window_result":
                     self._derive_optype_waste(windows=rows)
                 elif kind == "optype_slowdown":
                     self._derive_optype_waste(optypes=rows)
+            if pending is not None:
+                pending.commit()
             if spec.retention:
                 self._maybe_enforce_retention()
 
-    def _drop_stored(self, spec: ddl.TableSpec, rows: pa.Table) -> pa.Table:
-        """Rows whose key is neither earlier in the batch nor stored already (the caller holds the lock)."""
+    def _high_water(self) -> HighWater | None:
+        """The high-water marks of growing keys, where this store is its tables' sole writer (see storage.keys)."""
+        return None
+
+    def _stored_high_water(self, spec: ddl.TableSpec, jobs: list[str]) -> dict[tuple[str, int], int]:
+        t = self._select(f"SELECT job_id, attempt, max(window_id) AS hi FROM {ddl.quote(spec.data)} "
+                         "WHERE job_id IN (SELECT job_id FROM _ext_keys) GROUP BY job_id, attempt",
+                         tables={"_ext_keys": pa.table({"job_id": pa.array(jobs, pa.string())})})
+        return {(j, int(a)): int(hi) for j, a, hi in zip(*(t.column(i).to_pylist() for i in range(3)))}
+
+    def _drop_stored(self, spec: ddl.TableSpec, rows: pa.Table) -> tuple[pa.Table, PendingMarks | None]:
+        """Rows whose key is neither earlier in the batch nor stored already (the caller holds the lock),
+        and the high-water marks to commit once they are stored (None where the store keeps none)."""
         key = list(spec.key)
-        if rows.num_rows > 1:
-            idx = pa.array(np.arange(rows.num_rows, dtype=np.int64))
-            firsts = rows.select(key).append_column("__i", idx).group_by(key, use_threads=False) \
-                .aggregate([("__i", "min")])
-            if firsts.num_rows < rows.num_rows:
-                first = firsts.column("__i_min").combine_chunks()
-                rows = rows.take(first.take(pc.array_sort_indices(first)))
+        rows = first_of_each_key(rows, key)
+        pending, fresh = None, None
+        marks = self._high_water()
+        if marks is not None and spec.key[:len(GROWING_KEY)] == GROWING_KEY:
+            fresh, rows, pending = marks.split(spec.data, rows, lambda jobs: self._stored_high_water(spec, jobs))
+        if rows.num_rows:
+            rows = self._without_stored_keys(spec, rows)
+        if fresh is not None and fresh.num_rows:
+            rows = pa.concat_tables([fresh, rows]) if rows.num_rows else fresh
+        return rows, pending
+
+    def _without_stored_keys(self, spec: ddl.TableSpec, rows: pa.Table) -> pa.Table:
+        """``rows`` less those whose key the table holds (rows' keys are distinct)."""
+        key = list(spec.key)
         keys = rows.select(key)
         cols = ", ".join(ddl.quote(k) for k in key)
         # The ranges of the integer key columns let the engine skip most stored rows before the lookup.
@@ -290,11 +318,25 @@ class SQLStore(Store):
         # for a 167k-window batch) and pruned no better for small batches.
         in_batch = "window_id >= {lo:Int64} AND window_id <= {hi:Int64} AND job_id IN (SELECT job_id FROM _ext_rows)"
         if windows is not None:
-            source = (f"(SELECT {o_cols} FROM optype_slowdown_data WHERE step = -1 AND {in_batch}) AS o "
-                      f"ALL INNER JOIN (SELECT {w_cols} FROM _ext_rows) AS w USING (job_id, attempt, window_id)")
+            stored = f"SELECT {o_cols} FROM optype_slowdown_data WHERE step = -1 AND {in_batch}"
+            o, w = f"({stored}) AS o", f"(SELECT {w_cols} FROM _ext_rows) AS w"
         else:
-            source = (f"(SELECT {o_cols} FROM _ext_rows) AS o ALL INNER JOIN "
-                      f"(SELECT {w_cols} FROM windows_data WHERE {in_batch}) AS w USING (job_id, attempt, window_id)")
+            stored = f"SELECT {w_cols} FROM windows_data WHERE {in_batch}"
+            o, w = f"(SELECT {o_cols} FROM _ext_rows) AS o", f"({stored}) AS w"
+        # The join builds its hash table from its right side. For a large batch (a backfill) it pays to count
+        # the stored side first (30 ms for 875k windows): nothing there means nothing to derive, and the
+        # smaller side goes right (875k windows against 525k S_t rows: 0.11 s instead of 0.24 s). A
+        # pipeline's batches are small, and skip the extra query.
+        right_is_batch = True
+        if ext.num_rows >= DERIVE_COUNT_MIN_ROWS:
+            n_stored = self._select(f"SELECT count() AS n FROM ({stored})", params, {"_ext_rows": ext})
+            n_stored = n_stored.column("n")[0].as_py()
+            if n_stored == 0:
+                return
+            right_is_batch = ext.num_rows <= n_stored
+        batch, other = (w, o) if windows is not None else (o, w)
+        left, right = (other, batch) if right_is_batch else (batch, other)
+        source = f"{left} ALL INNER JOIN {right} USING (job_id, attempt, window_id)"
         spec = ddl.TABLE_BY_NAME["optype_waste"]
         select = (f"{self._WASTE_SELECT}, {{now:Int64}} AS stored_ns FROM {source}")
         self._insert_select(spec, select, params, {"_ext_rows": ext})

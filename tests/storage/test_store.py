@@ -139,7 +139,12 @@ def test_job_drilldown_queries(store):
         store.run_named("job_windows")
 
 
-def test_wasted_by_optype_in_either_write_order(store):
+@pytest.mark.parametrize("count_min_rows", [None, 0])
+def test_wasted_by_optype_in_either_write_order(store, count_min_rows, monkeypatch):
+    """``count_min_rows=0``: every batch counts the stored side first, as a backfill's large batches do;
+    here the smaller side is the batch for a's windows and the stored window for b's op types."""
+    if count_min_rows is not None:
+        monkeypatch.setattr("storage.store.DERIVE_COUNT_MIN_ROWS", count_min_rows)
     store.insert("optype_slowdown", optype_rows("a", [0, 10]))  # the pipeline's order: op types, then windows
     store.insert("window_result", window_rows(2, job="a", gpu_hours=10.0))
     store.insert("window_result", window_rows(1, job="b", gpu_hours=20.0))  # windows first, then op types
