@@ -37,43 +37,70 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> _U64(31))
 
 
-def key_hashes(rows: pa.Table, key: list[str]) -> np.ndarray | None:
+class Encoded:
+    """A batch's string columns as indices into a dictionary of the batch's distinct values.
+
+    Encoded once (18 ms for 875k job ids) and shared by the duplicate check
+    and the high-water split; equal strings get equal indices within the batch.
+    """
+
+    def __init__(self, rows: pa.Table) -> None:
+        self.rows = rows
+        self._done: dict[str, tuple[np.ndarray, pa.Array]] = {}
+
+    def codes(self, name: str) -> tuple[np.ndarray, pa.Array]:
+        """``(indices as int64, dictionary)`` of a string column."""
+        if name not in self._done:
+            col = self.rows.column(name)
+            col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+            if pa.types.is_dictionary(col.type):
+                col = col.cast(col.type.value_type)
+            enc = pc.dictionary_encode(col)
+            self._done[name] = (enc.indices.to_numpy(zero_copy_only=False).astype(np.int64), enc.dictionary)
+        return self._done[name]
+
+
+def _is_text(typ: pa.DataType) -> bool:
+    if pa.types.is_dictionary(typ):
+        typ = typ.value_type
+    return pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_binary(typ)
+
+
+def key_hashes(rows: pa.Table, key: list[str], enc: Encoded | None = None) -> np.ndarray | None:
     """One 64-bit hash per row of its key columns, or None where a column cannot be hashed this way.
 
     Strings hash by their index in a dictionary built over this batch, so equal
     keys get equal hashes within the batch (not across batches).
     """
+    enc = enc if enc is not None and enc.rows is rows else Encoded(rows)
     h = np.zeros(rows.num_rows, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for name in key:
             col = rows.column(name)
             if col.null_count:
                 return None
-            col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
-            if pa.types.is_dictionary(col.type):
-                col = col.cast(col.type.value_type)
             if pa.types.is_integer(col.type):
-                values = col.to_numpy(zero_copy_only=False).astype(np.int64).view(np.uint64)
-            elif pa.types.is_string(col.type) or pa.types.is_large_string(col.type) or pa.types.is_binary(col.type):
-                values = pc.dictionary_encode(col).indices.to_numpy(zero_copy_only=False).astype(np.uint64)
+                values = col.to_numpy().astype(np.int64).view(np.uint64)
+            elif _is_text(col.type):
+                values = enc.codes(name)[0].view(np.uint64)
             else:
                 return None
             h = _mix(h + values)
     return h
 
 
-def keys_distinct(rows: pa.Table, key: list[str]) -> bool:
+def keys_distinct(rows: pa.Table, key: list[str], enc: Encoded | None = None) -> bool:
     """True when no key occurs twice in ``rows`` (distinct hashes prove it); False means "not proven"."""
-    h = key_hashes(rows, key)
+    h = key_hashes(rows, key, enc)
     if h is None:
         return False
     h.sort()
     return not bool(np.any(h[1:] == h[:-1]))
 
 
-def first_of_each_key(rows: pa.Table, key: list[str]) -> pa.Table:
+def first_of_each_key(rows: pa.Table, key: list[str], enc: Encoded | None = None) -> pa.Table:
     """``rows`` without the second and later rows of any key, in their original order."""
-    if rows.num_rows < 2 or keys_distinct(rows, key):
+    if rows.num_rows < 2 or keys_distinct(rows, key, enc):
         return rows
     idx = pa.array(np.arange(rows.num_rows, dtype=np.int64))
     firsts = rows.select(key).append_column("__i", idx).group_by(key, use_threads=False) \
@@ -113,32 +140,41 @@ class HighWater:
         """Drop every mark (after migrations, or anything else that wrote behind the store's back)."""
         self._tables.clear()
 
-    def split(self, table: str, rows: pa.Table, lookup) -> tuple[pa.Table, pa.Table, PendingMarks]:
+    def split(self, table: str, rows: pa.Table, lookup, enc: Encoded | None = None
+              ) -> tuple[pa.Table, pa.Table, PendingMarks]:
         """``(fresh, rest, pending)``: rows that cannot be stored yet, rows that need the stored-key check.
 
         ``lookup(jobs)`` returns ``{(job_id, attempt): largest stored window_id}`` for those jobs.
         """
-        g = rows.select(list(GROWING_KEY)).group_by(["job_id", "attempt"], use_threads=False) \
-            .aggregate([("window_id", "min"), ("window_id", "max")])
-        groups = list(zip(g.column("job_id").to_pylist(), g.column("attempt").to_pylist(),
-                          g.column("window_id_min").to_pylist(), g.column("window_id_max").to_pylist()))
+        enc = enc if enc is not None and enc.rows is rows else Encoded(rows)
+        codes, names = enc.codes("job_id")
+        g = pa.table({"j": codes, "attempt": rows.column("attempt"), "window_id": rows.column("window_id")}) \
+            .group_by(["j", "attempt"], use_threads=False).aggregate([("window_id", "min"), ("window_id", "max")])
+        names = names.to_pylist()
+        groups = [(names[j], a, lo, hi) for j, a, lo, hi in zip(
+            g.column("j").to_pylist(), g.column("attempt").to_pylist(), g.column("window_id_min").to_pylist(),
+            g.column("window_id_max").to_pylist())]
         marks = self._tables.setdefault(table, {})
         unknown = sorted({job for job, attempt, _lo, _hi in groups if (job, attempt) not in marks})
         if unknown:
             if len(marks) + len(groups) > self.max_groups:
                 marks.clear()
-                unknown = sorted({job for job, _a, _lo, _hi in groups})
+                unknown = sorted(set(names))
             for k, hi in lookup(unknown).items():
                 if marks.get(k, _NOTHING_STORED) < hi:
                     marks[k] = hi
             for job, attempt, _lo, _hi in groups:
                 marks.setdefault((job, attempt), _NOTHING_STORED)
         pending = PendingMarks(marks, [(job, attempt, hi) for job, attempt, _lo, hi in groups])
-        stale = sorted({job for job, attempt, lo, _hi in groups if lo <= marks[(job, attempt)]})
-        if not stale:
-            return rows, rows.slice(0, 0), pending
-        if len(stale) == len({job for job, *_ in groups}):
-            return rows.slice(0, 0), rows, pending
         # Whole jobs go to the check: a job's other attempts in the batch are checked too, which is exact.
-        mask = pc.is_in(rows.column("job_id"), value_set=pa.array(stale, rows.schema.field("job_id").type))
+        stale = np.zeros(len(names), dtype=bool)
+        index = {name: i for i, name in enumerate(names)}
+        for job, attempt, lo, _hi in groups:
+            if lo <= marks[(job, attempt)]:
+                stale[index[job]] = True
+        if not stale.any():
+            return rows, rows.slice(0, 0), pending
+        if stale.all():
+            return rows.slice(0, 0), rows, pending
+        mask = pa.array(stale[codes])
         return rows.filter(pc.invert(mask)), rows.filter(mask), pending

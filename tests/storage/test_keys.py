@@ -41,7 +41,7 @@ def test_first_of_each_key_keeps_first_rows_in_order():
 
 def test_a_hash_collision_falls_back_to_the_exact_group_by(monkeypatch):
     """Equal hashes only send the batch to the exact path, which keeps every distinct key."""
-    monkeypatch.setattr(K, "key_hashes", lambda rows, key: np.zeros(rows.num_rows, np.uint64))
+    monkeypatch.setattr(K, "key_hashes", lambda rows, key, enc=None: np.zeros(rows.num_rows, np.uint64))
     t = _table(["a", "b", "c"], [0, 0, 0], [1, 2, 3])
     assert not K.keys_distinct(t, KEY)
     assert K.first_of_each_key(t, KEY).num_rows == 3
