@@ -118,6 +118,12 @@ class PendingMarks:
         self._marks = marks
         self._groups = groups
 
+    def forget(self) -> None:
+        """The batch may be partly stored (the engine failed after writing some blocks): drop its groups'
+        marks, so that the next batch of these jobs learns them from the table."""
+        for job, attempt, _hi in self._groups:
+            self._marks.pop((job, attempt), None)
+
     def commit(self) -> None:
         for job, attempt, hi in self._groups:
             k = (job, attempt)

@@ -223,17 +223,23 @@ class SQLStore(Store):
             return
         rows = self._with_stored_ns(spec, table)
         with self._lock:
-            pending = None
+            pending, replayed = None, None
             if spec.mode == "first":
-                rows, pending = self._drop_stored(spec, rows)
+                rows, pending, replayed = self._drop_stored(spec, rows)
             if rows.num_rows:
-                self._insert(spec.data, rows)
-                if kind == "window_result":
-                    self._derive_optype_waste(windows=rows)
-                elif kind == "optype_slowdown":
-                    self._derive_optype_waste(optypes=rows)
+                try:
+                    self._insert(spec.data, rows)
+                except BaseException:
+                    if pending is not None:
+                        pending.forget()  # the engine may have stored some blocks: learn the marks anew
+                    raise
             if pending is not None:
                 pending.commit()
+            if kind in ("window_result", "optype_slowdown"):
+                if rows.num_rows:
+                    self._derive_optype_waste(**{"windows" if kind == "window_result" else "optypes": rows})
+                if replayed is not None:
+                    self._repair_optype_waste(replayed)
             if spec.retention:
                 self._maybe_enforce_retention()
 
@@ -247,9 +253,11 @@ class SQLStore(Store):
                          tables={"_ext_keys": pa.table({"job_id": pa.array(jobs, pa.string())})})
         return {(j, int(a)): int(hi) for j, a, hi in zip(*(t.column(i).to_pylist() for i in range(3)))}
 
-    def _drop_stored(self, spec: ddl.TableSpec, rows: pa.Table) -> tuple[pa.Table, PendingMarks | None]:
+    def _drop_stored(self, spec: ddl.TableSpec, rows: pa.Table
+                     ) -> tuple[pa.Table, PendingMarks | None, pa.Table | None]:
         """Rows whose key is neither earlier in the batch nor stored already (the caller holds the lock),
-        and the high-water marks to commit once they are stored (None where the store keeps none)."""
+        the high-water marks to commit once they are stored (None where the store keeps none), and the
+        keys found stored already (None when there were none)."""
         key = list(spec.key)
         enc = Encoded(rows)
         rows = first_of_each_key(rows, key, enc)
@@ -257,14 +265,15 @@ class SQLStore(Store):
         marks = self._high_water()
         if marks is not None and spec.key[:len(GROWING_KEY)] == GROWING_KEY:
             fresh, rows, pending = marks.split(spec.data, rows, lambda jobs: self._stored_high_water(spec, jobs), enc)
+        replayed = None
         if rows.num_rows:
-            rows = self._without_stored_keys(spec, rows)
+            rows, replayed = self._without_stored_keys(spec, rows)
         if fresh is not None and fresh.num_rows:
             rows = pa.concat_tables([fresh, rows]) if rows.num_rows else fresh
-        return rows, pending
+        return rows, pending, replayed
 
-    def _without_stored_keys(self, spec: ddl.TableSpec, rows: pa.Table) -> pa.Table:
-        """``rows`` less those whose key the table holds (rows' keys are distinct)."""
+    def _without_stored_keys(self, spec: ddl.TableSpec, rows: pa.Table) -> tuple[pa.Table, pa.Table | None]:
+        """``rows`` less those whose key the table holds (rows' keys are distinct), and the keys it holds."""
         key = list(spec.key)
         keys = rows.select(key)
         cols = ", ".join(ddl.quote(k) for k in key)
@@ -285,10 +294,11 @@ class SQLStore(Store):
             f"{lead} IN (SELECT {lead} FROM _ext_keys) AND "
             f"cityHash64({cols}) IN (SELECT cityHash64({cols}) FROM _ext_keys)", params, tables={"_ext_keys": keys})
         if stored.num_rows == 0:
-            return rows
+            return rows, None
         stored = pa.Table.from_arrays([stored.column(i).cast(keys.schema.field(i).type) for i in range(len(key))],
                                       names=key)
-        return rows.join(stored, keys=key, join_type="left anti", use_threads=False).select(rows.column_names)
+        kept = rows.join(stored, keys=key, join_type="left anti", use_threads=False).select(rows.column_names)
+        return kept, keys.join(stored, keys=key, join_type="left semi", use_threads=False)
 
     _WASTE_SELECT = (
         "SELECT job_id, attempt, window_id, optype, slowdown, analyzed_ns, team, model, n_gpus, gpu_hours, "
@@ -343,6 +353,25 @@ class SQLStore(Store):
         spec = ddl.TABLE_BY_NAME["optype_waste"]
         select = (f"{self._WASTE_SELECT}, {{now:Int64}} AS stored_ns FROM {source}")
         self._insert_select(spec, select, params, tables)
+
+    def _repair_optype_waste(self, replayed: pa.Table) -> None:
+        """Write the ``optype_waste`` rows missing for windows whose rows a replay found stored already.
+
+        A writer that died between storing rows and deriving from them (or whose derivation failed) left
+        these windows without their derived rows, and the replay stores nothing new to derive from. Both
+        sides come from the stored, deduplicated views; rows derived already are left alone.
+        """
+        keys = replayed.group_by(["job_id", "attempt", "window_id"], use_threads=False).aggregate([])
+        k = "(job_id, attempt, window_id) IN (SELECT job_id, attempt, window_id FROM _ext_keys)"
+        select = (
+            f"{self._WASTE_SELECT}, {{now:Int64}} AS stored_ns FROM "
+            f"(SELECT job_id, attempt, window_id, optype, slowdown FROM optype_slowdown WHERE step = -1 AND {k}) AS o "
+            "ALL INNER JOIN (SELECT job_id, attempt, window_id, analyzed_ns, team, model, n_gpus, gpu_hours "
+            f"FROM windows WHERE {k}) AS w USING (job_id, attempt, window_id) "
+            "WHERE (job_id, attempt, window_id, optype) NOT IN "
+            f"(SELECT job_id, attempt, window_id, optype FROM optype_waste_data WHERE {k})")
+        self._insert_select(ddl.TABLE_BY_NAME["optype_waste"], select, {"now": ("Int64", self._now_ns())},
+                            {"_ext_keys": keys})
 
     def _insert_select(self, spec: ddl.TableSpec, select: str, params: dict, tables: dict) -> None:
         """Insert the rows of ``select`` (columns in ``storage_schema(spec)`` order) into the data table.

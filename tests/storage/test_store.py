@@ -158,6 +158,48 @@ def test_wasted_by_optype_in_either_write_order(store, count_min_rows, monkeypat
     assert store.run_named("wasted_by_optype", {"team": "nobody"}).num_rows == 0
 
 
+@pytest.mark.parametrize("second", ["window_result", "optype_slowdown"])
+def test_a_replay_derives_what_a_failed_derivation_left_out(store, second, monkeypatch):
+    """The writer stored its rows, then died (here: failed) before deriving ``optype_waste``; the replay
+    finds every row stored, and still leaves the derived rows complete, once each."""
+    batches = {"optype_slowdown": optype_rows("a", [0, 10]), "window_result": window_rows(2, job="a", gpu_hours=10.0)}
+    first = "optype_slowdown" if second == "window_result" else "window_result"
+    store.insert(first, batches[first])
+
+    def killed(**_kw):
+        raise StoreError("killed before the derivation")
+
+    monkeypatch.setattr(store, "_derive_optype_waste", killed)
+    with pytest.raises(StoreError, match="killed"):
+        store.insert(second, batches[second])
+    monkeypatch.undo()
+    assert store.run_named("wasted_by_optype").num_rows == 0
+    store.insert(second, batches[second])  # the replay: nothing new to store
+    store.insert(second, batches[second])  # and again: nothing missing, nothing written
+    rows = {r["optype"]: r for r in store.run_named("wasted_by_optype").to_pylist()}
+    assert rows["gc"]["windows"] == 2 and rows["forward-compute"]["windows"] == 2
+    assert rows["gc"]["wasted_gpu_hours"] == pytest.approx(20 * (1 - 1 / 1.3))
+    assert store.query("SELECT count() AS n FROM optype_waste_data").column("n")[0].as_py() == 4
+
+
+def test_an_insert_that_failed_part_way_is_replayed_without_duplicates(store, monkeypatch):
+    """The engine wrote the rows and then failed (as when a later block of a large insert fails): the
+    replay must find them stored, high-water marks or not."""
+    store.insert("window_result", window_rows(2, job="a"))
+    real = store._insert
+
+    def stored_then_failed(table, rows):
+        real(table, rows)
+        raise StoreError("connection lost after the write")
+
+    monkeypatch.setattr(store, "_insert", stored_then_failed)
+    with pytest.raises(StoreError):
+        store.insert("window_result", window_rows(3, job="a", first_window=20))
+    monkeypatch.undo()
+    store.insert("window_result", window_rows(3, job="a", first_window=20))
+    assert store.query("SELECT count() AS n FROM windows_data WHERE job_id = 'a'").column("n")[0].as_py() == 5
+
+
 def test_alerts(store):
     alerts = S.from_rows(S.ALERT, [
         dict(alert_id=f"a:{i}", job_id="a" if i % 2 else "b", attempt=0, ts_ns=BASE_NS + i, rule="slowdown",
