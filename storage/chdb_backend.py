@@ -118,8 +118,9 @@ class ChdbStore(SQLStore):
         self.caps = ddl.Capabilities.from_version(self._shared.version, embedded=True)
         # A backfill batch may span many day partitions (op spans); the engine's default limit is 100.
         # Blocks of 128k rows instead of the default 1M: the engine then writes one block's part while the
-        # Python() source converts the next, on both cores. 875k window rows: 0.43-0.66 s instead of 0.9 s
-        # (more parts per partition, which the engine merges in the background).
+        # Python() source converts the next, on both cores. 875k window rows: 0.43-0.66 s instead of 0.9 s.
+        # The price: 7 parts per 875k rows instead of 1, and the slowest fleet query over a bulk-loaded year
+        # (10.5M windows) went from 0.72-0.92 s to 0.92-0.97 s (BENCHMARKS.md, Storage).
         settings = {"max_partitions_per_insert_block": 0, "min_insert_block_size_rows": 1 << 17,
                     **self.caps.insert_settings()}
         self._insert_settings = ", ".join(f"{k} = {v}" for k, v in settings.items())

@@ -1,7 +1,7 @@
 """Key bookkeeping for ``Store.insert``'s idempotence, kept cheap for large batches (see ``storage.store``).
 
-Two steps of an insert used to cost more client time than the engine's own
-write of a backfill batch (875,000 windows on this 2-core VM):
+Two steps of an insert took about half as long as the engine's own write of
+a backfill batch (875,000 windows on this 2-core VM: 0.5 s against 0.9 s):
 
 - Finding keys that occur twice in the batch. An Arrow group-by over the
   whole key took 0.29 s. ``first_of_each_key`` hashes every key to 64 bits
