@@ -60,6 +60,11 @@ class Encoded:
         return self._done[name]
 
 
+def _encoding(rows: pa.Table, enc: Encoded | None) -> Encoded:
+    """``enc`` where it encodes ``rows`` themselves (not a batch before duplicates were dropped)."""
+    return enc if enc is not None and enc.rows is rows else Encoded(rows)
+
+
 def _is_text(typ: pa.DataType) -> bool:
     if pa.types.is_dictionary(typ):
         typ = typ.value_type
@@ -72,7 +77,7 @@ def key_hashes(rows: pa.Table, key: list[str], enc: Encoded | None = None) -> np
     Strings hash by their index in a dictionary built over this batch, so equal
     keys get equal hashes within the batch (not across batches).
     """
-    enc = enc if enc is not None and enc.rows is rows else Encoded(rows)
+    enc = _encoding(rows, enc)
     h = np.zeros(rows.num_rows, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for name in key:
@@ -152,16 +157,17 @@ class HighWater:
 
         ``lookup(jobs)`` returns ``{(job_id, attempt): largest stored window_id}`` for those jobs.
         """
-        enc = enc if enc is not None and enc.rows is rows else Encoded(rows)
+        enc = _encoding(rows, enc)
         codes, names = enc.codes("job_id")
         g = pa.table({"j": codes, "attempt": rows.column("attempt"), "window_id": rows.column("window_id")}) \
             .group_by(["j", "attempt"], use_threads=False).aggregate([("window_id", "min"), ("window_id", "max")])
         names = names.to_pylist()
-        groups = [(names[j], a, lo, hi) for j, a, lo, hi in zip(
+        # (job code, job, attempt, lowest and highest window_id in the batch) per job attempt
+        groups = [(j, names[j], a, lo, hi) for j, a, lo, hi in zip(
             g.column("j").to_pylist(), g.column("attempt").to_pylist(), g.column("window_id_min").to_pylist(),
             g.column("window_id_max").to_pylist())]
         marks = self._tables.setdefault(table, {})
-        unknown = sorted({job for job, attempt, _lo, _hi in groups if (job, attempt) not in marks})
+        unknown = sorted({job for _j, job, attempt, _lo, _hi in groups if (job, attempt) not in marks})
         if unknown:
             if len(marks) + len(groups) > self.max_groups:
                 marks.clear()
@@ -169,15 +175,14 @@ class HighWater:
             for k, hi in lookup(unknown).items():
                 if marks.get(k, _NOTHING_STORED) < hi:
                     marks[k] = hi
-            for job, attempt, _lo, _hi in groups:
+            for _j, job, attempt, _lo, _hi in groups:
                 marks.setdefault((job, attempt), _NOTHING_STORED)
-        pending = PendingMarks(marks, [(job, attempt, hi) for job, attempt, _lo, hi in groups])
+        pending = PendingMarks(marks, [(job, attempt, hi) for _j, job, attempt, _lo, hi in groups])
         # Whole jobs go to the check: a job's other attempts in the batch are checked too, which is exact.
         stale = np.zeros(len(names), dtype=bool)
-        index = {name: i for i, name in enumerate(names)}
-        for job, attempt, lo, _hi in groups:
+        for j, job, attempt, lo, _hi in groups:
             if lo <= marks[(job, attempt)]:
-                stale[index[job]] = True
+                stale[j] = True
         if not stale.any():
             return rows, rows.slice(0, 0), pending
         if stale.all():

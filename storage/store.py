@@ -236,8 +236,10 @@ class SQLStore(Store):
             if pending is not None:
                 pending.commit()
             if kind in ("window_result", "optype_slowdown"):
-                if rows.num_rows:
-                    self._derive_optype_waste(**{"windows" if kind == "window_result" else "optypes": rows})
+                if rows.num_rows and kind == "window_result":
+                    self._derive_optype_waste(windows=rows)
+                elif rows.num_rows:
+                    self._derive_optype_waste(optypes=rows)
                 if replayed is not None:
                     self._repair_optype_waste(replayed)
             if spec.retention:
