@@ -413,8 +413,11 @@ class StoreDaemon:
             start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         line = b""
+        # poll(), not select(): a long-lived caller (a test run, the console) may hold more than 1,024 fds.
+        waiting = select.poll()
+        waiting.register(self._proc.stdout, select.POLLIN)
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([self._proc.stdout], [], [], 0.1)
+            ready = waiting.poll(100)
             if ready:
                 line = self._proc.stdout.readline()
                 if line.startswith(b"READY "):
