@@ -125,8 +125,10 @@ class RankExporter:
         self._pending_cuda: queue.Queue = queue.Queue()
         self._step_ref = None
         threading.Thread(target=self._heartbeat_loop, name="ss-heartbeat", daemon=True).start()
+        self._resolver = None
         if self._cuda is not None:
-            threading.Thread(target=self._resolve_loop, name="ss-cuda-events", daemon=True).start()
+            self._resolver = threading.Thread(target=self._resolve_loop, name="ss-cuda-events", daemon=True)
+            self._resolver.start()
 
     # -- clocks -------------------------------------------------------------
     def now_ns(self) -> int:
@@ -153,6 +155,16 @@ class RankExporter:
     @contextlib.contextmanager
     def step(self, step: int):
         """Marks one training step; ops inside a sampled step are recorded."""
+        self.start_step(step)
+        completed = False
+        try:
+            yield self
+            completed = True
+        finally:
+            self.finish_step(completed)
+
+    def start_step(self, step: int) -> None:
+        """Begin step ``step`` (for hooks that cannot wrap the step in a with-block)."""
         self._step = step
         self._window = self.sampling.window_of(step)
         self._seq = {}
@@ -160,13 +172,24 @@ class RankExporter:
             ev = self._cuda.Event(enable_timing=True)
             ev.record()
             self._step_ref = (ev, time.perf_counter_ns())
-        try:
-            yield self
-            self._step_done = (step, self.now_ns())  # not reached when the step raised: it did not complete
-        finally:
-            if self._window is not None:
-                self._flush_step()
-            self._window = None
+
+    def finish_step(self, completed: bool = True) -> None:
+        """End the current step; ``completed`` False when it raised (it then does not count as done)."""
+        if completed:
+            self._step_done = (self._step, self.now_ns())
+        if self._window is not None:
+            self._flush_step()
+        self._window = None
+
+    @property
+    def profiling(self) -> bool:
+        """True inside a sampled step: what is timed now is recorded."""
+        return self._window is not None
+
+    def next_seq(self, optype: str) -> int:
+        seq = self._seq.get(optype, 0)
+        self._seq[optype] = seq + 1
+        return seq
 
     @contextlib.contextmanager
     def op(self, optype: str, mb_id: int = -1, mc: int | None = None, gmc: int | None = None):
@@ -175,24 +198,51 @@ class RankExporter:
             with self._track(optype):
                 yield
             return
-        seq = self._seq.get(optype, 0)
-        self._seq[optype] = seq + 1
-        meta = (optype, seq, self.mc if mc is None else mc, self.gmc if gmc is None else gmc, mb_id, self._step,
-                self._window)
+        token = self.begin_op(optype, mb_id, mc, gmc)
+        try:
+            yield
+        finally:
+            self.end_op(token)
+
+    def begin_op(self, optype: str, mb_id: int = -1, mc: int | None = None, gmc: int | None = None):
+        """Start timing one op; returns a token for ``end_op`` (None outside sampled steps)."""
+        self._inflight = (optype, "", -1, self.now_ns())
+        if self._window is None:
+            return None
+        meta = (optype, self.next_seq(optype), self.mc if mc is None else mc, self.gmc if gmc is None else gmc,
+                mb_id, self._step, self._window)
         if self._cuda is not None:
-            start, end = self._cuda.Event(enable_timing=True), self._cuda.Event(enable_timing=True)
-            start.record()
-            with self._track(optype):
-                yield
+            ev = self._cuda.Event(enable_timing=True)
+            ev.record()
+            return (ev, meta)
+        return (time.perf_counter_ns(), meta)
+
+    def end_op(self, token, end_perf_ns: int | None = None) -> None:
+        """Finish the op of ``token``; ``end_perf_ns`` (CPU timing only) ends it earlier than now."""
+        self._inflight = None
+        if token is None:
+            self._last_op = (self._last_op[0], self.now_ns())
+            return
+        start, meta = token
+        self._last_op = (meta[0], self.now_ns())
+        if self._cuda is not None:
+            end = self._cuda.Event(enable_timing=True)
             end.record()
             self._pending_cuda.put((start, end, self._step_ref, meta))
-        else:
-            t0 = time.perf_counter_ns()
-            with self._track(optype):
-                yield
-            t1 = time.perf_counter_ns()
-            with self._lock:
-                self._ops.append((self._to_job_clock(t0), t1 - t0) + meta)
+            return
+        t1 = time.perf_counter_ns() if end_perf_ns is None else end_perf_ns
+        with self._lock:
+            self._ops.append((self._to_job_clock(start), max(0, t1 - start)) + meta)
+
+    def record_op(self, optype: str, start_perf_ns: int, end_perf_ns: int, mb_id: int = -1, mc: int | None = None,
+                  gmc: int | None = None) -> None:
+        """Record an op timed by the caller on ``time.perf_counter_ns`` (e.g. split off another span)."""
+        if self._window is None:
+            return
+        meta = (optype, self.next_seq(optype), self.mc if mc is None else mc, self.gmc if gmc is None else gmc,
+                mb_id, self._step, self._window)
+        with self._lock:
+            self._ops.append((self._to_job_clock(start_perf_ns), max(0, end_perf_ns - start_perf_ns)) + meta)
 
     @contextlib.contextmanager
     def _track(self, optype: str, group: str = "", seq: int = -1):
@@ -216,12 +266,14 @@ class RankExporter:
         if self._window is None:
             return
         dur = exit_ns - enter_ns
-        self._ccl.append(dict(
+        row = dict(
             job_id=self.job_id, attempt=self.attempt, rank=self.rank, window_id=self._window, step=self._step,
             group=group, group_ranks=list(group_ranks), seq=seq, op=op, algorithm=algorithm, nbytes=nbytes,
             enter_ns=enter_ns, exit_ns=exit_ns, peers=list(peers), peer_transfer_ns=[dur] * len(peers),
             peer_bytes=[nbytes // max(1, len(peers))] * len(peers), recv_wait_ns=0,
-        ))
+        )
+        with self._lock:
+            self._ccl.append(row)
 
     # -- output -------------------------------------------------------------
     def _flush_step(self) -> None:
@@ -250,7 +302,8 @@ class RankExporter:
         self._send(table)
 
     def _emit_ccl(self) -> None:
-        rows, self._ccl = self._ccl, []
+        with self._lock:
+            rows, self._ccl = self._ccl, []
         if rows:
             self.stats.ccl += len(rows)
             self._send(S.from_rows(S.CCL_RECORD, rows))
@@ -355,11 +408,14 @@ class RankExporter:
             self.stats.heartbeats += 1
             self._send(self.heartbeat())
 
-    def close(self) -> None:
-        """Flush what is buffered and send a last heartbeat (the final progress); idempotent."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Flush what is buffered (waiting up to ``timeout`` s for pending CUDA events) and send a last
+        heartbeat (the final progress); idempotent."""
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._resolver is not None and self._resolver is not threading.current_thread():
+            self._resolver.join(timeout)  # the last CUDA-timed ops are emitted by the resolver
         with self._lock:
             ops, self._ops = self._ops, []
         self._emit_ops(ops)

@@ -1,22 +1,43 @@
-"""Wrap ``torch.distributed`` collectives and point-to-point calls into CCL records.
+"""Wrap ``torch.distributed`` collectives and point-to-point calls into CCL records, transparently.
 
-``instrument_distributed(exporter)`` replaces the module functions with thin
-wrappers (and returns a function that restores them). A wrapper names the
-group (``world`` or the folded ranks of the group, ``p2p:a>b`` for
-point-to-point), numbers the call within its group (the sequence number that
-lets the hang detector see who never entered collective n), counts the bytes,
-tells the exporter the op is in flight, calls the original, and records the
-exit. Async calls (``isend``, ``irecv``, ``batch_isend_irecv``, ``async_op=True``)
-record their exit when the returned work is waited on.
+``instrument_distributed(exporter)`` replaces the communication functions of
+``torch.distributed`` (and of ``torch.distributed.distributed_c10d``, where
+torch's own code looks them up) with wrappers, and returns a function that
+restores them. A wrapper names the group (``world``, ``ranks:0-3`` or
+``p2p:a>b``), numbers the call within its group (the sequence number that lets
+the hang detector see who never entered collective n), counts the bytes, tells
+the exporter the op is in flight, calls the original and records the exit.
+Async calls (``isend``, ``irecv``, ``batch_isend_irecv``, ``async_op=True``)
+record their exit when the returned work is waited on (or found completed).
 
-The wrappers add a few microseconds per call on the training thread and never
-raise anything of their own: a failing record is dropped, the collective's
-own result and exceptions pass through untouched.
+Transparency is the contract, because frameworks inspect these objects:
+- a wrapper compares equal to (and hashes like) the function it wraps, and the
+  module globals are replaced too, so ``P2POp(dist.isend, ...)``'s check
+  ``op in [isend, irecv]`` and ``batch_isend_irecv``'s ``op.op is isend`` hold
+  (``torch.distributed.pipelining`` and Megatron's batched p2p rely on both);
+- an async result is a ``torch.distributed.Work`` subclass that forwards
+  every call to the real work, so ``isinstance(w, dist.Work)`` holds;
+- a call made by a wrapped call (``all_gather_into_tensor`` calls
+  ``all_gather_single``) is not recorded twice;
+- nothing of ours is ever raised: a failing record is counted in
+  ``exporter.stats.errors``, logged once, and the collective's own result and
+  exceptions pass through untouched.
+
+``observer`` (optional) sees every recorded ``Call``: ``on_enter`` on the
+calling thread, ``on_exit`` where it completed, and ``on_blocked(call, ns)``
+for the time a thread spent blocked in it (a synchronous call, or ``wait()``).
+The automatic instrumentation uses it to turn pipeline transfers and
+data-parallel collectives into op spans, and to take the time a compute span
+spent waiting for other ranks out of its compute.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import logging
+import threading
+import time
 from typing import Any, Callable
 
 from ingest.exporter import RankExporter
@@ -24,9 +45,32 @@ from ingest.schema import fold_ranks
 
 log = logging.getLogger(__name__)
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_gather", "all_gather_into_tensor",
-               "broadcast", "barrier")
+# Every tensor collective of torch.distributed. The object collectives (all_gather_object, ...) are
+# not listed: they call these, and are recorded through them.
+COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "all_gather", "all_gather_coalesced",
+               "all_gather_single", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter",
+               "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast",
+               "barrier", "monitored_barrier")
 P2P = ("send", "recv", "isend", "irecv")
+
+
+@dataclasses.dataclass(slots=True)
+class Call:
+    """One recorded communication call, as the observer sees it."""
+
+    op: str
+    group: str
+    ranks: list[int]
+    seq: int
+    nbytes: int
+    peers: list[int]
+    enter_ns: int            # job clock
+    enter_perf_ns: int       # time.perf_counter_ns, for spans the observer cuts
+    tensor: Any = None       # the call's first tensor (observers match P2P ops by it)
+    is_p2p: bool = False
+    is_send: bool = False
+    is_async: bool = False
+    note: Any = None         # the observer's own state for this call
 
 
 def _nbytes(x: Any) -> int:
@@ -34,144 +78,287 @@ def _nbytes(x: Any) -> int:
         return sum(_nbytes(t) for t in x)
     try:
         return int(x.numel() * x.element_size())
-    except AttributeError:
+    except (AttributeError, TypeError, RuntimeError):
         return 0
 
 
-class _TimedWork:
-    """A distributed Work whose wait() records the exit of its op."""
-
-    def __init__(self, work, on_done: Callable[[], None]):
-        self._work = work
-        self._on_done = on_done
-        self._done = False
-
-    def wait(self, *args, **kwargs):
-        out = self._work.wait(*args, **kwargs)
-        if not self._done:
-            self._done = True
-            self._on_done()
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
+def _on_cpu(x: Any) -> bool:
+    if isinstance(x, (list, tuple)):
+        return bool(x) and _on_cpu(x[0])
+    return getattr(getattr(x, "device", None), "type", None) == "cpu"
 
 
-def instrument_distributed(exporter: RankExporter) -> Callable[[], None]:
-    """Wrap torch.distributed for ``exporter``; returns a function that undoes it."""
+class TracedFunction:
+    """Stands in for one torch.distributed function: calls ``impl``, compares equal to the original."""
+
+    def __init__(self, original: Callable, impl: Callable):
+        functools.update_wrapper(self, original)
+        self.__wrapped__ = original
+        self._impl = impl
+
+    def __call__(self, *args, **kwargs):
+        return self._impl(*args, **kwargs)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, TracedFunction):
+            return other.__wrapped__ is self.__wrapped__
+        return other is self.__wrapped__
+
+    def __hash__(self) -> int:
+        return hash(self.__wrapped__)
+
+    def __repr__(self) -> str:
+        return f"<traced {getattr(self.__wrapped__, '__name__', self.__wrapped__)!r}>"
+
+
+def _work_class():
     import torch.distributed as dist
 
+    class TimedWork(dist.Work):
+        """A ``dist.Work`` that forwards to the real one and records its op's exit once it is done.
+
+        Done is the first of: the work's future completing (CPU work, where the future is plain:
+        the real end of a send that nobody waits on at once), ``wait()`` returning, or
+        ``is_completed()`` saying so.
+        """
+
+        def __init__(self, work, on_done: Callable[[], None], cpu: bool = False,
+                     on_blocked: Callable[[int], None] | None = None):
+            super().__init__()
+            self._ss_work = work
+            self._ss_on_done = on_done
+            self._ss_on_blocked = on_blocked
+            self._ss_lock = threading.Lock()
+            if cpu:
+                try:
+                    work.get_future().add_done_callback(lambda _fut: self._ss_done())
+                except Exception:
+                    pass  # no future on this backend: wait() records the exit
+
+        def _ss_done(self) -> None:
+            with self._ss_lock:
+                cb, self._ss_on_done = self._ss_on_done, None
+            if cb is not None:
+                cb()
+
+        def wait(self, *args, **kwargs):
+            t0 = time.perf_counter_ns()
+            out = self._ss_work.wait(*args, **kwargs)
+            if self._ss_on_blocked is not None:
+                self._ss_on_blocked(time.perf_counter_ns() - t0)
+            self._ss_done()
+            return out
+
+        def is_completed(self):
+            done = self._ss_work.is_completed()
+            if done:
+                self._ss_done()
+            return done
+
+        def __getattribute__(self, name):
+            # Everything but our own members goes to the real work (Work's inherited methods would
+            # act on this empty shell otherwise).
+            if name.startswith("_ss_") or name in ("wait", "is_completed", "__class__", "__dict__"):
+                return object.__getattribute__(self, name)
+            return getattr(object.__getattribute__(self, "_ss_work"), name)
+
+    return TimedWork
+
+
+def _param_index(fn: Callable, name: str) -> int | None:
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index(name) if name in params else None
+
+
+def instrument_distributed(exporter: RankExporter, observer: Any = None) -> Callable[[], None]:
+    """Wrap torch.distributed for ``exporter``; returns a function that undoes it."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    TimedWork = _work_class()
     seqs: dict[str, int] = {}
     names: dict[Any, tuple[str, list[int]]] = {}
-    originals: dict[str, Callable] = {}
+    local = threading.local()  # .depth: >0 inside a wrapped call (its inner calls are not recorded)
+    local.depth = 0
+    warned: set[str] = set()
+    pending_batch: list | None = None  # done-callbacks of p2p ops coalesced into one batch (NCCL)
+
+    def failed(where: str, e: BaseException) -> None:
+        exporter.stats.errors += 1
+        if where not in warned:
+            warned.add(where)
+            log.warning("stragglerscope: %s failed, record dropped (logged once): %r", where, e)
 
     def group_of(group) -> tuple[str, list[int]]:
-        if group is None or group is dist.group.WORLD:
-            key = None
-        else:
-            key = group
-        if key not in names:
+        key = None if group is None or group is dist.group.WORLD else group
+        got = names.get(key)
+        if got is None:
             ranks = list(range(dist.get_world_size())) if key is None else list(dist.get_process_group_ranks(group))
-            names[key] = ("world" if key is None else f"ranks:{fold_ranks(ranks)}", ranks)
-        return names[key]
+            got = names[key] = ("world" if key is None else f"ranks:{fold_ranks(ranks)}", ranks)
+        return got
 
     def next_seq(name: str) -> int:
         seqs[name] = seqs.get(name, -1) + 1
         return seqs[name]
 
-    def wrap_collective(fname: str, orig: Callable) -> Callable:
-        @functools.wraps(orig)
-        def wrapper(*args, **kwargs):
+    def enter(call: Call) -> Call:
+        exporter.ccl_enter(call.op, call.group, call.ranks, call.seq)
+        if observer is not None:
+            observer.on_enter(call)
+        return call
+
+    def make_done(call: Call) -> Callable[[], None]:
+        def done():
             try:
-                gname, ranks = group_of(kwargs.get("group"))
-                seq = next_seq(gname)
-                nbytes = _nbytes(args[0]) if args else 0
-                me = dist.get_rank()
-                peers = [r for r in ranks if r != me]
-                enter = exporter.ccl_enter(fname, gname, ranks, seq)
-            except Exception as e:  # never in training's way
-                log.debug("ccl record skipped: %s", e)
-                return orig(*args, **kwargs)
+                exporter.ccl_exit(call.op, call.group, call.ranks, call.seq, call.enter_ns, call.nbytes, call.peers)
+                if observer is not None:
+                    observer.on_exit(call)
+            except Exception as e:
+                failed("recording a collective's exit", e)
+        return done
 
-            def done():
-                try:
-                    exporter.ccl_exit(fname, gname, ranks, seq, enter, nbytes, peers)
-                except Exception as e:
-                    log.debug("ccl exit skipped: %s", e)
-
-            out = orig(*args, **kwargs)
-            if kwargs.get("async_op") and out is not None:
-                return _TimedWork(out, done)
-            done()
+    def finish(call: Call | None, out: Any, is_async: bool) -> Any:
+        """Record ``call``'s exit now, or when its async work is done; returns what the caller gets."""
+        if call is None:
             return out
-        return wrapper
+        try:
+            done = make_done(call)
+            if not is_async:
+                done()
+                if observer is not None:
+                    observer.on_blocked(call, time.perf_counter_ns() - call.enter_perf_ns)
+                return out
+            if out is None:  # coalesced into a batch: its works complete the op
+                if pending_batch is not None:
+                    pending_batch.append(done)
+                else:
+                    done()
+                return out
+            blocked = None if observer is None else functools.partial(observer.on_blocked, call)
+            return TimedWork(out, done, cpu=_on_cpu(call.tensor), on_blocked=blocked)
+        except Exception as e:
+            failed("wrapping an async work", e)
+            return out
 
-    def wrap_p2p(fname: str, orig: Callable) -> Callable:
+    def run(orig: Callable, args, kwargs):
+        local.depth = getattr(local, "depth", 0) + 1
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            local.depth -= 1
+
+    def wrap_collective(fname: str, orig: Callable) -> TracedFunction:
+        g_idx = _param_index(orig, "group")
+        a_idx = _param_index(orig, "async_op")
+        # Where the op's payload is: the input tensor(s), which for the *_single/_into_tensor/_tensor
+        # forms and all_to_all is the second argument.
+        t_idx = 1 if fname in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+                               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "reduce_scatter",
+                               "all_gather", "all_gather_coalesced") else 0
+
+        def impl(*args, **kwargs):
+            if getattr(local, "depth", 0):
+                return orig(*args, **kwargs)
+            call = None
+            try:
+                group = kwargs.get("group", args[g_idx] if g_idx is not None and len(args) > g_idx else None)
+                is_async = bool(kwargs.get("async_op", args[a_idx] if a_idx is not None and len(args) > a_idx
+                                           else False))
+                gname, ranks = group_of(group)
+                tensor = args[t_idx] if len(args) > t_idx else None
+                me = dist.get_rank()
+                call = enter(Call(fname, gname, ranks, next_seq(gname), _nbytes(tensor),
+                                  [r for r in ranks if r != me], exporter.now_ns(), time.perf_counter_ns(), tensor,
+                                  is_async=is_async))
+            except Exception as e:  # never in training's way
+                failed(f"recording {fname}", e)
+                call, is_async = None, False
+            out = run(orig, args, kwargs)
+            return finish(call, out, is_async)
+        return TracedFunction(orig, impl)
+
+    def wrap_p2p(fname: str, orig: Callable) -> TracedFunction:
         is_send = fname in ("send", "isend")
         is_async = fname.startswith("i")
+        peer_arg, gpeer_arg = ("dst", "group_dst") if is_send else ("src", "group_src")
 
-        @functools.wraps(orig)
-        def wrapper(tensor, *args, **kwargs):
+        def impl(tensor, *args, **kwargs):
+            if getattr(local, "depth", 0):
+                return orig(tensor, *args, **kwargs)
+            call = None
             try:
-                peer = kwargs.get("dst" if is_send else "src", args[0] if args else None)
+                peer = kwargs.get(peer_arg, args[0] if args else None)
+                group = kwargs.get("group", args[1] if len(args) > 1 else None)
+                if peer is None and kwargs.get(gpeer_arg) is not None:
+                    peer = dist.get_global_rank(group, kwargs[gpeer_arg])
                 me = dist.get_rank()
                 a, b = (me, peer) if is_send else (peer, me)
                 gname = f"p2p:{a}>{b}"
-                seq = next_seq(gname + (":s" if is_send else ":r"))
-                enter = exporter.ccl_enter(fname, gname, [a, b], seq)
-                nbytes = _nbytes(tensor)
+                call = enter(Call(fname, gname, [a, b], next_seq(gname + (":s" if is_send else ":r")),
+                                  _nbytes(tensor), [peer], exporter.now_ns(), time.perf_counter_ns(), tensor,
+                                  is_p2p=True, is_send=is_send, is_async=is_async))
             except Exception as e:
-                log.debug("ccl record skipped: %s", e)
-                return orig(tensor, *args, **kwargs)
+                failed(f"recording {fname}", e)
+                call = None
+            out = run(orig, (tensor,) + args, kwargs)
+            return finish(call, out, is_async)
+        return TracedFunction(orig, impl)
 
-            def done():
-                try:
-                    exporter.ccl_exit(fname, gname, [a, b], seq, enter, nbytes, [peer])
-                except Exception as e:
-                    log.debug("ccl exit skipped: %s", e)
-
-            out = orig(tensor, *args, **kwargs)
-            if is_async and out is not None:
-                return _TimedWork(out, done)
-            done()
-            return out
-        return wrapper
-
+    originals: dict[str, Callable] = {}
+    wrappers: dict[str, TracedFunction] = {}
     for fname in COLLECTIVES + P2P:
-        orig = getattr(dist, fname, None)
-        if orig is None:
+        orig = getattr(c10d, fname, None)
+        if orig is None or isinstance(orig, TracedFunction):
             continue
         originals[fname] = orig
-        setattr(dist, fname, (wrap_p2p if fname in P2P else wrap_collective)(fname, orig))
+        wrappers[fname] = (wrap_p2p if fname in P2P else wrap_collective)(fname, orig)
 
-    orig_batch = getattr(dist, "batch_isend_irecv", None)
-    if orig_batch is not None:
-        originals["batch_isend_irecv"] = orig_batch
+    orig_batch = getattr(c10d, "batch_isend_irecv", None)
+    if orig_batch is not None and not isinstance(orig_batch, TracedFunction):
+        plain = {originals.get("isend"): wrappers.get("isend"), originals.get("irecv"): wrappers.get("irecv")}
 
-        @functools.wraps(orig_batch)
-        def batch_wrapper(p2p_op_list):
-            works = orig_batch(p2p_op_list)
+        def batch_impl(p2p_op_list):
+            # The ops inside are recorded by the isend/irecv wrappers (the batch calls op.op). An op
+            # built with a function captured before instrumentation is pointed at the wrapper, so
+            # the batch's own ``op.op is isend`` test holds.
+            nonlocal pending_batch
             try:
-                out = []
-                me = dist.get_rank()
-                for op, work in zip(p2p_op_list, works):
-                    is_send = getattr(op.op, "__name__", "").endswith("send")
-                    peer = op.peer
-                    a, b = (me, peer) if is_send else (peer, me)
-                    gname = f"p2p:{a}>{b}"
-                    seq = next_seq(gname + (":s" if is_send else ":r"))
-                    enter = exporter.ccl_enter("isend" if is_send else "irecv", gname, [a, b], seq)
-                    nbytes = _nbytes(op.tensor)
-                    out.append(_TimedWork(work, functools.partial(
-                        exporter.ccl_exit, "isend" if is_send else "irecv", gname, [a, b], seq, enter, nbytes,
-                        [peer])))
-                return out
+                for p in p2p_op_list:
+                    w = plain.get(getattr(p, "op", None))
+                    if w is not None:
+                        p.op = w
             except Exception as e:
-                log.debug("batch ccl records skipped: %s", e)
+                failed("batch_isend_irecv ops", e)
+            outer, pending_batch = pending_batch, []
+            try:
+                works = orig_batch(p2p_op_list)
+            finally:
+                coalesced, pending_batch = pending_batch, outer
+            if not coalesced:
                 return works
-        dist.batch_isend_irecv = batch_wrapper
+            try:  # NCCL-style coalescing: the batch's works complete every op in it
+                def all_done():
+                    for cb in coalesced:
+                        cb()
+                return [TimedWork(w, all_done) for w in works] if works else works
+            except Exception as e:
+                failed("wrapping batch works", e)
+                return works
+        originals["batch_isend_irecv"] = orig_batch
+        wrappers["batch_isend_irecv"] = TracedFunction(orig_batch, batch_impl)
+
+    for fname, w in wrappers.items():
+        setattr(c10d, fname, w)
+        if getattr(dist, fname, None) is originals[fname]:
+            setattr(dist, fname, w)
 
     def undo() -> None:
         for fname, orig in originals.items():
-            setattr(dist, fname, orig)
+            if getattr(c10d, fname, None) is wrappers[fname]:
+                setattr(c10d, fname, orig)
+            if getattr(dist, fname, None) is wrappers[fname]:
+                setattr(dist, fname, orig)
     return undo

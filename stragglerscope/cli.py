@@ -21,6 +21,7 @@ STRAGGLERSCOPE_<SECTION>_<KEY> environment variables override them):
 examples:
   stragglerscope demo                       # everything local, console on http://127.0.0.1:8501
   stragglerscope demo --headless --once     # analyse a demo fleet and exit
+  stragglerscope trace -- torchrun --nproc-per-node 4 train.py   # why is my job slow?
   stragglerscope sql fleet_summary --format json
   stragglerscope whatif trace.parquet --meta meta.yaml --json out.json
   stragglerscope run --config prod.toml     # against real Kafka, ClickHouse and Ray
@@ -36,7 +37,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     errs: list[type[BaseException]] = [CLIError, config_mod.ConfigError, FileNotFoundError, PermissionError]
     for mod, name in (("ingest.broker", "BrokerError"), ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
                       ("stragglerscope.replay", "ReplayError"), ("stragglerscope.advise", "AdviseError"),
-                      ("analyzers.whatif", "WhatIfInputError"), ("ingest.schema", "DecodeError")):
+                      ("analyzers.whatif", "WhatIfInputError"), ("ingest.schema", "DecodeError"),
+                      ("stragglerscope.trace", "TraceError")):
         try:
             errs.append(getattr(__import__(mod, fromlist=[name]), name))
         except (ImportError, AttributeError):
@@ -74,6 +76,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--headless", action="store_true", help="do not start the console")
     p.add_argument("--once", action="store_true", help="exit as soon as every window is stored")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the analysis (default 600)")
+
+    p = sub.add_parser("trace", help="run an unchanged training command instrumented, then print its diagnosis",
+                       description="Run COMMAND (torchrun ..., python train.py ...) so that every Python process "
+                                   "it starts that initialises torch.distributed is instrumented with no change "
+                                   "to its code: steps, forward/backward per microbatch, pipeline transfers, "
+                                   "collectives, optimizer, GC pauses, checkpoints, heartbeats. With "
+                                   "kafka.bootstrap configured the records only go there; otherwise the broker, "
+                                   "store and pipeline run locally for the duration, and the job's diagnosis "
+                                   "(S per window, verdicts, top workers, wasted GPU-hours) is printed when "
+                                   "COMMAND exits. The exit code is COMMAND's.",
+                       epilog="example: stragglerscope trace --layout dp=2,pp=2 -- torchrun --nproc-per-node 4 train.py",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config(p)
+    p.add_argument("--job-id", help="job id (default: the script name and the UTC time)")
+    p.add_argument("--layout", default="", metavar="dp=D,pp=P,tp=T",
+                   help="parallel sizes the framework does not report (pipeline stages and chunks are read from "
+                        "torch.distributed.pipelining; data parallel is what the world leaves)")
+    p.add_argument("--sample", default="10/100", metavar="K/N",
+                   help="profile K consecutive steps of every N (default 10/100); each K steps are one window")
+    p.add_argument("--attempt", type=int, default=0, help="job attempt, for a restarted job (default 0)")
+    p.add_argument("--heartbeat-s", type=float, default=5.0, help="seconds between heartbeats (default 5)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds to wait for the analysis after COMMAND exits (default 300)")
+    p.add_argument("child", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]")
 
     p = sub.add_parser("run", help="run the pipeline against the configured Kafka, store and Ray",
                        description="Consume the configured Kafka, analyse with shard actors on the configured "
@@ -211,6 +237,15 @@ def _dispatch(args: argparse.Namespace) -> int:
                            max_gpus=args.max_gpus, seed=args.seed, headless=args.headless, once=args.once,
                            timeout_s=args.timeout)
         return run_demo(cfg, opts)
+    if cmd == "trace":
+        from stragglerscope.trace import TraceOptions, run_trace
+
+        command = args.child[1:] if args.child[:1] == ["--"] else args.child
+        if args.attempt < 0 or args.heartbeat_s <= 0 or args.timeout <= 0:
+            raise CLIError("--attempt must be >= 0, --heartbeat-s and --timeout > 0")
+        return run_trace(cfg, TraceOptions(command=command, job_id=args.job_id or "", layout=args.layout,
+                                           sample=args.sample, attempt=args.attempt, timeout_s=args.timeout,
+                                           heartbeat_s=args.heartbeat_s))
     if cmd == "run":
         from stragglerscope.service import run_service
 

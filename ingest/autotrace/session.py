@@ -1,0 +1,276 @@
+"""One traced training process: settings, the moment of instrumentation, the exporter's life.
+
+``instrument(...)`` (or ``arm_from_env()``, what ``stragglerscope trace``'s
+``sitecustomize`` calls) wraps ``torch.distributed.init_process_group``. When
+the process initialises torch.distributed, a ``TraceSession`` starts: its
+producer (never blocking, spooling on a broker outage), its ``RankExporter``,
+the wrapped collectives and the framework hooks (``ingest.autotrace.tracer``).
+At exit it flushes and writes a small report for the launcher. A process that
+never initialises torch.distributed (the ``torchrun`` agent, data workers) is
+left alone.
+
+Settings come from keyword arguments or from ``STRAGGLERSCOPE_TRACE_*``
+environment variables, which every child process inherits.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import re
+import sys
+import threading
+from pathlib import Path
+
+from ingest.exporter import Sampling
+from ingest.schema import JobLayout
+
+log = logging.getLogger(__name__)
+
+ENV = "STRAGGLERSCOPE_TRACE"
+_LAYOUT_KEYS = {"dp": "dp_size", "pp": "pp_size", "tp": "tp_size", "cp": "cp_size", "vpp": "vpp_size"}
+
+
+class SettingsError(ValueError):
+    """A --layout, --sample or other trace setting that cannot be used."""
+
+
+def parse_layout(text: str) -> dict[str, int]:
+    """``dp=2,pp=2,tp=1`` -> {'dp_size': 2, 'pp_size': 2, 'tp_size': 1}; only the sizes named."""
+    out: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = re.fullmatch(r"(dp|pp|tp|cp|vpp)\s*=\s*(\d+)", part)
+        if not m or int(m.group(2)) < 1:
+            raise SettingsError(f"bad layout item {part!r}: want NAME=N with NAME in dp, pp, tp, cp, vpp and N >= 1")
+        out[_LAYOUT_KEYS[m.group(1)]] = int(m.group(2))
+    return out
+
+
+def parse_sample(text: str) -> Sampling:
+    """``K/N``: profile K consecutive steps out of every N."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not m:
+        raise SettingsError(f"bad sampling {text!r}: want K/N, e.g. 10/100")
+    try:
+        return Sampling(int(m.group(1)), int(m.group(2)))
+    except ValueError as e:
+        raise SettingsError(f"bad sampling {text!r}: {e}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceSettings:
+    job_id: str
+    bootstrap: str
+    layout: dict[str, int] = dataclasses.field(default_factory=dict)  # only the sizes the user named
+    sampling: Sampling = Sampling()
+    attempt: int = 0
+    spool_dir: str = ""
+    run_dir: str = ""          # where each rank writes its report at exit (the launcher reads them)
+    heartbeat_s: float = 5.0
+    hang_dump_s: float = 60.0
+    team: str = ""
+    model: str = ""
+
+    def to_env(self) -> dict[str, str]:
+        layout = ",".join(f"{k}={self.layout[v]}" for k, v in _LAYOUT_KEYS.items() if v in self.layout)
+        return {ENV: "1", f"{ENV}_JOB_ID": self.job_id, f"{ENV}_BOOTSTRAP": self.bootstrap,
+                f"{ENV}_LAYOUT": layout,
+                f"{ENV}_SAMPLE": f"{self.sampling.profile_steps}/{self.sampling.every}",
+                f"{ENV}_ATTEMPT": str(self.attempt), f"{ENV}_SPOOL_DIR": self.spool_dir,
+                f"{ENV}_RUN_DIR": self.run_dir, f"{ENV}_HEARTBEAT_S": str(self.heartbeat_s),
+                f"{ENV}_HANG_DUMP_S": str(self.hang_dump_s), f"{ENV}_TEAM": self.team, f"{ENV}_MODEL": self.model}
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "TraceSettings":
+        def get(key: str, default: str = "") -> str:
+            return env.get(f"{ENV}_{key}", default) or default
+        if not get("JOB_ID") or not get("BOOTSTRAP"):
+            raise SettingsError(f"{ENV}_JOB_ID and {ENV}_BOOTSTRAP must be set")
+        return cls(job_id=get("JOB_ID"), bootstrap=get("BOOTSTRAP"), layout=parse_layout(get("LAYOUT")),
+                   sampling=parse_sample(get("SAMPLE", "10/100")), attempt=int(get("ATTEMPT", "0")),
+                   spool_dir=get("SPOOL_DIR"), run_dir=get("RUN_DIR"), heartbeat_s=float(get("HEARTBEAT_S", "5")),
+                   hang_dump_s=float(get("HANG_DUMP_S", "60")), team=get("TEAM"), model=get("MODEL"))
+
+
+_armed: TraceSettings | None = None
+_session: "TraceSession | None" = None
+_lock = threading.Lock()
+
+
+def current() -> "TraceSession | None":
+    """The running session of this process, if torch.distributed was initialised under instrumentation."""
+    return _session
+
+
+def arm_from_env() -> None:
+    """Called by the ``sitecustomize`` of ``stragglerscope trace``: arm with the inherited settings."""
+    arm(TraceSettings.from_env())
+
+
+def arm(settings: TraceSettings) -> None:
+    """Instrument this process once it initialises torch.distributed (now, if it already has)."""
+    global _armed
+    _armed = settings
+    from ingest.autotrace.imports import when_imported
+
+    when_imported("torch.distributed.distributed_c10d", _patch_init)
+    # DeviceMesh captured init_process_group by name when it was imported.
+    when_imported("torch.distributed.device_mesh", _patch_init)
+
+
+def _patch_init(module) -> None:
+    orig = getattr(module, "init_process_group", None)
+    if orig is None or getattr(orig, "_stragglerscope", False):
+        return
+
+    def init_process_group(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        _start()
+        return out
+    init_process_group.__wrapped__ = orig
+    init_process_group.__doc__ = orig.__doc__
+    init_process_group._stragglerscope = True
+    module.init_process_group = init_process_group
+    if module.__name__ == "torch.distributed.distributed_c10d":
+        # torch.distributed may still be importing (it imports distributed_c10d): it copies the
+        # patched name from here; when it is done, it is patched too, in case it was not.
+        import sys as _sys
+
+        dist = _sys.modules.get("torch.distributed")
+        if dist is not None and getattr(dist, "init_process_group", None) is orig:
+            dist.init_process_group = init_process_group
+        if module.is_initialized():
+            _start()
+
+
+def _start() -> None:
+    """Start this process's session (once); never raises into training."""
+    global _session
+    with _lock:
+        if _session is not None or _armed is None:
+            return
+        try:
+            _session = TraceSession(_armed)
+        except Exception as e:
+            print(f"stragglerscope trace: instrumentation disabled in rank process {os.getpid()}: {e!r}",
+                  file=sys.stderr)
+
+
+def instrument(job_id: str, bootstrap: str, *, layout: str | dict | None = None, sample: str | Sampling = "10/100",
+               attempt: int = 0, spool_dir: str = "", team: str = "", model: str = "") -> None:
+    """Instrument this training process with no other change to its code (the one-call API).
+
+    Call it before or after ``torch.distributed.init_process_group``. Steps,
+    forward and backward per microbatch, pipeline transfers, collectives,
+    optimizer, GC pauses and checkpoints are then recorded as
+    ``stragglerscope trace`` records them, and exported to ``bootstrap``.
+    """
+    lay = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
+    sampling = parse_sample(sample) if isinstance(sample, str) else sample
+    arm(TraceSettings(job_id=job_id, bootstrap=bootstrap, layout=lay, sampling=sampling, attempt=attempt,
+                      spool_dir=spool_dir, team=team, model=model))
+
+
+class TraceSession:
+    """Producer, exporter and hooks of one rank; closed at interpreter exit."""
+
+    def __init__(self, settings: TraceSettings):
+        import torch.distributed as dist
+
+        from ingest.autotrace.tracer import Tracer
+        from ingest.exporter import RankExporter, estimate_clock_offset
+        from ingest.producer import TelemetryProducer
+        from ingest.torch_ccl import instrument_distributed
+
+        self.settings = settings
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.layout = resolve_layout(settings.layout, self.world)
+        dp_rank, pp_rank = coords_of(self.rank, self.layout)
+        spool = os.path.join(settings.spool_dir, f"rank{self.rank}") if settings.spool_dir else None
+        self.producer = TelemetryProducer(settings.bootstrap, client_id=f"trace-{settings.job_id}-{self.rank}",
+                                          spool_dir=spool)
+        self.exporter = RankExporter(settings.job_id, self.rank, dp_rank, pp_rank, self.producer.send,
+                                     attempt=settings.attempt, sampling=settings.sampling,
+                                     heartbeat_s=settings.heartbeat_s, hang_dump_s=settings.hang_dump_s)
+        if dist.get_backend() == "gloo":
+            # Every rank is inside init_process_group now, so a collective here cannot deadlock. With a GPU
+            # backend this would touch a device the script may not have chosen yet: clocks stay as they are.
+            estimate_clock_offset(self.exporter)
+        self.tracer = Tracer(self)
+        self.undo_ccl = instrument_distributed(self.exporter, observer=self.tracer)
+        self.tracer.install()
+        self.warnings: list[str] = []
+        self._closed = False
+        # Flush before the Kafka client's own atexit handler closes it: threading's exit hooks run
+        # before atexit's.
+        register = getattr(threading, "_register_atexit", atexit.register)
+        try:
+            register(self.close)
+        except RuntimeError:  # interpreter already shutting down
+            atexit.register(self.close)
+
+    def warn(self, msg: str) -> None:
+        """A clear line in the trace log, once per message; never an exception in training."""
+        if msg not in self.warnings:
+            self.warnings.append(msg)
+            print(f"stragglerscope trace: rank {self.rank}: warning: {msg}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.tracer.close()
+            self.exporter.close()
+            self.producer.close(30)
+        except Exception as e:
+            print(f"stragglerscope trace: rank {self.rank}: flushing failed: {e!r}", file=sys.stderr)
+        self._write_report()
+
+    def _write_report(self) -> None:
+        if not self.settings.run_dir:
+            return
+        st = self.producer.stats
+        report = dict(rank=self.rank, world=self.world, job_id=self.settings.job_id, attempt=self.settings.attempt,
+                      windows=sorted(self.tracer.windows), steps=self.tracer.step, layout=dataclasses.asdict(self.layout),
+                      records_sent=st.records_sent, records_dropped=st.records_dropped,
+                      records_spooled=self.producer.spooled, errors=self.exporter.stats.errors,
+                      warnings=self.warnings)
+        try:
+            path = Path(self.settings.run_dir) / f"rank{self.rank}.json"
+            path.write_text(json.dumps(report))
+        except OSError as e:
+            print(f"stragglerscope trace: rank {self.rank}: cannot write its report: {e}", file=sys.stderr)
+
+
+def resolve_layout(named: dict[str, int], world: int, pp: int | None = None, vpp: int | None = None) -> JobLayout:
+    """The job's layout from what the user named and what the framework reports (``pp``, ``vpp``).
+
+    Data parallel is whatever the world leaves over. A contradiction raises
+    SettingsError; the caller turns it into a warning and keeps the framework's word.
+    """
+    sizes = dict(named)
+    if pp is not None:
+        if "pp_size" in sizes and sizes["pp_size"] != pp:
+            raise SettingsError(f"--layout says pp={sizes['pp_size']} but the pipeline stages report pp={pp}")
+        sizes["pp_size"] = pp
+    if vpp is not None:
+        if "vpp_size" in sizes and sizes["vpp_size"] != vpp:
+            raise SettingsError(f"--layout says vpp={sizes['vpp_size']} but the schedule runs {vpp} stages per rank")
+        sizes["vpp_size"] = vpp
+    rest = sizes.get("pp_size", 1) * sizes.get("tp_size", 1) * sizes.get("cp_size", 1)
+    if "dp_size" not in sizes:
+        sizes["dp_size"] = max(1, world // rest)
+    lay = JobLayout(**{k: sizes.get(k, 1) for k in ("dp_size", "pp_size", "tp_size", "cp_size", "vpp_size")})
+    if lay.world_size != world:
+        raise SettingsError(f"layout dp={lay.dp_size} pp={lay.pp_size} tp={lay.tp_size} cp={lay.cp_size} "
+                            f"is {lay.world_size} ranks, but the job has {world}")
+    return lay
+
+
+def coords_of(rank: int, layout: JobLayout) -> tuple[int, int]:
+    """(dp_rank, pp_rank) of a global rank in Megatron's order: TP fastest, then CP, DP, PP slowest."""
+    inner = layout.tp_size * layout.cp_size
+    return (rank // inner) % layout.dp_size, rank // (inner * layout.dp_size)

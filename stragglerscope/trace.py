@@ -1,0 +1,194 @@
+"""`stragglerscope trace -- COMMAND`: diagnose an unchanged training job.
+
+COMMAND (``torchrun ...``, ``python train.py ...``) runs with a
+``sitecustomize`` on its PYTHONPATH that arms the automatic instrumentation
+(``ingest.autotrace``) in every Python process it starts; a process is
+instrumented when it initialises ``torch.distributed``. With ``kafka.bootstrap``
+configured the records go there and the fleet's pipeline does the rest.
+Without one (the embedded default) this command starts the broker, the store
+and the pipeline for the duration of the run, like ``demo``, and when COMMAND
+exits prints the job's diagnosis. Its exit code is COMMAND's.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from stragglerscope.config import Config
+
+BOOT_DIR = Path(__file__).resolve().parent.parent / "ingest" / "autotrace" / "boot"
+ROOT = BOOT_DIR.parent.parent.parent
+
+
+class TraceError(Exception):
+    """Bad input to `trace` (printed as one line, exit code 2)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceOptions:
+    command: list[str]
+    job_id: str = ""
+    layout: str = ""
+    sample: str = "10/100"
+    attempt: int = 0
+    timeout_s: float = 300.0
+    heartbeat_s: float = 5.0
+
+
+def default_job_id(command: list[str], now: float | None = None) -> str:
+    """A readable, unique id: the script's name and the UTC time."""
+    script = next((Path(a).stem for a in command if a.endswith(".py")), Path(command[0]).name)
+    script = re.sub(r"[^A-Za-z0-9_.-]", "-", script)[:40] or "job"
+    return f"{script}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime(now))}"
+
+
+def child_env(settings_env: dict[str, str], base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment COMMAND runs with: our sitecustomize and this checkout first on PYTHONPATH."""
+    env = dict(os.environ if base is None else base)
+    path = [str(BOOT_DIR), str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(path)
+    env.update(settings_env)
+    return env
+
+
+def run_trace(cfg: Config, opts: TraceOptions) -> int:
+    from ingest.autotrace.session import SettingsError, TraceSettings, parse_layout, parse_sample
+    from stragglerscope.service import say
+
+    if not opts.command:
+        raise TraceError("give the command to run after --, e.g. stragglerscope trace -- torchrun ... train.py")
+    try:
+        layout = parse_layout(opts.layout)
+        sampling = parse_sample(opts.sample)
+    except SettingsError as e:
+        raise TraceError(str(e)) from None
+    job_id = opts.job_id or default_job_id(opts.command)
+    if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,128}", job_id):
+        raise TraceError(f"--job-id {job_id!r}: use 1-128 letters, digits and _ . : @ -")
+
+    with contextlib.ExitStack() as stack:
+        run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="ss-trace-"))
+        embedded = not cfg.kafka.bootstrap
+        svc = None
+        if embedded:
+            from stragglerscope.service import start_services
+
+            svc = start_services(cfg, stack)
+            bootstrap = svc.cfg.kafka.bootstrap
+        else:
+            from ingest.broker import check_reachable
+
+            check_reachable(cfg.kafka.bootstrap)
+            bootstrap = cfg.kafka.bootstrap
+        spool = os.path.join(run_dir, "spool") if embedded else os.path.join(
+            tempfile.gettempdir(), f"stragglerscope-spool-{job_id}")
+        settings = TraceSettings(job_id=job_id, bootstrap=bootstrap, layout=layout, sampling=sampling,
+                                 attempt=opts.attempt, spool_dir=spool, run_dir=run_dir,
+                                 heartbeat_s=opts.heartbeat_s)
+        say(f"trace      job {job_id}, profiling {sampling.profile_steps} of every {sampling.every} steps; "
+            f"running: {' '.join(opts.command)}")
+        t0 = time.monotonic()
+        code = _run_child(opts.command, child_env(settings.to_env()))
+        reports = _read_reports(run_dir)
+        say(f"trace      command exited with {code} after {time.monotonic() - t0:.1f} s; "
+            f"{len(reports)} rank(s) instrumented")
+        if not reports:
+            say("trace      no process initialised torch.distributed: nothing was recorded")
+            return code
+        for w in sorted({w for r in reports for w in r.get("warnings", [])}):
+            say(f"trace      warning: {w}")
+        sent = sum(r["records_sent"] for r in reports)
+        dropped = sum(r["records_dropped"] for r in reports)
+        say(f"trace      {sent:,} records sent{f', {dropped:,} DROPPED' if dropped else ''}"
+            f"{', instrumentation errors: ' + str(sum(r['errors'] for r in reports)) if any(r['errors'] for r in reports) else ''}")
+        windows = sorted({w for r in reports for w in r["windows"]})
+        if not embedded:
+            say(f"trace      records are in {bootstrap}; the fleet's pipeline analyses them "
+                f"(stragglerscope sql job_windows --param job_id={job_id})")
+            return code
+        from stragglerscope.service import wait_stored
+
+        keys = [(job_id, opts.attempt, w) for w in windows]
+        pending = wait_stored(svc, keys, opts.timeout_s) if keys else set()
+        if pending:
+            say(f"trace      {len(pending)} of {len(keys)} windows were not analysed within {opts.timeout_s:.0f} s")
+        print(summarize(svc.store, job_id, opts.attempt, reports), flush=True)
+        say(f"console    stragglerscope console --store {cfg.store.url}   (then open job {job_id})")
+    return code
+
+
+def _run_child(command: list[str], env: dict[str, str]) -> int:
+    """Run COMMAND in its own process group; Ctrl-C and SIGTERM are passed on, not taken by us."""
+    try:
+        proc = subprocess.Popen(command, env=env, start_new_session=True)
+    except FileNotFoundError:
+        raise TraceError(f"command not found: {command[0]}") from None
+    except PermissionError:
+        raise TraceError(f"command not executable: {command[0]}") from None
+
+    def forward(signum, _frame):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return code if code >= 0 else 128 - code  # killed by signal N: the shell's 128 + N
+
+
+def _read_reports(run_dir: str) -> list[dict]:
+    out = []
+    for p in sorted(Path(run_dir).glob("rank*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            out.append(json.loads(p.read_text()))
+    return out
+
+
+def summarize(store, job_id: str, attempt: int, reports: list[dict]) -> str:
+    """The job's diagnosis, for a terminal: S per window, verdicts with evidence, top workers, waste, hangs."""
+    lay = reports[0]["layout"]
+    lines = [f"\n== stragglerscope: job {job_id} (attempt {attempt}) ==",
+             f"{len(reports)} ranks, layout dp={lay['dp_size']} pp={lay['pp_size']} tp={lay['tp_size']} "
+             f"cp={lay['cp_size']} vpp={lay['vpp_size']}; {max(r['steps'] for r in reports)} steps"]
+    wins = [w for w in store.run_named("job_windows", {"job_id": job_id}).to_pylist() if w["attempt"] == attempt]
+    if not wins:
+        lines.append("no window was analysed (were any steps profiled? see --sample)")
+    wasted = total = 0.0
+    for w in sorted(wins, key=lambda r: r["window_id"]):
+        wasted += w["wasted_gpu_hours"] or 0.0
+        total += w["gpu_hours"] or 0.0
+        state = "complete" if w["complete"] else "INCOMPLETE"
+        lines.append(f"\nwindow {w['window_id']} (steps {w['first_step']}-{w['last_step']}, {state}): "
+                     f"S = {w['slowdown']:.3f}, waste {100 * (w['waste_fraction'] or 0):.1f}%, "
+                     f"step {w['step_time_actual']:.3f} s actual vs {w['step_time_ideal']:.3f} s ideal "
+                     f"(fidelity {w['launch_slowdown']:.3f})")
+        verdicts = json.loads(w["verdicts_json"] or "[]")
+        for v in verdicts[:3]:
+            lines.append(f"  verdict  {v.get('kind')} (score {v.get('score')}): {v.get('summary', '')}")
+        if not verdicts:
+            lines.append("  verdict  none: no significant straggling")
+        workers = store.run_named("job_workers", {"job_id": job_id, "window_id": w["window_id"],
+                                                  "attempt": attempt}).to_pylist()
+        top = sorted(workers, key=lambda r: -(r.get("slowdown") or 0))[:3]
+        if top:
+            lines.append("  top workers  " + ", ".join(
+                f"dp {r['dp_rank']} pp {r['pp_rank']} (S_w {r['slowdown']:.3f})" for r in top))
+        if w["note"] and not w["complete"]:
+            lines.append(f"  note     {w['note'][:200]}")
+    if wins:
+        lines.append(f"\nwasted {wasted:.6f} of {total:.6f} GPU-hours in the analysed windows")
+    hangs = store.run_named("job_hangs", {"job_id": job_id}).to_pylist()
+    for h in hangs[:3]:
+        lines.append(f"hang: {h.get('kind')} {h.get('summary', '')}".rstrip())
+    return "\n".join(lines)
