@@ -247,6 +247,9 @@ def instrument_distributed(exporter: RankExporter, observer: Any = None) -> Call
         local.depth = getattr(local, "depth", 0) + 1
         try:
             return orig(*args, **kwargs)
+        except BaseException:
+            exporter._inflight = None  # torch raised: the call is not in flight (nor recorded as done)
+            raise
         finally:
             local.depth -= 1
 

@@ -121,7 +121,11 @@ def run_trace(cfg: Config, opts: TraceOptions) -> int:
         pending = wait_stored(svc, keys, opts.timeout_s) if keys else set()
         if pending:
             say(f"trace      {len(pending)} of {len(keys)} windows were not analysed within {opts.timeout_s:.0f} s")
-        print(summarize(svc.store, job_id, opts.attempt, reports), flush=True)
+        try:
+            print(summarize(svc.store, job_id, opts.attempt, reports), flush=True)
+        except Exception as e:  # the training's exit code matters more than our summary
+            say(f"trace      error: could not summarise the job: {e!r}; "
+                f"see stragglerscope sql job_windows --param job_id={job_id}")
         say(f"console    stragglerscope console --store {cfg.store.url}   (then open job {job_id})")
     return code
 
@@ -180,10 +184,10 @@ def summarize(store, job_id: str, attempt: int, reports: list[dict]) -> str:
             lines.append("  verdict  none: no significant straggling")
         workers = store.run_named("job_workers", {"job_id": job_id, "window_id": w["window_id"],
                                                   "attempt": attempt}).to_pylist()
-        top = sorted(workers, key=lambda r: -(r.get("slowdown") or 0))[:3]
+        top = sorted(workers, key=lambda r: -(r.get("s_w") or 0))[:3]
         if top:
             lines.append("  top workers  " + ", ".join(
-                f"dp {r['dp_rank']} pp {r['pp_rank']} (S_w {r['slowdown']:.3f})" for r in top))
+                f"dp {r['dp_rank']} pp {r['pp_rank']} (S_w {r['s_w']:.3f})" for r in top))
         if w["note"] and not w["complete"]:
             lines.append(f"  note     {w['note'][:200]}")
     if wins:

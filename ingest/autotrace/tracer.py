@@ -77,6 +77,7 @@ class Tracer:
         self._gc_start = 0
         self.gc_pause: tuple[int, int] | None = None  # (first pause start, total pause) in this step
         self.after_backward = False                     # a backward ended and no forward began since
+        self.gc_done = False                            # this step's gc op is recorded
         self._span: tuple = (None, 0)
         self._span_module = None
         self._opt_token = None
@@ -103,7 +104,7 @@ class Tracer:
             self.open = True
             self.saw_optimizer_in_step = False
             self.fwd_in_step = self.bwd_in_step = 0
-            self.gc_pause, self.after_backward = None, False
+            self.gc_pause, self.after_backward, self.gc_done = None, False, False
             self.exp.start_step(self.step)
             if self.exp.profiling:
                 self.windows.add(self.exp._window)
@@ -403,10 +404,17 @@ class Tracer:
             self._failed("gc callback", e)
 
     def _emit_gc(self) -> None:
+        """The step's ``gc`` op, empty when nothing was collected: every worker has one, as in the
+        paper's traces, so the ideal (the mean over workers) sees one rank's pauses as its straggling."""
+        if not self.exp.profiling or self.gc_done:
+            return
+        self.gc_done = True
         if self.gc_pause is not None:
             first, total = self.gc_pause
-            self.gc_pause = None
-            self.exp.record_op("gc", first, first + total)
+        else:  # empty, where the model puts it: right after the last compute op
+            first, total = self.last_compute_end or time.perf_counter_ns(), 0
+        self.gc_pause = None
+        self.exp.record_op("gc", first, first + total)
 
     # -- torch.distributed.pipelining -------------------------------------------
     def _patch_stage(self, stage_mod) -> None:

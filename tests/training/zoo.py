@@ -6,7 +6,7 @@ Frameworks: ``pipelining`` (torch.distributed.pipelining, Schedule1F1B, DP x PP
 with a hand-written gradient all-reduce over the DP group), ``interleaved``
 (ScheduleInterleaved1F1B, 2 stages per rank), ``gpipe`` (ScheduleGPipe),
 ``ddp`` (DistributedDataParallel), ``fsdp`` (FSDP2 ``fully_shard``) and
-``plain`` (a loop with a manual all_reduce of each gradient).
+``plain`` (a loop with a manual all_reduce of the flattened gradients).
 
 Accelerator time is simulated with sleeps inside the compute (a layer whose
 forward sleeps ``--gpu-ms`` and backward twice that), so the shared 2 cores do
@@ -184,9 +184,14 @@ def main() -> int:
             loss.backward()
             after_backward(params)
             if args.framework == "plain":
+                # One bucket, as hand-written loops (and DDP) do: a flat copy of every gradient.
+                flat = torch.cat([prm.grad.reshape(-1) for prm in params])
+                dist.all_reduce(flat)
+                flat /= world
+                off = 0
                 for prm in params:
-                    dist.all_reduce(prm.grad)
-                    prm.grad /= world
+                    prm.grad.copy_(flat[off:off + prm.numel()].view_as(prm))
+                    off += prm.numel()
             opt.step()
             opt.zero_grad(set_to_none=False)
             step_times.append(time.perf_counter() - t0)
