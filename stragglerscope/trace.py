@@ -23,10 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import ingest.autotrace
 from stragglerscope.config import Config
 
-BOOT_DIR = Path(__file__).resolve().parent.parent / "ingest" / "autotrace" / "boot"
-ROOT = BOOT_DIR.parent.parent.parent
+# The children need our sitecustomize, and the folder holding our packages (a source checkout is not on
+# their path otherwise).
+BOOT_DIR = Path(ingest.autotrace.__file__).resolve().parent / "boot"
+ROOT = BOOT_DIR.parents[2]
 
 
 class TraceError(Exception):

@@ -9,20 +9,24 @@ What is recorded, and where it comes from (op types of WHATIF.md):
 - **forward-/backward-compute**: from ``torch.distributed.pipelining`` stages
   (``forward_one_chunk`` / ``backward_one_chunk``: microbatch and model chunk
   from the schedule), else from the outermost module call (global forward
-  hooks: plain loops, DDP, FSDP2) and ``torch.autograd.backward``. A
-  data-parallel wrapper's gradient sync inside backward is split off as
-  ``grads-reduce-scatter``: backward-compute ends when the last gradient is
-  ready (post-accumulate-grad hooks) or the last nested reduction is issued;
-  the wait after it is communication. Nested all-gathers inside a forward
-  (FSDP2) become a leading ``params-all-gather``.
+  hooks: plain loops, DDP, FSDP2) and ``torch.autograd.backward``. Time a
+  compute span spends blocked waiting for other ranks (a collective or a
+  ``wait()`` inside it; for DDP, whose wait is in C++, the time after the last
+  gradient was ready) is communication, split off as a leading
+  ``params-all-gather`` (a forward: FSDP2's all-gathers) or a trailing
+  ``grads-reduce-scatter`` (a backward: DDP's and FSDP2's gradient reduction).
 - **pipeline transfers**: the stage's own P2P ops (``get_fwd_recv_ops`` ...)
   are tagged, and their isend/irecv calls become forward-/backward-send/-recv
-  spans from the call to the wait.
+  spans. A receive ends when its wait returns and, posted early, starts when
+  the compute before its consumer ended; an async send ends when the rank
+  moves on (gloo says nothing of a send's completion before its wait, which
+  schedules do late): the receiver's span carries the transfer.
 - **data-parallel collectives** called outside compute (a hand-written
   gradient all-reduce): a reduction over a group orthogonal to the pipeline is
   ``grads-reduce-scatter``, over the whole world of a pipelined job
   ``optimizer-clip-main-grad``, a gather ``params-all-gather``.
-- **optimizer**, **gc** (``gc.callbacks``, pauses outside compute spans) and
+- **optimizer**, **gc** (``gc.callbacks``: one op per step, the pauses between
+  the last backward and the optimizer, empty when there were none) and
   **checkpoints** (``torch.distributed.checkpoint`` save and load).
 
 Every hook is guarded: an error in here is counted, logged once and never
@@ -36,6 +40,7 @@ import logging
 import threading
 import time
 import weakref
+
 from ingest.torch_ccl import Call
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,74 @@
+"""Accuracy of `stragglerscope trace` on unchanged jobs, three slowdown levels per framework (issue 17).
+
+    .venv/bin/python benchmarks/trace_accuracy.py [--frameworks pipelining,interleaved,ddp,fsdp,plain]
+
+For each framework and delay level d (aimed near 1.2x, 1.5x and 2x the
+normal step): rank 0 slowed by d in every forward and backward, and the control
+with d / W on every rank, both armed as `stragglerscope trace` arms them. The
+what-if analysis of the steady window (steps 8-13) gives S; the ratio of the
+measured step times slowed / control is what S should be. Prints S, the
+ratio, their error, the top worker and the simulation fidelity.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import uuid
+
+from traced_runs import read_ops, run
+
+from ingest import schema as S
+from ingest.broker import LocalBroker, ensure_topics
+
+# framework -> (ranks, layout, zoo arguments, three delays in ms)
+CASES = {
+    "pipelining": (4, S.JobLayout(2, 2), ["--gpu-ms", "10"], (6, 15, 30)),
+    "interleaved": (4, S.JobLayout(2, 2, vpp_size=2), ["--gpu-ms", "10"], (4, 8, 16)),
+    "ddp": (4, S.JobLayout(4, 1), ["--gpu-ms", "40"], (12, 32, 64)),
+    "fsdp": (2, S.JobLayout(2, 1), ["--gpu-ms", "40"], (16, 40, 80)),
+    "plain": (4, S.JobLayout(4, 1), ["--gpu-ms", "40"], (12, 32, 64)),
+}
+
+
+def main() -> None:
+    from analyzers.whatif import analyze
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--frameworks", default=",".join(CASES))
+    a = p.parse_args()
+    rows = []
+    with LocalBroker() as b:
+        ensure_topics(b.bootstrap, S.INPUT_TOPICS, 4)
+
+        def measure(fw, extra):
+            ranks, lay, args, _ = CASES[fw]
+            job = f"acc-{uuid.uuid4().hex[:6]}"
+            rep = run(fw, ranks, [*args, "--steps", "14", *extra], bootstrap=b.bootstrap, job_id=job, sample="6/8")
+            ops = read_ops(b.bootstrap, job)
+            res = analyze(ops.filter(__import__("pyarrow.compute").compute.equal(ops["window_id"], 8)),
+                          lay).to_json_dict()
+            return statistics.median(rep["step_times"][8:14]), res
+
+        for fw in a.frameworks.split(","):
+            normal, _ = measure(fw, [])
+            for d in CASES[fw][3]:
+                slow = ["--slow-rank", "0", "--delay-ms", str(d)]
+                t_slow, res = measure(fw, slow)
+                t_ctrl, res_c = measure(fw, slow + ["--control"])
+                ratio = t_slow / t_ctrl
+                top = max(res["by_dp_rank"], key=res["by_dp_rank"].get), max(res["by_pp_rank"],
+                                                                              key=res["by_pp_rank"].get)
+                rows.append((fw, d, t_slow / normal, res["slowdown"], ratio, res["slowdown"] / ratio - 1,
+                             f"dp{top[0]}/pp{top[1]}", res["launch_slowdown"], res_c["slowdown"]))
+                print(f"{fw:<12}{d:>5} ms  slowed {t_slow / normal:5.2f}x  S={res['slowdown']:.3f}  "
+                      f"slowed/control={ratio:.3f}  err {res['slowdown'] / ratio - 1:+.1%}  top {rows[-1][6]}  "
+                      f"fidelity {res['launch_slowdown']:.3f}  control S={res_c['slowdown']:.3f}", flush=True)
+    print(f"\n| framework | d ms | slowed vs normal | S | slowed/control | error | top DP/PP | fidelity | control S |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]:.2f}x | {r[3]:.3f} | {r[4]:.3f} | {r[5]:+.1%} | {r[6]} | {r[7]:.3f} | "
+              f"{r[8]:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""What the automatic instrumentation costs a training step (issue 17, item 6).
+
+    .venv/bin/python benchmarks/trace_overhead.py [--pairs 3] [--steps 80]
+
+The CPU pipelining job of the tests (torch.distributed.pipelining, 1F1B, DP2 x
+PP2, 4 ranks, simulated accelerator time by sleeps) runs with torchrun, bare
+and armed as `stragglerscope trace` arms it (exporting to a local Tansu
+broker), alternating bare / 10% sampling / 100% sampling, ``--pairs`` times.
+Prints the median step time of each (rank 0, steps after the first 10 of
+every run: at least 30 steps each) and the ratios to bare. Target: at most 1%
+at the default 10% sampling.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import uuid
+
+from traced_runs import run
+
+from ingest import schema as S
+from ingest.broker import LocalBroker, ensure_topics
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pairs", type=int, default=3, help="rounds of bare / 10% / 100%")
+    p.add_argument("--steps", type=int, default=80, help="steps per run (the first 10 are dropped)")
+    p.add_argument("--gpu-ms", type=float, default=10.0)
+    a = p.parse_args()
+    args = ["--steps", str(a.steps), "--gpu-ms", str(a.gpu_ms)]
+    times: dict[str, list[float]] = {"bare": [], "10%": [], "100%": []}
+    with LocalBroker() as b:
+        ensure_topics(b.bootstrap, S.INPUT_TOPICS, 4)
+        for i in range(a.pairs):
+            for name, sample in (("bare", None), ("10%", "10/100"), ("100%", "1/1")):
+                kw = {} if sample is None else dict(bootstrap=b.bootstrap, job_id=f"ovh-{uuid.uuid4().hex[:6]}",
+                                                    sample=sample)
+                st = run("pipelining", 4, args, **kw)["step_times"][10:]
+                times[name] += st
+                print(f"round {i + 1} {name:>5}: median step {statistics.median(st) * 1e3:.2f} ms over {len(st)} steps",
+                      flush=True)
+    base = statistics.median(times["bare"])
+    print(f"\n{'run':>6} {'steps':>6} {'median ms':>10} {'vs bare':>8}")
+    for name, st in times.items():
+        m = statistics.median(st)
+        print(f"{name:>6} {len(st):>6} {m * 1e3:>10.2f} {m / base - 1:>+8.2%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""`stragglerscope trace` settings and bad input: parsed or refused with one clear line (no services)."""
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from ingest.autotrace.session import (SettingsError, TraceSettings, coords_of, parse_layout, parse_sample,
+                                      resolve_layout)
+from ingest.exporter import Sampling
+from ingest.schema import JobLayout
+from stragglerscope.trace import BOOT_DIR, child_env, default_job_id
+
+
+def test_layout_and_sampling_parse_and_refuse():
+    assert parse_layout("dp=2, pp=4,tp=8") == {"dp_size": 2, "pp_size": 4, "tp_size": 8}
+    assert parse_layout("") == {}
+    for bad in ("dp=0", "ep=2", "dp=two", "dp"):
+        with pytest.raises(SettingsError):
+            parse_layout(bad)
+    assert parse_sample("10/100") == Sampling(10, 100)
+    for bad in ("10", "0/5", "6/4", "a/b"):
+        with pytest.raises(SettingsError):
+            parse_sample(bad)
+
+
+def test_layout_from_what_the_user_named_and_the_pipeline_reports():
+    assert resolve_layout({}, 8) == JobLayout(8, 1)
+    assert resolve_layout({"tp_size": 2}, 8, pp=2) == JobLayout(2, 2, tp_size=2)
+    assert resolve_layout({}, 4, pp=2, vpp=2) == JobLayout(2, 2, vpp_size=2)
+    with pytest.raises(SettingsError, match="pp=4 but the pipeline stages report pp=2"):
+        resolve_layout({"pp_size": 4}, 8, pp=2)
+    with pytest.raises(SettingsError, match="is 6 ranks, but the job has 8"):
+        resolve_layout({"dp_size": 3, "pp_size": 2}, 8)
+    # Megatron's order: TP fastest, then CP, DP, PP slowest.
+    lay = JobLayout(dp_size=2, pp_size=2, tp_size=2)
+    assert [coords_of(r, lay) for r in range(8)] == [(0, 0), (0, 0), (1, 0), (1, 0), (0, 1), (0, 1), (1, 1), (1, 1)]
+
+
+def test_settings_travel_to_children_through_the_environment():
+    st = TraceSettings(job_id="j-1", bootstrap="127.0.0.1:9", layout={"tp_size": 2}, sampling=Sampling(3, 7),
+                       attempt=2, run_dir="/tmp/x")
+    env = child_env(st.to_env(), base={"PYTHONPATH": "/elsewhere"})
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(BOOT_DIR)
+    assert env["PYTHONPATH"].endswith("/elsewhere")
+    assert TraceSettings.from_env(env) == st
+    with pytest.raises(SettingsError):
+        TraceSettings.from_env({})
+
+
+def test_default_job_id_names_the_script():
+    assert default_job_id(["torchrun", "--nproc-per-node", "4", "my train.py"], now=0) == "my-train-19700101-000000"
+    assert default_job_id(["./run.sh"], now=0) == "run.sh-19700101-000000"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["trace"], "give the command to run after --"),
+    (["trace", "--layout", "dp=x", "--", "true"], "bad layout item"),
+    (["trace", "--sample", "5", "--", "true"], "bad sampling"),
+    (["trace", "--job-id", "a b", "--", "true"], "--job-id"),
+])
+def test_trace_bad_input_is_one_line_and_exit_2(argv, message, tmp_path):
+    # A configured (unreachable is fine: checked later) broker keeps this from starting any service.
+    env = dict(os.environ, STRAGGLERSCOPE_KAFKA_BOOTSTRAP="127.0.0.1:1")
+    r = subprocess.run([sys.executable, "-m", "stragglerscope", *argv], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_an_unreachable_configured_broker_is_a_clear_error():
+    env = dict(os.environ, STRAGGLERSCOPE_KAFKA_BOOTSTRAP="127.0.0.1:1")
+    r = subprocess.run([sys.executable, "-m", "stragglerscope", "trace", "--", "true"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+
+
+class _BrokenExporter:
+    """Every call raises: the tracer's hooks must swallow it."""
+
+    class stats:
+        errors = 0
+
+    profiling = True
+
+    def __getattr__(self, name):
+        def boom(*a, **k):
+            raise RuntimeError("exporter bug")
+        return boom
+
+
+def test_tracer_hooks_never_raise_into_training():
+    torch = pytest.importorskip("torch")
+    from ingest.autotrace.tracer import Tracer
+
+    exp = _BrokenExporter()
+    session = types.SimpleNamespace(exporter=exp, rank=0, world=1, layout=JobLayout(1, 1), settings=None)
+    tr = Tracer(session)
+    model = torch.nn.Linear(2, 2)
+    tr._fwd_pre(model, ())
+    tr._fwd_post(model, (), None)
+    span = tr._bwd_begin()
+    tr._bwd_end(span)
+    tr.open = True
+    tr._opt_pre(None, (), {})
+    tr._opt_post(None, (), {})
+    tr._gc("start", {})
+    tr._gc("stop", {})
+    assert exp.stats.errors >= 2  # counted (each kind logged once); nothing reached the caller
