@@ -62,6 +62,14 @@ def mlp(hidden: int, layers: int, busy: Busy) -> nn.Sequential:
     return nn.Sequential(*mods, busy)
 
 
+def set_grads(params, flat) -> None:
+    """Copy a flat gradient buffer back into each parameter's .grad."""
+    off = 0
+    for prm in params:
+        prm.grad.copy_(flat[off:off + prm.numel()].view_as(prm))
+        off += prm.numel()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--framework", required=True,
@@ -148,10 +156,7 @@ def main() -> int:
             sq = flat.pow(2).sum().reshape(1)
             dist.all_reduce(sq)
             flat *= torch.clamp(1.0 / (sq.sqrt() + 1e-6), max=1.0)
-            off = 0
-            for prm in params:
-                prm.grad.copy_(flat[off:off + prm.numel()].view_as(prm))
-                off += prm.numel()
+            set_grads(params, flat)
             opt.step()
             opt.zero_grad(set_to_none=False)
             step_times.append(time.perf_counter() - t0)
@@ -188,10 +193,7 @@ def main() -> int:
                 flat = torch.cat([prm.grad.reshape(-1) for prm in params])
                 dist.all_reduce(flat)
                 flat /= world
-                off = 0
-                for prm in params:
-                    prm.grad.copy_(flat[off:off + prm.numel()].view_as(prm))
-                    off += prm.numel()
+                set_grads(params, flat)
             opt.step()
             opt.zero_grad(set_to_none=False)
             step_times.append(time.perf_counter() - t0)
