@@ -31,6 +31,8 @@ CASES = {
 
 
 def main() -> None:
+    import pyarrow.compute as pc
+
     from analyzers.whatif import analyze
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -45,8 +47,7 @@ def main() -> None:
             job = f"acc-{uuid.uuid4().hex[:6]}"
             rep = run(fw, ranks, [*args, "--steps", "14", *extra], bootstrap=b.bootstrap, job_id=job, sample="6/8")
             ops = read_ops(b.bootstrap, job)
-            res = analyze(ops.filter(__import__("pyarrow.compute").compute.equal(ops["window_id"], 8)),
-                          lay).to_json_dict()
+            res = analyze(ops.filter(pc.equal(ops["window_id"], 8)), lay).to_json_dict()
             return statistics.median(rep["step_times"][8:14]), res
 
         for fw in a.frameworks.split(","):

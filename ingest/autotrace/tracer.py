@@ -543,7 +543,7 @@ class Tracer:
         pp = int(first.group_size)
         pp_rank = int(first.group_rank)
         vpp = len(stages)
-        self.num_microbatches = int(getattr(schedule, "_n_microbatches", 0)) * 1
+        self.num_microbatches = int(getattr(schedule, "_n_microbatches", 0))
         self.stage_info = (pp, pp_rank, vpp)
         ranks = list(dist.get_process_group_ranks(first.group)) if first.group is not None else \
             list(range(self.session.world))

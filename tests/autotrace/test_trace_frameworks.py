@@ -19,7 +19,6 @@ the 2 shared cores do not decide the result. One level per framework here;
 from __future__ import annotations
 
 import json
-import os
 import re
 import statistics
 import subprocess
