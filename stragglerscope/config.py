@@ -25,6 +25,8 @@ class KafkaConfig:
     """Partitions per input topic (same count for every topic: shards are partition-affine)."""
     source_id: str = ""
     """Names the Kafka cluster in stored offsets; empty = the bootstrap string (embedded: per run)."""
+    replication_factor: int = 1
+    """Replicas of each topic stragglerscope creates (3 on a production cluster, so acks=all means something)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +102,36 @@ class HangConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SQLConfig:
+    """Limits of free SQL (``stragglerscope sql --query``, the console's SQL tab)."""
+
+    max_execution_time_s: float = 30.0
+    """A free query running longer is cancelled."""
+    max_memory_mb: int = 2048
+    """A free query needing more memory is cancelled."""
+    max_result_rows: int = 100_000
+    """A free query returning more rows fails (add a LIMIT)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidationConfig:
+    """Bounds on input records; a record outside them is a dead letter with the bound it broke."""
+
+    max_op_duration_s: float = 6 * 3600.0
+    """An op or collective longer than this is not a real measurement (a checkpoint save takes minutes)."""
+    max_clock_skew_s: float = 600.0
+    """Heartbeats and collectives are live: their clock may differ from the shard's wall clock by this much."""
+    max_record_age_s: float = 14 * 86400.0
+    """Op spans older than this (job clock vs wall clock) are refused; replays rebase their times to now."""
+    max_world_size: int = 1_048_576
+    """Largest dp x pp x tp x cp a registration may declare."""
+    max_job_id_len: int = 128
+    """Job ids are 1 to this many characters of A-Z a-z 0-9 and . _ - : / @ + =."""
+    max_restarts_per_message: int = 3
+    """A message whose handling killed its shard process this many times is dead-lettered by offset."""
+
+
+@dataclasses.dataclass(frozen=True)
 class UIConfig:
     port: int = 8501
     """Port of the Streamlit console."""
@@ -115,6 +147,8 @@ class Config:
     pipeline: PipelineConfig = PipelineConfig()
     alerts: AlertConfig = AlertConfig()
     hang: HangConfig = HangConfig()
+    sql: SQLConfig = SQLConfig()
+    validation: ValidationConfig = ValidationConfig()
     ui: UIConfig = UIConfig()
 
     def replace(self, **sections: Mapping[str, Any]) -> "Config":
