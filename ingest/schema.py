@@ -567,24 +567,42 @@ def encode(batch: pa.RecordBatch | pa.Table, compression: str | None = "zstd") -
 def decode(payload: bytes) -> tuple[str, pa.Table]:
     """Decode and validate an IPC payload; returns (kind, table).
 
-    Raises DecodeError with a reason fit for a dead-letter record when the
-    bytes are not Arrow, the kind or version is unknown, or a column is
-    missing, mistyped or null where it must not be.
+    Raises DecodeError, and nothing else, with a reason fit for a dead-letter
+    record: the bytes are not Arrow, a buffer is inconsistent, the kind or
+    version is unknown, or a column is missing, mistyped or null where it
+    must not be.
     """
     try:
         with pa.ipc.open_stream(pa.py_buffer(payload)) as r:
             table = r.read_all()
     except Exception as e:  # pyarrow raises several types for garbage
         raise DecodeError(f"not an Arrow IPC stream: {type(e).__name__}: {e}"[:500]) from None
+    try:
+        # The IPC reader checks buffer sizes but not their contents: string offsets that
+        # point past the data pass it and crash the process later, in hashing or a
+        # filter. Full validation (offsets, UTF-8, dictionary indices) costs one pass.
+        table.validate(full=True)
+    except Exception as e:
+        raise DecodeError(f"invalid Arrow buffers: {type(e).__name__}: {e}"[:500]) from None
     md = table.schema.metadata or {}
-    kind = md.get(b"stragglerscope.kind", b"").decode()
-    version = md.get(b"stragglerscope.version", b"").decode()
+    try:
+        kind = md.get(b"stragglerscope.kind", b"").decode("ascii")
+        version = md.get(b"stragglerscope.version", b"").decode("ascii")
+    except UnicodeDecodeError:
+        raise DecodeError("record kind or version is not ASCII") from None
     if kind not in INPUT_SCHEMAS and kind not in RESULT_SCHEMAS:
-        raise DecodeError(f"unknown record kind {kind!r}")
-    if not version.isdigit() or not MIN_READ_VERSION <= int(version) <= SCHEMA_VERSION:
-        raise DecodeError(f"unsupported schema version {version!r} for {kind} "
+        raise DecodeError(f"unknown record kind {kind[:80]!r}")
+    # Only ASCII digits: str.isdigit() accepts '\u00b2', which int() then refuses.
+    if not (version.isascii() and version.isdigit() and len(version) <= 6
+            and MIN_READ_VERSION <= int(version) <= SCHEMA_VERSION):
+        raise DecodeError(f"unsupported schema version {version[:20]!r} for {kind} "
                           f"(we read {MIN_READ_VERSION} to {SCHEMA_VERSION})")
-    return kind, conform(table, ALL_SCHEMAS[kind])
+    try:
+        return kind, conform(table, ALL_SCHEMAS[kind])
+    except DecodeError:
+        raise
+    except Exception as e:  # a cast or a default that Arrow refuses: still this message's fault
+        raise DecodeError(f"{kind}: {type(e).__name__}: {e}"[:500]) from None
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:

@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from analyzers.accounting import window_mfu
 from ingest import schema as S
+from ray_jobs.boundary import worker_clock_skew
 from ray_jobs.windows import JobInfo
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,16 @@ def analyze_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], comp
 
     row = _window_row(info, key, ops, complete, note)
     out: dict[str, list[dict]] = {"optype_slowdown": [], "worker_slowdown": [], "step_result": []}
+    skew = worker_clock_skew(ops)
+    if skew is not None:
+        # One worker's clock is hours off: its spans would stretch the window, and the GPU-hours and
+        # the slowdown with it. Flag the window and keep it out of fleet statistics (S stays NaN).
+        off_s, (dp, pp), limit_s = skew
+        row["verdict"] = "clock_skew"
+        row["complete"] = False
+        row["note"] = ((note + "; " if note else "") + f"clock of worker dp={dp} pp={pp} is {off_s:+.1f} s off its "
+                       f"peers (more than {limit_s:.1f} s): window not analysed, left out of fleet statistics")
+        return _tables(row, out, links)
     try:
         result = analyze(ops, info.layout, allow_incomplete=True)
         res = result.to_json_dict()

@@ -27,7 +27,9 @@ from ingest import schema as S
 from ray_jobs.alerts import AlertRules, WebhookSender
 from analyzers.accounting import DowntimeAccountant, downtime_table
 from analyzers.hang import HangParams
+from ray_jobs import boundary as B
 from ray_jobs.analysis import analyze_window, failed_window
+from ray_jobs.crashes import CrashJournal, default_path
 from ray_jobs.hangs import HangMonitor, hang_table
 from ray_jobs.windows import JobInfo, ReadyWindow, WindowTracker
 from stragglerscope.config import Config
@@ -42,6 +44,12 @@ class ShardStats:
     records: int = 0
     late_records: int = 0
     dead_letters: int = 0
+    quarantined: int = 0
+    """Messages dead-lettered by offset because handling them killed the shard process repeatedly."""
+    clock_corrected_rows: int = 0
+    """Heartbeat and collective rows whose rank clock was implausible and was corrected (``boundary.ClockGuard``)."""
+    bad_stored_jobs: int = 0
+    """Stored registrations skipped at start because they do not validate."""
     heartbeats: int = 0
     ccl_records: int = 0
     jobs_registered: int = 0
@@ -135,13 +143,33 @@ class ShardWorker:
         self._downtime_due = 0.0
         self.source = self._consumer_factory() if self._consumer_factory else KafkaSource(
             self.cfg.kafka.bootstrap, S.INPUT_TOPICS, self.partitions)
+        self.limits = self.cfg.validation
+        self.clocks = B.ClockGuard(self.limits)
+        self._store_failures: dict = {}  # window key -> failed store attempts
+        self._last_store_ok = 0.0
+        self.journal = CrashJournal(default_path(self.source_id, self.index, self.cfg.pipeline.state_dir),
+                                    self.limits.max_restarts_per_message)
+        self.journal.open()
         stored = self.sink.load_offsets(self.source_id, S.INPUT_TOPICS, self.partitions)
         self.source.seek(stored)
-        for row in self.sink.load_jobs():
-            self.tracker.register(JobInfo.from_row(row))
+        self._load_jobs()
         self.alerts_out = self.source.alert_producer() if hasattr(self.source, "alert_producer") else None
         url = self.cfg.alerts.webhook_url
         self.webhook = WebhookSender(url) if url else None
+
+    def _load_jobs(self) -> None:
+        """Registrations stored before; a row that does not validate is skipped and reported, never fatal."""
+        for row in self.sink.load_jobs():
+            why = B.check_registration(row, None, self.limits)
+            if not why:
+                try:
+                    self.tracker.register(JobInfo.from_row(row))
+                    continue
+                except Exception as e:
+                    why = f"{type(e).__name__}: {e}"
+            self.stats.bad_stored_jobs += 1
+            log.warning("shard %d: stored registration of %r attempt %r skipped: %s", self.index,
+                        str(row.get("job_id"))[:80], row.get("attempt"), why)
 
     def start(self) -> bool:
         """Run the loop in a thread of this actor (status() stays callable)."""
@@ -160,7 +188,8 @@ class ShardWorker:
                 self._commit()  # the commit interval may have held the last positions back
             except Exception as e:
                 log.warning("final offset store failed: %s", e)
-        for c in (getattr(self, "source", None), getattr(self, "sink", None), getattr(self, "webhook", None)):
+        for c in (getattr(self, "source", None), getattr(self, "sink", None), getattr(self, "webhook", None),
+                  getattr(self, "journal", None)):
             if c is not None and hasattr(c, "close"):
                 try:
                     c.close()
@@ -248,44 +277,99 @@ class ShardWorker:
         st.idle = got == 0 and not self._inflight and not self.tracker.open and st.lag == 0
 
     def _handle(self, msg, now: float) -> None:
+        """One message through the boundary: whatever goes wrong with it is its dead letter, never the loop's."""
         self.stats.messages += 1
+        pos = (msg.topic, msg.partition, msg.offset)
+        if pos in self.journal.quarantined:
+            self.stats.quarantined += 1
+            self._dead_letter(msg, f"quarantined: the shard process died {self.journal.deaths.get(pos, 0)} times "
+                                   "while handling this message")
+            self.journal.forget(pos)
+            return
+        self.journal.begin(*pos)
+        try:
+            self._route(msg, now)
+        except Exception as e:  # a bug or a case no check foresaw: this message's fault, not the shard's
+            log.warning("shard %d: handling %s:%d@%d failed", self.index, *pos, exc_info=True)
+            self._dead_letter(msg, f"handling failed: {type(e).__name__}: {e}")
+        finally:
+            self.journal.end()
+        self.source.advance((msg.topic, msg.partition), msg.offset + 1)
+
+    def _route(self, msg, now: float) -> None:
         try:
             kind, table = S.decode(msg.value)
             if S.TOPIC_OF_KIND.get(kind) != msg.topic:
                 raise S.DecodeError(f"{kind} record on topic {msg.topic}")
-        except S.DecodeError as e:
+            key = msg.key.decode("utf-8") if msg.key is not None else None
+        except (S.DecodeError, UnicodeDecodeError) as e:
             self._dead_letter(msg, str(e))
             return
         tp = (msg.topic, msg.partition)
+        if kind == "job_registration":
+            self._register(msg, table, key)
+            return
+        layout = self._layout_of(key, table)
         if kind == "op_span":
-            good, bad, reason = S.validate_op_spans(table)
-            if bad is not None:
-                self._dead_letter(msg, reason)
-            if good.num_rows:
-                self.tracker.add_ops(good, tp, msg.offset, now)
-        elif kind == "job_registration":
-            self.sink.write("job_registration", table)
-            self.sink.flush()  # registrations are stored before their offset can be committed
-            for row in table.to_pylist():
-                self.tracker.register(JobInfo.from_row(row))
-                self.stats.jobs_registered += 1
-            self.downtime.add_registrations(table)
+            split = B.check_op_spans(table, key, layout, self.limits)
+            if split.refused:
+                self._dead_letter(msg, split.reason)
+            if split.good.num_rows:
+                self.tracker.add_ops(split.good, tp, msg.offset, now)
         elif kind == "heartbeat":
-            self.stats.heartbeats += table.num_rows
-            self.hangs.add_heartbeats(table, now)
-            self.downtime.add_heartbeats(table)
+            wall = self._wall_ns()
+            table = self.clocks.correct_heartbeats(table, wall)
+            split = B.check_heartbeats(table, key, layout, self.limits, wall)
+            if split.refused:
+                self._dead_letter(msg, split.reason)
+            self.stats.heartbeats += split.good.num_rows
+            if split.good.num_rows:
+                self.hangs.add_heartbeats(split.good, now)
+                self.downtime.add_heartbeats(split.good)
         elif kind == "checkpoint":
-            good, bad, reason = S.validate_checkpoints(table)
-            if bad is not None:
-                self._dead_letter(msg, reason)
-            self.stats.checkpoints += good.num_rows
-            if good.num_rows:
-                self.downtime.add_checkpoints(good)
+            split = B.check_checkpoints(table, key, layout, self.limits)
+            if split.refused:
+                self._dead_letter(msg, split.reason)
+            self.stats.checkpoints += split.good.num_rows
+            if split.good.num_rows:
+                self.downtime.add_checkpoints(split.good)
         elif kind == "ccl_record":
-            self.stats.ccl_records += table.num_rows
-            self.hangs.add_ccl(table, now)
-            self.tracker.add_ccl(table, tp, msg.offset, now)
-        self.source.advance(tp, msg.offset + 1)
+            table = self.clocks.correct_ccl(table)
+            split = B.check_ccl(table, key, layout, self.limits, self._wall_ns())
+            if split.refused:
+                self._dead_letter(msg, split.reason)
+            self.stats.ccl_records += split.good.num_rows
+            if split.good.num_rows:
+                self.hangs.add_ccl(split.good, now)
+                self.tracker.add_ccl(split.good, tp, msg.offset, now)
+        self.stats.clock_corrected_rows = self.clocks.corrected_rows
+
+    def _layout_of(self, key: str | None, table: pa.Table):
+        """The registered layout of the job attempt the rows belong to, or None (not registered, or mixed)."""
+        if key is None or table.num_rows == 0:
+            return None
+        attempts = pa.compute.unique(table["attempt"])
+        info = self.tracker.job(key, attempts[0].as_py()) if len(attempts) == 1 else None
+        return info.layout if info is not None else None
+
+    def _register(self, msg, table: pa.Table, key: str | None) -> None:
+        """Validate, then store, then use: a registration that fails validation is never stored."""
+        good, bad = [], []
+        for row in table.to_pylist():
+            why = B.check_registration(row, key, self.limits)
+            (bad if why else good).append((row, why))
+        if bad:
+            self._dead_letter(msg, "; ".join(f"job_registration of {str(r.get('job_id'))[:80]!r}: {why}"
+                                             for r, why in bad[:5]))
+        if not good:
+            return
+        rows = [r for r, _ in good]
+        self.sink.write("job_registration", S.from_rows(S.JOB_REGISTRATION, rows))
+        self.sink.flush()  # registrations are stored before their offset can be committed
+        for row in rows:
+            self.tracker.register(JobInfo.from_row(row))
+            self.stats.jobs_registered += 1
+        self.downtime.add_registrations(S.from_rows(S.JOB_REGISTRATION, rows))
 
     def _dead_letter(self, msg, reason: str) -> None:
         self.stats.dead_letters += 1
@@ -293,20 +377,39 @@ class ShardWorker:
                    source_offset=msg.offset, key=(msg.key or b"").decode("utf-8", "replace"),
                    reason=reason[:1000], payload=bytes(msg.value[:65536]) if msg.value else b"")
         self.sink.write("dead_letter", S.from_rows(S.DEAD_LETTER, [row]))
-        self.source.dead_letter(msg, reason)
-        self.source.advance((msg.topic, msg.partition), msg.offset + 1)
+        try:
+            self.source.dead_letter(msg, reason)
+        except Exception as e:  # the dead-letter topic is a copy; the stored row is what counts
+            log.warning("shard %d: publishing a dead letter failed: %s", self.index, e)
 
     def _dispatch(self, win: ReadyWindow) -> None:
-        info = self.tracker.job(win.key[0], win.key[1]) or _unregistered(win)
-        args = (win.ops, info, win.key, win.complete, win.note, win.ccl)
-        handle = self._submit(*args) if self._submit else analyze_window(*args)
-        self._inflight.append((handle, win, self._clock()))
+        """Hand a ready window to the analyzer; a window that cannot even be submitted is stored as failed."""
+        t0 = self._clock()
+        try:
+            info = self.tracker.job(win.key[0], win.key[1]) or _unregistered(win, self.limits.max_world_size)
+            args = (win.ops, info, win.key, win.complete, win.note, win.ccl)
+            handle = self._submit(*args) if self._submit else analyze_window(*args)
+        except Exception as e:
+            log.warning("shard %d: dispatching %s failed: %s", self.index, win.key, e)
+            handle = self._failed(win, f"dispatch failed: {type(e).__name__}: {e}")
+        self._inflight.append((handle, win, t0))
+
+    def _failed(self, win: ReadyWindow, reason: str) -> dict[str, pa.Table]:
+        """The tables of a window that could not be analysed or stored, with the reason (never raises)."""
+        self.stats.windows_failed += 1
+        try:
+            info = self.tracker.job(win.key[0], win.key[1]) or _unregistered(win, self.limits.max_world_size)
+        except Exception:
+            info = JobInfo(job_id=win.key[0], attempt=win.key[1], layout=S.JobLayout(1, 1), profiled_steps=1,
+                           registered=False)
+        return failed_window(win.ops, info, win.key, reason)
 
     def _collect(self, block: bool) -> None:
         from ray_jobs.io import resolve_ready
 
         if not self._inflight:
             return
+        self._give_up_refused()
         done, pending = resolve_ready(self._inflight, timeout_s=0.5 if block else 0.0)
         self._inflight = pending
         batch = []
@@ -315,9 +418,7 @@ class ShardWorker:
                 # The task died after Ray's own retries (worker killed, OOM): store the
                 # failure so the window is visible and its offsets can advance.
                 log.warning("analysis task for %s failed: %s", win.key, err)
-                self.stats.windows_failed += 1
-                info = self.tracker.job(win.key[0], win.key[1]) or _unregistered(win)
-                tables = failed_window(win.ops, info, win.key, f"analysis task failed: {err}")
+                tables = self._failed(win, f"analysis task failed: {err}")
             batch.append((tables, win, t0))
         if not batch:
             return
@@ -335,11 +436,26 @@ class ShardWorker:
             except Exception as e:
                 self._store_failed(entry, e)
 
+    # A window whose rows the store refused this many times, while the store took other writes
+    # since, is stored as a failed window instead: retrying it forever would pin its offsets.
+    MAX_STORE_ATTEMPTS = 3
+
     def _store_failed(self, entry, e: Exception) -> None:
         """Store unreachable (or refusing): keep the result, retry on the next step."""
-        log.warning("storing %s failed, will retry: %s", entry[1].key, e)
+        tables, win, t0 = entry
+        n = self._store_failures.get(win.key, (0, 0.0))[0] + 1
+        self._store_failures[win.key] = (n, self._clock())
+        log.warning("storing %s failed (attempt %d), will retry: %s", win.key, n, e)
         self.stats.error = f"store: {type(e).__name__}: {e}"[:500]
         self._inflight.append(entry)
+
+    def _give_up_refused(self) -> None:
+        """Windows the store keeps refusing while it accepts other writes: store them as failed instead."""
+        for i, (handle, win, t0) in enumerate(self._inflight):
+            n, last = self._store_failures.get(win.key, (0, 0.0))
+            if n >= self.MAX_STORE_ATTEMPTS and self._last_store_ok >= last and isinstance(handle, dict):
+                self._inflight[i] = (self._failed(win, f"the store refused the results {n} times"), win, t0)
+                self._store_failures.pop(win.key, None)
 
     def _store(self, batch: list[tuple[dict[str, pa.Table], ReadyWindow, float]]) -> None:
         """Write the tables and alerts of the windows done in this iteration; only then are they done.
@@ -350,26 +466,36 @@ class ShardWorker:
         Alerts are evaluated once and kept in ``tables``, so a retry after a
         failed write stores the same alerts instead of cooling them down.
         """
-        for tables, _win, _t0 in batch:
+        for tables, win, _t0 in batch:
             if "alert" not in tables:
-                row = tables["window_result"].to_pylist()[0]
-                wall, wall_ns = time.time(), time.time_ns()
-                alerts = self.rules.evaluate_window(row, wall, wall_ns)
-                if "link_fault" in tables and tables["link_fault"].num_rows:
-                    alerts += self.rules.evaluate_links(tables["link_fault"].to_pylist(), wall, wall_ns)
-                tables["alert"] = S.from_rows(S.ALERT, alerts)
+                tables["alert"] = self._window_alerts(tables, win)
             for kind, table in tables.items():
                 if table.num_rows:
                     self.sink.write(kind, table)
         self.sink.flush()
+        self._last_store_ok = self._clock()
         for tables, win, t0 in batch:
             # Results are stored: only now is the window done (its offsets may advance).
+            self._store_failures.pop(win.key, None)
             self.tracker.mark_stored(win.key)
             self.stats.windows_stored += 1
             self.stats.analyzer_seconds += self._clock() - t0
             self.stats.window_latency_s_last = self._clock() - t0
             self._publish(tables["alert"].to_pylist())
         self._keep_spans(batch)
+
+    def _window_alerts(self, tables: dict[str, pa.Table], win: ReadyWindow) -> pa.Table:
+        """The window's alerts; a rule that fails costs the alert (logged), never the stored result."""
+        try:
+            row = tables["window_result"].to_pylist()[0]
+            wall, wall_ns = time.time(), time.time_ns()
+            alerts = self.rules.evaluate_window(row, wall, wall_ns)
+            if "link_fault" in tables and tables["link_fault"].num_rows:
+                alerts += self.rules.evaluate_links(tables["link_fault"].to_pylist(), wall, wall_ns)
+            return S.from_rows(S.ALERT, alerts)
+        except Exception as e:
+            log.warning("shard %d: alert rules failed on %s: %s", self.index, win.key, e)
+            return S.empty(S.ALERT)
 
     def _keep_spans(self, batch: list[tuple[dict[str, pa.Table], ReadyWindow, float]]) -> None:
         """Raw spans of windows worth drilling into, for the console's timeline and `advise`.
@@ -452,6 +578,7 @@ class ShardWorker:
         # Dead letters and registrations written since the last flush are covered
         # by the offsets about to be stored: store them first.
         self.sink.flush()
+        self._last_store_ok = self._clock()
         if now is not None and now < self._commit_due:
             return
         positions = self.source.positions()
@@ -463,8 +590,12 @@ class ShardWorker:
                 self._commit_due = now + self.cfg.pipeline.commit_interval_s
 
 
-def _unregistered(win: ReadyWindow) -> JobInfo:
-    """Layout inferred from the ranks seen, for a job whose registration never came."""
+def _unregistered(win: ReadyWindow, max_workers: int = 1 << 18) -> JobInfo:
+    """Layout inferred from the ranks seen, for a job whose registration never came.
+
+    Raises ValueError when the ranks imply more than ``max_workers`` workers (the caller
+    stores the window as failed): a grid that large would be allocated by the analyzer.
+    """
     from ingest.schema import JobLayout
 
     if win.ops.num_rows == 0:  # CCL records only: no worker layout to infer
@@ -472,6 +603,9 @@ def _unregistered(win: ReadyWindow) -> JobInfo:
                        registered=False)
     dp = int(pa.compute.max(win.ops["dp_rank"]).as_py()) + 1
     pp = int(pa.compute.max(win.ops["pp_rank"]).as_py()) + 1
+    if dp * pp > max_workers:
+        raise ValueError(f"unregistered job: ranks imply {dp} x {pp} workers, over validation.max_world_size "
+                         f"({max_workers}); register the job")
     steps = len(set(win.ops["step"].to_pylist()))
     return JobInfo(job_id=win.key[0], attempt=win.key[1], layout=JobLayout(dp, pp), profiled_steps=steps,
                    registered=False)

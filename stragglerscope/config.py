@@ -71,6 +71,8 @@ class PipelineConfig:
     """Seconds per loop iteration spent handling polled records before hangs, results and offsets get a turn."""
     commit_interval_s: float = 2.0
     """Store consumer offsets at most this often (each store is an insert); a restart re-reads at most this much."""
+    state_dir: str = ""
+    """Where shards keep their crash journals (which message killed a shard); empty = the temp dir."""
     log_format: str = "text"
     """Shard and CLI logs: 'text', or 'json' for one JSON object per line (for a log shipper)."""
 
@@ -120,10 +122,11 @@ class ValidationConfig:
     max_op_duration_s: float = 6 * 3600.0
     """An op or collective longer than this is not a real measurement (a checkpoint save takes minutes)."""
     max_clock_skew_s: float = 600.0
-    """Heartbeats and collectives are live: their clock may differ from the shard's wall clock by this much."""
+    """Heartbeats and collectives are live: stamped further ahead of the shard's wall clock, a rank's clock is wrong."""
     max_record_age_s: float = 14 * 86400.0
-    """Op spans older than this (job clock vs wall clock) are refused; replays rebase their times to now."""
-    max_world_size: int = 1_048_576
+    """A heartbeat this far behind the wall clock has a wrong clock (no backlog is that old); a collective in
+    flight this long is not real. Op spans have no age bound: replays and imports carry their own times."""
+    max_world_size: int = 262_144
     """Largest dp x pp x tp x cp a registration may declare."""
     max_job_id_len: int = 128
     """Job ids are 1 to this many characters of A-Z a-z 0-9 and . _ - : / @ + =."""

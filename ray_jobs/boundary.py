@@ -1,0 +1,324 @@
+"""Semantic checks on decoded input records, at the shard's boundary.
+
+``ingest.schema.decode`` guarantees structure: a known kind and version, the
+columns and types of its schema, valid Arrow buffers. This module guarantees
+meaning, so that no record can turn into an absurd stored result: a record
+belongs to the job its Kafka key names (a job's records must all reach one
+shard), job ids are short and printable, durations and times are within the
+bounds of ``[validation]``, ranks fit the registered layout, and a
+registration declares a layout that exists.
+
+Each check splits a table into the rows it keeps and the rows it refuses,
+with one reason per refused group ("3 op_span rows: duration over 21600 s");
+the shard dead-letters the refused rows with those reasons and goes on with
+the rest. A bad row never costs its neighbours their place.
+
+Clocks: heartbeats and collectives are live records, stamped on the job clock,
+which the exporters align to wall time. A rank whose clock is off by more than
+``max_clock_skew_s`` (a host without NTP, a reset RTC) gets its skew estimated
+from its heartbeats and subtracted from its heartbeats and collectives
+(``ClockGuard``), so that a rank running three hours ahead can neither hide a
+hang nor fake one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Mapping
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ingest.schema import CHECKPOINT_KINDS, JobLayout
+from stragglerscope.config import ValidationConfig
+
+_NS = 1_000_000_000
+JOB_ID_CHARS = "A-Z a-z 0-9 . _ - : / @ + ="
+_JOB_ID = re.compile(r"[A-Za-z0-9._:/@+=-]+")
+TIME_MAX_NS = 1 << 62
+"""Times at or past this (year 2116) are not times; it also keeps start + duration inside int64."""
+
+
+def job_id_problem(job_id: Any, max_len: int) -> str:
+    """Why ``job_id`` is not an acceptable job id, or "" when it is."""
+    if not isinstance(job_id, str) or not job_id:
+        return "job id is empty"
+    if len(job_id) > max_len:
+        return f"job id longer than {max_len} characters"
+    if not _JOB_ID.fullmatch(job_id):
+        return f"job id {job_id[:80]!r} has characters outside {JOB_ID_CHARS}"
+    return ""
+
+
+@dataclasses.dataclass
+class Split:
+    """The rows kept and, per reason, how many rows were refused."""
+
+    good: pa.Table
+    refused: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(f"{n} {why}" for n, why in self.refused)
+
+    @property
+    def n_refused(self) -> int:
+        return sum(n for n, _ in self.refused)
+
+
+def _apply(table: pa.Table, kind: str, rules: list[tuple[Any, str]]) -> Split:
+    """Keep the rows no rule flags; each refused row is counted under the first rule that flags it."""
+    if table.num_rows == 0:
+        return Split(table)
+    taken = np.zeros(table.num_rows, dtype=bool)
+    refused = []
+    for mask, why in rules:
+        m = np.asarray(mask, dtype=bool) if not isinstance(mask, (pa.Array, pa.ChunkedArray)) else \
+            pc.fill_null(mask, True).to_numpy(zero_copy_only=False).astype(bool)
+        new = m & ~taken
+        n = int(new.sum())
+        if n:
+            refused.append((n, f"{kind} rows: {why}"))
+            taken |= new
+    if not refused:
+        return Split(table)
+    return Split(table.filter(pa.array(~taken)), refused)
+
+
+def _col(table: pa.Table, name: str) -> np.ndarray:
+    return table[name].to_numpy(zero_copy_only=False)
+
+
+def _key_rules(table: pa.Table, key: str | None, limits: ValidationConfig) -> list[tuple[Any, str]]:
+    """Rows must carry the job id their Kafka key names, and a valid one; attempts are not negative."""
+    rules: list[tuple[Any, str]] = []
+    problem = job_id_problem(key, limits.max_job_id_len) if key is not None else "no Kafka key"
+    if problem:
+        rules.append((np.ones(table.num_rows, dtype=bool), f"{problem} (Kafka key)"))
+    else:
+        rules.append((pc.not_equal(table["job_id"], key),
+                      f"job_id differs from the Kafka key {key!r} (a job's records must share one key)"))
+    rules.append((pc.less(table["attempt"], 0), "negative attempt"))
+    return rules
+
+
+def _layout_rules(table: pa.Table, layout: JobLayout | None, limits: ValidationConfig,
+                  workers: bool) -> list[tuple[Any, str]]:
+    """Ranks inside the registered layout (or, before a registration, inside the largest allowed)."""
+    world = layout.world_size if layout is not None else limits.max_world_size
+    where = f"the registered layout (world size {world})" if layout is not None else \
+        f"validation.max_world_size ({world})"
+    rules: list[tuple[Any, str]] = [
+        (pc.or_(pc.less(table["rank"], 0), pc.greater_equal(table["rank"], world)), f"rank outside {where}")]
+    if workers:
+        dp = layout.dp_size if layout is not None else limits.max_world_size
+        pp = layout.pp_size if layout is not None else limits.max_world_size
+        rules.append((pc.or_(pc.less(table["dp_rank"], 0), pc.greater_equal(table["dp_rank"], dp)),
+                      f"dp_rank outside 0..{dp - 1}"))
+        rules.append((pc.or_(pc.less(table["pp_rank"], 0), pc.greater_equal(table["pp_rank"], pp)),
+                      f"pp_rank outside 0..{pp - 1}"))
+    return rules
+
+
+def check_op_spans(table: pa.Table, key: str | None, layout: JobLayout | None, limits: ValidationConfig) -> Split:
+    max_ns = int(limits.max_op_duration_s * _NS)
+    start, dur = _col(table, "start_ns"), _col(table, "duration_ns")
+    return _apply(table, "op_span", _key_rules(table, key, limits) + _layout_rules(table, layout, limits, True) + [
+        (dur < 0, "negative duration"),
+        (dur > max_ns, f"duration over validation.max_op_duration_s ({limits.max_op_duration_s:g} s)"),
+        ((start < 0) | (start >= TIME_MAX_NS), "start_ns outside 0..2^62"),
+        (pc.less(table["step"], 0), "negative step"),
+        (pc.or_(pc.less(table["mc"], -1), pc.less(table["gmc"], -1)), "model chunk below -1"),
+        (pc.less(table["mb_id"], -1), "microbatch below -1"),
+    ])
+
+
+def check_checkpoints(table: pa.Table, key: str | None, layout: JobLayout | None, limits: ValidationConfig) -> Split:
+    max_ns = int(limits.max_op_duration_s * _NS)
+    dur, ts = _col(table, "duration_ns"), _col(table, "ts_ns")
+    return _apply(table, "checkpoint", _key_rules(table, key, limits) + _layout_rules(table, layout, limits, False) + [
+        (pc.invert(pc.is_in(table["kind"], pa.array(CHECKPOINT_KINDS))), "kind other than save or load"),
+        (pc.less(table["step"], 0), "negative step"),
+        ((dur < 0) | (dur > max_ns), f"duration negative or over {limits.max_op_duration_s:g} s"),
+        ((ts < 0) | (ts >= TIME_MAX_NS), "ts_ns outside 0..2^62"),
+    ])
+
+
+def check_ccl(table: pa.Table, key: str | None, layout: JobLayout | None, limits: ValidationConfig,
+              wall_ns: int) -> Split:
+    """Collectives: exit after enter (or -1 while in flight), bounded length, enter near the wall clock.
+
+    Call after ``ClockGuard.correct_ccl``: a skewed rank's times are corrected by then.
+    """
+    max_ns = int(limits.max_op_duration_s * _NS)
+    enter, exit_ = _col(table, "enter_ns"), _col(table, "exit_ns")
+    done = exit_ != -1
+    future = wall_ns + int(limits.max_clock_skew_s * _NS)
+    return _apply(table, "ccl_record", _key_rules(table, key, limits) + _layout_rules(table, layout, limits, False) + [
+        ((enter < 0) | (enter >= TIME_MAX_NS), "enter_ns outside 0..2^62"),
+        (done & (exit_ < enter), "exit_ns before enter_ns"),
+        (done & (exit_ - enter > max_ns), f"longer than validation.max_op_duration_s ({limits.max_op_duration_s:g} s)"),
+        (~done & (enter < wall_ns - int(limits.max_record_age_s * _NS)),
+         f"in flight since more than validation.max_record_age_s ({limits.max_record_age_s:g} s)"),
+        (enter > future, f"enter_ns more than validation.max_clock_skew_s ({limits.max_clock_skew_s:g} s) "
+                         "ahead of the wall clock"),
+        (pc.less(table["nbytes"], 0), "negative nbytes"),
+    ])
+
+
+def check_heartbeats(table: pa.Table, key: str | None, layout: JobLayout | None, limits: ValidationConfig,
+                     wall_ns: int) -> Split:
+    """Heartbeats after ``ClockGuard.correct_heartbeats``: times plausible and consistent with ``ts_ns``."""
+    ahead = int(limits.max_clock_skew_s * _NS)
+    age = int(limits.max_record_age_s * _NS)
+    ts = _col(table, "ts_ns")
+    rules = _key_rules(table, key, limits) + _layout_rules(table, layout, limits, False) + [
+        ((ts > wall_ns + ahead) | (ts < wall_ns - age), "ts_ns outside the wall clock's bounds"),
+    ]
+    for name in ("last_op_end_ns", "inflight_since_ns", "step_done_ns"):
+        v = _col(table, name)
+        rules.append(((v > ts + ahead) | ((v > 0) & (v < ts - age)), f"{name} outside the heartbeat's time range"))
+    return _apply(table, "heartbeat", rules)
+
+
+def check_registration(row: Mapping[str, Any], key: str | None, limits: ValidationConfig) -> str:
+    """Why a JOB_REGISTRATION row cannot be accepted, or "" (then ``JobInfo.from_row`` cannot fail)."""
+    problem = job_id_problem(row.get("job_id"), limits.max_job_id_len)
+    if problem:
+        return problem
+    if key is not None and row["job_id"] != key:
+        return f"job_id differs from the Kafka key {key!r}"
+    if row.get("attempt", 0) < 0:
+        return "negative attempt"
+    sizes = {k: row.get(k) for k in ("dp_size", "pp_size", "tp_size", "cp_size", "vpp_size")}
+    bad = [f"{k}={v}" for k, v in sizes.items() if not isinstance(v, int) or v < 1]
+    if bad:
+        return f"layout sizes must be at least 1: {', '.join(bad)}"
+    world = sizes["dp_size"] * sizes["pp_size"] * sizes["tp_size"] * sizes["cp_size"]
+    if world > limits.max_world_size:
+        return f"world size {world} over validation.max_world_size ({limits.max_world_size})"
+    n_gpus = row.get("n_gpus") or 0
+    if n_gpus and n_gpus != world:
+        return f"n_gpus {n_gpus} differs from the layout's world size {world} (dp x pp x tp x cp)"
+    for k in ("num_microbatches", "profiled_steps", "tokens_per_step", "params", "seq_len", "num_layers"):
+        if (row.get(k) or 0) < 0:
+            return f"negative {k}"
+    for k in ("peak_flops", "flops_per_token"):
+        v = row.get(k) or 0.0
+        if not math.isfinite(v) or v < 0:
+            return f"{k} must be a finite number >= 0, got {v}"
+    if not 0 <= (row.get("ts_ns") or 0) < TIME_MAX_NS:
+        return "ts_ns outside 0..2^62"
+    return ""
+
+
+class ClockGuard:
+    """Clocks that cannot be right, corrected in heartbeats and collectives.
+
+    Heartbeats are live, so a heartbeat stamped more than ``max_clock_skew_s``
+    ahead of the wall clock, or more than ``max_record_age_s`` behind it (no
+    backlog is that old; a reset RTC says 1970), comes from a wrong clock. Its
+    offset to the wall clock at arrival is that rank's skew (plus a transport
+    delay of milliseconds): it is subtracted from every time of the rank's
+    heartbeats and collectives until a heartbeat within bounds arrives. Offsets
+    inside those bounds are left alone: a backlog replayed after a restart is
+    legitimately hours behind. A rank a few minutes behind its peers is not
+    caught here (that needs the peers' step times; see the window's check).
+    """
+
+    _HB_TIMES = ("ts_ns", "last_op_end_ns", "inflight_since_ns", "step_done_ns")
+    _CCL_TIMES = ("enter_ns", "exit_ns")
+
+    def __init__(self, limits: ValidationConfig, max_ranks: int = 1_000_000):
+        self.ahead_ns = int(limits.max_clock_skew_s * _NS)
+        self.behind_ns = int(limits.max_record_age_s * _NS)
+        self.skew: dict[tuple[str, int, int], int] = {}  # (job, attempt, rank) -> ns to subtract
+        self._max = max_ranks
+        self.corrected_rows = 0
+
+    def correct_heartbeats(self, table: pa.Table, wall_ns: int) -> pa.Table:
+        if table.num_rows == 0:
+            return table
+        off = _col(table, "ts_ns") - wall_ns
+        wrong = (off > self.ahead_ns) | (off < -self.behind_ns)
+        if not wrong.any() and not self.skew:
+            return table
+        keys = _rank_keys(table)
+        for i, k in enumerate(keys):
+            if wrong[i]:
+                if k not in self.skew and len(self.skew) >= self._max:
+                    self.skew.pop(next(iter(self.skew)))
+                self.skew[k] = int(off[i])
+            else:
+                self.skew.pop(k, None)  # its clock is plausible again: trust it
+        delta = np.where(wrong, off, 0)
+        return self._shift(table, delta, self._HB_TIMES)
+
+    def correct_ccl(self, table: pa.Table) -> pa.Table:
+        if table.num_rows == 0 or not self.skew:
+            return table
+        delta = np.array([self.skew.get(k, 0) for k in _rank_keys(table)], dtype=np.int64)
+        return self._shift(table, delta, self._CCL_TIMES)
+
+    def _shift(self, table: pa.Table, delta: np.ndarray, fields: tuple[str, ...]) -> pa.Table:
+        if not delta.any():
+            return table
+        self.corrected_rows += int((delta != 0).sum())
+        for name in fields:
+            v = _col(table, name)
+            fixed = np.where(v <= 0, v, v - delta)  # -1 (and 0) mean "none" and stay so
+            i = table.column_names.index(name)
+            table = table.set_column(i, table.field(i), pa.array(fixed, type=pa.int64()))
+        return table
+
+
+def _rank_keys(table: pa.Table) -> list[tuple[str, int, int]]:
+    return list(zip(table["job_id"].to_pylist(), _col(table, "attempt").tolist(), _col(table, "rank").tolist()))
+
+
+def worker_clock_skew(ops: pa.Table) -> tuple[float, tuple[int, int], float] | None:
+    """The worker whose clock is furthest off its peers in an op-span window, when it is implausibly far.
+
+    Workers of a synchronous job start every step within one step time of each
+    other (pipeline stages later by their warm-up, a DP rank by its wait). A
+    worker whose step starts sit, at the median over the window's steps, more
+    than two median step times (and at least one second) from the other
+    workers' has a clock that is off, and its spans would stretch the window
+    and its GPU-hours. Returns (offset in s, (dp_rank, pp_rank), threshold in s)
+    or None.
+    """
+    if ops.num_rows == 0:
+        return None
+    end = pc.add(ops["start_ns"], ops["duration_ns"])
+    t = pa.table({"dp": ops["dp_rank"], "pp": ops["pp_rank"], "step": ops["step"], "start": ops["start_ns"],
+                  "end": end})
+    g = t.group_by(["dp", "pp", "step"]).aggregate([("start", "min"), ("end", "max")])
+    if g.num_rows < 2:
+        return None
+    step = g["step"].to_numpy()
+    start = g["start_min"].to_numpy().astype(np.float64)
+    span = g["end_max"].to_numpy().astype(np.float64) - start
+    steps, idx = np.unique(step, return_inverse=True)
+    dev = start - _group_median(idx, start, len(steps))[idx]
+    workers = g["dp"].to_numpy().astype(np.int64) * (1 << 32) + g["pp"].to_numpy().astype(np.int64)
+    ids, widx = np.unique(workers, return_inverse=True)
+    if len(ids) < 2:
+        return None
+    per_worker = _group_median(widx, dev, len(ids))
+    worst = int(np.argmax(np.abs(per_worker)))
+    threshold_ns = max(2.0 * float(np.median(span)), 1e9)
+    if abs(per_worker[worst]) <= threshold_ns:
+        return None
+    wid = int(ids[worst])
+    return per_worker[worst] / 1e9, (wid >> 32, wid & 0xFFFFFFFF), threshold_ns / 1e9
+
+
+def _group_median(group: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """Median of ``values`` per group index 0..n-1 (every group non-empty), in one sort."""
+    order = np.lexsort((values, group))
+    v = values[order]
+    counts = np.bincount(group, minlength=n)
+    first = np.cumsum(counts) - counts
+    return (v[first + (counts - 1) // 2] + v[first + counts // 2]) / 2

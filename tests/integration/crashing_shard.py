@@ -1,0 +1,73 @@
+"""A shard in its own process, over messages and a store kept in files, whose decoder segfaults on one payload.
+
+Used by ``test_poison_quarantine``: it stands for a native-library crash that no
+``try`` can catch. The process dies for real (SIGSEGV); the next run of this
+script is the shard's restart.
+
+    python crashing_shard.py MESSAGES.pickle STORE.pickle STATE_DIR
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import sys
+
+from ingest import schema as S
+from ray_jobs.shard import ShardWorker
+from stragglerscope.config import Config
+from tests.fakes import FakeSink, FakeSource
+
+POISON = b"SEGFAULT-ON-DECODE"
+
+
+class FileSink(FakeSink):
+    """FakeSink whose rows and offsets survive the process: written to a file at every flush."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                self.rows, self.offsets = pickle.load(f)
+
+    def flush(self):
+        super().flush()
+        tmp = self.path + ".tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump((self.rows, self.offsets), f)
+        os.replace(tmp, self.path)
+
+    def store_offsets(self, source_id, offsets):
+        super().store_offsets(source_id, offsets)
+        self.flush()
+
+
+def main() -> int:
+    messages_path, store_path, state_dir = sys.argv[1:4]
+    with open(messages_path, "rb") as f:
+        messages = pickle.load(f)
+    real_decode = S.decode
+
+    def decode(payload: bytes):
+        if payload.startswith(POISON):
+            ctypes.string_at(0)  # a read of address 0: SIGSEGV, as a native bug would
+        return real_decode(payload)
+
+    S.decode = decode
+    cfg = Config().replace(pipeline={"idle_timeout_s": 1.0, "commit_interval_s": 0.0, "state_dir": state_dir},
+                           alerts={"min_gpus": 1})
+    src, sink = FakeSource(messages, batch=2), FileSink(store_path)
+    clock = [0.0]
+    w = ShardWorker(0, [0], cfg, "crashing", consumer_factory=lambda: src, sink_factory=lambda: sink,
+                    clock=lambda: clock[0])
+    w.setup()
+    for i in range(30):
+        clock[0] = i * 0.5
+        w.step(poll_timeout_ms=0)
+    w.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
