@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -25,7 +26,7 @@ from stragglerscope.config import Config
 from tests.fakes import FakeSink, FakeSource
 
 STEPS = 2
-NOW_NS = 1_800_000_000 * 10**9  # the shard's wall clock in this test (2027)
+NOW_NS = time.time_ns() // 10**9 * 10**9  # the shard's wall clock (the real one, for the pipeline test)
 T0 = NOW_NS - 3600 * 10**9  # the jobs ran an hour ago
 HOUR_NS = 3600 * 10**9
 
@@ -123,9 +124,11 @@ def clock_skewed_window(job_id="skewed") -> pa.Table:
 
 
 def foreign_optimizers() -> pa.Table:
-    """The optimizer ops of an 8 x 4 layout, sent under the 2 x 2 good job: they used to close its window."""
+    """Optimizer ops of workers outside the 2 x 2 good job's layout, under its key: they used to close its
+    window early as failed and drop its real ops as late. (Ops inside the layout look like real data.)"""
     t = ops("good", dp=8, pp=4)
-    return t.filter(pc.and_(pc.equal(t["optype"], "optimizer"), pc.equal(t["step"], t["step"][0])))
+    outside = pc.or_(pc.greater_equal(t["dp_rank"], 2), pc.greater_equal(t["pp_rank"], 2))
+    return t.filter(pc.and_(pc.and_(pc.equal(t["optype"], "optimizer"), pc.equal(t["step"], t["step"][0])), outside))
 
 
 # (case, topic, key, payload, expected outcome). Outcome: a substring of the dead letter's reason, or
