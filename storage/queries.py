@@ -61,10 +61,13 @@ WHERE_FLEET = (
     "AND n_gpus >= {min_gpus:Int32} "
     "AND ({job_id:String} = '' OR job_id = {job_id:String})"
 )
+# Fleet statistics over windows count analysed windows only: a failed, flagged (clock skew) or
+# CCL-only window has S = NaN and 0 GPU-hours, and one of them would turn every mean into NaN.
+WHERE_WINDOWS = WHERE_FLEET + " AND isFinite(slowdown)"
 JOB_S = ("if(sum(step_time_ideal * n_steps) > 0, sum(step_time_sim * n_steps) / sum(step_time_ideal * n_steps), "
          "avg(slowdown))")
 PER_JOB = (f"SELECT job_id, count() AS n_windows, {JOB_S} AS s, sum(gpu_hours) AS gh, "
-           f"sum(wasted_gpu_hours) AS wh FROM windows WHERE {WHERE_FLEET} GROUP BY job_id")
+           f"sum(wasted_gpu_hours) AS wh FROM windows WHERE {WHERE_WINDOWS} GROUP BY job_id")
 AGG = ("uniqExact(job_id) AS n_jobs, count() AS n_windows, sum(gpu_hours) AS gh, sum(wasted_gpu_hours) AS wh, "
        "avg(slowdown) AS mean_s")
 AGG_OUT = ("n_jobs AS jobs, n_windows AS windows, gh AS gpu_hours, wh AS wasted_gpu_hours, "
@@ -74,7 +77,7 @@ AGG_OUT = ("n_jobs AS jobs, n_windows AS windows, gh AS gpu_hours, wh AS wasted_
 def _wasted_by(key_expr: str, key: str, order: str = "wh DESC", outer_expr: str = "") -> str:
     """Aggregates per ``key_expr`` (named ``key``); ``outer_expr`` relabels keys after grouping (cheaper)."""
     return (f"SELECT {outer_expr or key} AS {key}, {AGG_OUT} FROM (SELECT {key_expr} AS g, {AGG} FROM windows "
-            f"WHERE {WHERE_FLEET} GROUP BY g) ORDER BY {order}, {key}")
+            f"WHERE {WHERE_WINDOWS} GROUP BY g) ORDER BY {order}, {key}")
 
 
 _QUERIES = [
@@ -114,7 +117,7 @@ _QUERIES = [
     NamedQuery(
         "waste_share",
         "SELECT gh AS gpu_hours, wh AS wasted_gpu_hours, if(gh > 0, wh / gh, nan) AS share FROM ("
-        f"SELECT sum(gpu_hours) AS gh, sum(wasted_gpu_hours) AS wh FROM windows WHERE {WHERE_FLEET})",
+        f"SELECT sum(gpu_hours) AS gh, sum(wasted_gpu_hours) AS wh FROM windows WHERE {WHERE_WINDOWS})",
         FLEET,
         "share of GPU-hours wasted by stragglers (sum W x GPU-hours over GPU-hours)",
     ),
@@ -146,7 +149,7 @@ _QUERIES = [
         "gh AS gpu_hours, wh AS wasted_gpu_hours, s AS slowdown, if(gh > 0, wh / gh, nan) AS waste_share FROM ("
         "SELECT job_id, argMax(team, analyzed_ns) AS last_team, argMax(model, analyzed_ns) AS last_model, "
         f"max(n_gpus) AS max_gpus, count() AS n_windows, {JOB_S} AS s, sum(gpu_hours) AS gh, "
-        f"sum(wasted_gpu_hours) AS wh FROM windows WHERE {WHERE_FLEET} GROUP BY job_id) "
+        f"sum(wasted_gpu_hours) AS wh FROM windows WHERE {WHERE_WINDOWS} GROUP BY job_id) "
         "ORDER BY wh DESC, job_id LIMIT {limit:UInt64}",
         FLEET + (_limit(20),),
         "jobs that wasted the most GPU-hours, with S_job",
@@ -199,7 +202,7 @@ _QUERIES = [
         # The fleet filters apply to both; a fault counts in the week it started.
         "SELECT week, cause, sum(gh) AS gpu_hours FROM ("
         "SELECT toMonday(toDate(toDateTime(intDiv(analyzed_ns, 1000000000), 'UTC'))) AS week, "
-        "'stragglers' AS cause, sum(wasted_gpu_hours) AS gh FROM windows WHERE " + WHERE_FLEET + " GROUP BY week "
+        "'stragglers' AS cause, sum(wasted_gpu_hours) AS gh FROM windows WHERE " + WHERE_WINDOWS + " GROUP BY week "
         "UNION ALL SELECT week, cause, gh FROM ("
         "SELECT toMonday(toDate(toDateTime(intDiv(fault_start_ns, 1000000000), 'UTC'))) AS week, "
         "sum(detect_gpu_hours) AS d, sum(diagnose_gpu_hours) AS g, sum(isolate_gpu_hours) AS i, "
@@ -234,7 +237,7 @@ _QUERIES = [
         "SELECT job_id, any(team) AS t, any(model) AS m, max(n_gpus) AS g, "
         "sum(mfu * step_time_actual * n_steps) / sum(step_time_actual * n_steps) AS a, "
         "sum(mfu_ideal * step_time_actual * n_steps) / sum(step_time_actual * n_steps) AS i "
-        "FROM windows WHERE " + WHERE_FLEET + " AND mfu > 0 AND step_time_actual > 0 "
+        "FROM windows WHERE " + WHERE_WINDOWS + " AND mfu > 0 AND step_time_actual > 0 "
         "GROUP BY job_id) ORDER BY mfu, job_id LIMIT {limit:UInt64}",
         FLEET + (_limit(100_000),),
         "per job: time-weighted MFU achieved and what the straggler-free ideal would reach (jobs with FLOPs info)",
@@ -247,7 +250,7 @@ _QUERIES = [
         "SELECT arrayJoin([(0, toInt32(floor(a * {bins:Float64}))), (1, toInt32(floor(i * {bins:Float64})))]) AS p "
         "FROM (SELECT sum(mfu * step_time_actual * n_steps) / sum(step_time_actual * n_steps) AS a, "
         "sum(mfu_ideal * step_time_actual * n_steps) / sum(step_time_actual * n_steps) AS i "
-        "FROM windows WHERE " + WHERE_FLEET + " AND mfu > 0 AND step_time_actual > 0 GROUP BY job_id))) "
+        "FROM windows WHERE " + WHERE_WINDOWS + " AND mfu > 0 AND step_time_actual > 0 GROUP BY job_id))) "
         "GROUP BY b ORDER BY b",
         FLEET + (ParamSpec("bins", "Float64", 50.0, "bins per unit of MFU (50: 2% wide)"),),
         "how many jobs reach each MFU, achieved and without stragglers",
