@@ -18,7 +18,7 @@ from ingest import schema as S
 from ingest.broker import LocalBroker, ensure_topics
 from ray_jobs.analysis import analyze_window
 from ray_jobs.windows import JobInfo
-from tests.unit.test_bad_input import CASES, GOOD, T0, ops, raw, spec
+from tests.unit.test_bad_input import CASES, GOOD, T0, letter_of, ops, raw, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -73,14 +73,14 @@ def test_the_campaign_through_a_real_pipeline(ray_local, tmp_path):
         finally:
             pipe.stop()
         windows = {r["job_id"]: r for r in store.query("SELECT * FROM windows").to_pylist()}
-        letters = store.query("SELECT source_topic, key, reason FROM dead_letters").to_pylist()
+        letters = store.query("SELECT source_topic, key, reason, payload_hex FROM dead_letters").to_pylist()
         store.close()
     assert all(not s.get("unavailable") and not s.get("error") for s in status), status
     assert sum(s["clock_corrected_rows"] for s in status) >= 2
     for name, topic, key, _payload, want in CASES:
         if isinstance(want, str):
-            assert any(r["source_topic"] == topic and r["key"] == (key or "") and want in r["reason"]
-                       for r in letters), (name, [r["reason"] for r in letters if r["key"] == (key or "")])
+            got = letter_of(letters, topic, key, _payload)
+            assert got and want in got, (name, got)
         elif want[0] == "window":
             assert want[1] in windows[key]["verdict"], (name, windows[key])
             assert windows[key]["gpu_hours"] == 0 and math.isnan(windows[key]["slowdown"])
