@@ -187,6 +187,14 @@ CASES = [
     ("heartbeat of a negative rank", HB, "bad", raw(heartbeat(rank=-2)), "rank outside"),
     ("checkpoint of an unknown kind", CKPT, "bad", raw(checkpoint(kind="snapshot")), "kind other than save"),
     ("checkpoint of 2^62 ns", CKPT, "bad", raw(checkpoint(duration_ns=1 << 62)), "duration negative or over"),
+    ("checkpoint of a negative rank", CKPT, "bad", raw(checkpoint(rank=-1)), "rank outside"),
+    ("CCL of negative bytes", CCL, "bad", raw(ccl(rank=1).set_column(
+        ccl().column_names.index("nbytes"), pa.field("nbytes", pa.int64()), pa.array([-1], pa.int64()))),
+     "negative nbytes"),
+    ("registration of a negative attempt", JOBS, "bad", raw(reg(attempt=-1)), "negative attempt"),
+    ("registration stamped before 1970", JOBS, "bad", raw(reg(ts_ns=-5)), "ts_ns outside"),
+    ("op span of global rank 99 in a 2 x 2 job", OPS, "good", raw(first_row(ops("good", window=500), "rank", 99).slice(0, 1)),
+     "rank outside the registered layout"),
     ("heartbeat clock in 1970", HB, "hb1970", raw(heartbeat("hb1970", ts_ns=10**9, last_op_end_ns=5 * 10**8,
                                                           step_done_ns=5 * 10**8)), ("corrected", None)),
     ("heartbeat clock 3 h ahead", HB, "hbahead", raw(heartbeat("hbahead", ts_ns=NOW_NS + 3 * HOUR_NS)),
@@ -253,7 +261,7 @@ def campaign():
 
 
 def test_the_campaign_has_at_least_fifty_kinds_of_bad_input():
-    assert len(CASES) >= 45 and len({c[0] for c in CASES}) == len(CASES)
+    assert len(CASES) >= 50 and len({c[0] for c in CASES}) == len(CASES)
 
 
 def test_bad_input_never_costs_the_good_job_its_exact_result(campaign, baseline):
