@@ -28,7 +28,28 @@ DEFAULT_PARTITIONS = 8
 
 
 class BrokerError(RuntimeError):
-    """The broker could not be started or reached; the message says why."""
+    """The broker could not be started or reached, or its topics do not fit; the message says why.
+
+    One line fit for a command line, with any password it would show
+    replaced by ``***`` (``stragglerscope.redact``).
+    """
+
+    def __init__(self, message: object = "broker error") -> None:
+        from stragglerscope.redact import redact
+
+        super().__init__(redact(" ".join(str(message).split()))[:2000])
+
+
+class OffsetsAheadError(BrokerError):
+    """Stored offsets are beyond the end of their partitions: the broker lost records (restarted empty,
+    topic deleted and re-created). ``ahead`` maps (topic, partition) to (stored, end)."""
+
+    def __init__(self, message: str, ahead: dict[tuple[str, int], tuple[int, int]]):
+        super().__init__(message)
+        self.ahead = ahead
+
+    def __reduce__(self):
+        return type(self), (str(self), self.ahead)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -136,28 +157,206 @@ class LocalBroker:
         self.stop()
 
 
-def ensure_topics(bootstrap: str, topics: Iterable[str], partitions: int = DEFAULT_PARTITIONS,
-                  timeout_s: float = 20.0) -> None:
-    """Create the topics that do not exist yet (idempotent)."""
+def no_auto_create(client) -> None:
+    """Stop a kafka-python consumer or producer from creating topics by asking about them.
+
+    ``allow_auto_create_topics=False`` is the documented setting, but
+    kafka-python 3.0 does not hand it on to the client's metadata object, and
+    Tansu then creates any topic a metadata request names, with its default
+    partition count. A topic created that way hides a lost or misconfigured
+    topic (a re-created topic with the wrong partition count lost windows
+    silently), so the setting is put where the requests are built.
+    """
+    for path in (("_client", "cluster"), ("_metadata",)):
+        obj = client
+        for attr in path:
+            obj = getattr(obj, attr, None)
+        config = getattr(obj, "config", None)
+        if isinstance(config, dict) and "allow_auto_create_topics" in config:
+            config["allow_auto_create_topics"] = False
+
+
+def _reason(e: BaseException) -> str:
+    """``Type: message`` of a client error, once (kafka-python's messages often start with their type)."""
+    text = str(e).strip() or type(e).__name__
+    return text if text.startswith(type(e).__name__) else f"{type(e).__name__}: {text}"
+
+
+def _admin(bootstrap: str, timeout_s: float):
     from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+
+    opts = dict(bootstrap_servers=bootstrap, client_id="stragglerscope-admin", request_timeout_ms=int(timeout_s * 1000))
+    if "bootstrap_timeout_ms" in KafkaAdminClient.DEFAULT_CONFIG:  # kafka-python >= 3.0.10
+        opts["bootstrap_timeout_ms"] = int(timeout_s * 1000)
+    try:
+        return KafkaAdminClient(**opts)
+    except KafkaError as e:
+        raise BrokerError(f"cannot reach Kafka at {bootstrap}: {_reason(e)}") from None
+
+
+def topic_partitions(bootstrap: str, topics: Iterable[str], timeout_s: float = 20.0) -> dict[str, int]:
+    """Partition count of each of ``topics`` that exists (absent ones are left out); creates nothing."""
+    from kafka.errors import KafkaError
+
+    topics = list(topics)
+    admin = _admin(bootstrap, timeout_s)
+    try:
+        return _describe(admin, topics)
+    except KafkaError as e:
+        raise BrokerError(f"cannot describe topics at {bootstrap}: {_reason(e)}") from None
+    finally:
+        admin.close()
+
+
+def _describe(admin, topics: list[str]) -> dict[str, int]:
+    out = {}
+    for t in admin.describe_topics(topics):
+        if t.get("error_code", 0) == 0 and t.get("partitions"):
+            out[t["name"]] = len(t["partitions"])
+    return out
+
+
+def ensure_topics(bootstrap: str, topics: Iterable[str], partitions: int = DEFAULT_PARTITIONS,
+                  timeout_s: float = 20.0, replication_factor: int = 1) -> dict[str, int]:
+    """Create the topics that do not exist yet (idempotent); returns every topic's partition count.
+
+    New topics get ``partitions`` partitions and ``replication_factor``
+    replicas. Existing topics are left as they are: ``check_partitions``
+    says whether their counts fit the configuration.
+    """
     from kafka.admin import NewTopic
     from kafka.errors import KafkaError, TopicAlreadyExistsError
 
+    topics = list(dict.fromkeys(topics))
+    admin = _admin(bootstrap, timeout_s)
     try:
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="stragglerscope-admin",
-                                 request_timeout_ms=int(timeout_s * 1000))
-    except KafkaError as e:
-        raise BrokerError(f"cannot reach Kafka at {bootstrap}: {e}") from None
-    try:
-        existing = set(admin.list_topics())
-        new = [NewTopic(t, num_partitions=partitions, replication_factor=1) for t in topics if t not in existing]
+        counts = _describe(admin, topics)
+        new = [NewTopic(t, num_partitions=partitions, replication_factor=replication_factor)
+               for t in topics if t not in counts]
         if new:
             try:
                 admin.create_topics(new)
             except TopicAlreadyExistsError:
                 pass
+            counts = _describe(admin, topics)
+    except KafkaError as e:
+        raise BrokerError(f"cannot create topics at {bootstrap}: {_reason(e)}") from None
     finally:
         admin.close()
+    missing = [t for t in topics if t not in counts]
+    if missing:
+        raise BrokerError(f"topics {', '.join(missing)} do not exist at {bootstrap} and could not be created")
+    return counts
+
+
+def check_partitions(counts: dict[str, int], topics: Iterable[str], configured: int) -> int:
+    """The partition count the input ``topics`` share; BrokerError when it cannot be used.
+
+    Every record of a job goes to the same partition index of every topic,
+    and shard ``i`` reads the partitions ``p % shards == i`` of all of them:
+    so the topics must share one count. Fewer partitions than ``configured``
+    means topics created by someone else (a broker's auto-creation, a
+    restarted broker); more is fine (every partition is read).
+    """
+    topics = list(topics)
+    missing = [t for t in topics if t not in counts]
+    if missing:
+        raise BrokerError(f"input topic {missing[0]} does not exist (create it with {configured} partitions, "
+                          "or start `stragglerscope run`, which creates missing topics)")
+    for t in topics:
+        if counts[t] < configured:
+            raise BrokerError(
+                f"topic {t} has {counts[t]} partitions, fewer than kafka.partitions = {configured}: it was "
+                f"not created by stragglerscope (a broker's auto-creation or a restarted broker?); add "
+                f"partitions (kafka-topics.sh --alter --topic {t} --partitions {configured}) or delete the "
+                f"topic so that it is created again, or set kafka.partitions = {counts[t]} if that is intended")
+    distinct = sorted({counts[t] for t in topics})
+    if len(distinct) > 1:
+        listing = ", ".join(f"{t} {counts[t]}" for t in topics)
+        raise BrokerError(f"the input topics have different partition counts ({listing}): a job's records "
+                          f"must reach one shard, so give every input topic {distinct[-1]} partitions")
+    return distinct[0]
+
+
+def prepare_topics(bootstrap: str, partitions: int, replication_factor: int = 1, outputs: bool = True,
+                   timeout_s: float = 20.0) -> int:
+    """Create stragglerscope's missing topics; return the input topics' partition count (``check_partitions``).
+
+    ``outputs``: the dead-letter and alert topics too (the pipeline writes them; exporters do not).
+    """
+    from ingest import schema as S
+
+    topics = S.INPUT_TOPICS + ((S.TOPIC_DEAD_LETTER, S.TOPIC_ALERTS) if outputs else ())
+    counts = ensure_topics(bootstrap, topics, partitions, timeout_s, replication_factor=replication_factor)
+    return check_partitions(counts, S.INPUT_TOPICS, partitions)
+
+
+def end_offsets(bootstrap: str, partitions: Iterable[tuple[str, int]],
+                timeout_s: float = 20.0) -> dict[tuple[str, int], int | None]:
+    """Each partition's end offset (the offset its next record gets); None for one that does not exist.
+
+    Read from fetch answers (their high watermark), not ListOffsets: Tansu
+    0.6 answers ListOffsets(latest) with the last batch's first offset + 1,
+    short of the end whenever that batch holds several records. One small
+    fetch per partition, from its beginning. Creates nothing.
+    """
+    from kafka import KafkaConsumer, TopicPartition
+    from kafka.errors import KafkaError, OffsetOutOfRangeError
+
+    partitions = list(dict.fromkeys(partitions))
+    if not partitions:
+        return {}
+    counts = topic_partitions(bootstrap, {t for t, _ in partitions}, timeout_s)
+    present = [TopicPartition(t, p) for t, p in partitions if p < counts.get(t, 0)]
+    out: dict[tuple[str, int], int | None] = {tp: None for tp in partitions}
+    if not present:
+        return out
+    try:
+        consumer = KafkaConsumer(bootstrap_servers=bootstrap, client_id="stragglerscope-admin", group_id=None,
+                                 enable_auto_commit=False, auto_offset_reset="none", allow_auto_create_topics=False,
+                                 max_partition_fetch_bytes=1024, fetch_max_bytes=64 << 10)
+    except KafkaError as e:
+        raise BrokerError(f"cannot reach Kafka at {bootstrap}: {_reason(e)}") from None
+    no_auto_create(consumer)
+    try:
+        consumer.assign(present)
+        deadline = time.monotonic() + timeout_s
+        pending = set(present)
+        restart = present
+        while pending:
+            for ktp, off in consumer.beginning_offsets(restart).items():
+                consumer.seek(ktp, off)
+            restart = []
+            try:
+                consumer.poll(timeout_ms=200)
+            except OffsetOutOfRangeError as e:  # trimmed between the two requests: start again
+                restart = [k for k in (e.args[0] if e.args else {}) if k in pending]
+            for ktp in list(pending):
+                hw = consumer.highwater(ktp)
+                if hw is not None:
+                    out[(ktp.topic, ktp.partition)] = hw
+                    pending.discard(ktp)
+                    consumer.pause(ktp)
+            if pending and time.monotonic() > deadline:
+                raise BrokerError(f"no fetch answer from Kafka at {bootstrap} for {len(pending)} partitions "
+                                  f"within {timeout_s:.0f} s (e.g. {next(iter(pending))})")
+    except KafkaError as e:
+        raise BrokerError(f"cannot read end offsets at {bootstrap}: {_reason(e)}") from None
+    finally:
+        consumer.close()
+    return out
+
+
+def offsets_ahead(stored: dict[tuple[str, int], int],
+                  ends: dict[tuple[str, int], int | None]) -> dict[tuple[str, int], tuple[int, int]]:
+    """The partitions whose stored offset is beyond their end (a missing partition's end is 0)."""
+    out = {}
+    for tp, off in sorted(stored.items()):
+        end = ends.get(tp) or 0
+        if off > end:
+            out[tp] = (off, end)
+    return out
 
 
 def check_reachable(bootstrap: str, timeout_s: float = 5.0) -> None:

@@ -108,15 +108,21 @@ class TelemetryProducer:
     def _default_factory(self):
         from kafka import KafkaProducer
 
+        from ingest.broker import no_auto_create
+
         timeout_ms = int(self._delivery_timeout_s * 1000)
         # Idempotent: the broker drops a batch the client retries after a lost acknowledgement.
-        return KafkaProducer(
+        # No auto-created topics: one the broker made up (its default partition count) would hide that
+        # the real one is missing; until it is created, sends fail and are spooled (or dropped).
+        client = KafkaProducer(
             bootstrap_servers=self.bootstrap, client_id=self.client_id, acks="all", enable_idempotence=True,
             linger_ms=self._linger_ms,
             max_request_size=max(S.MAX_MESSAGE_BYTES + 65536, 1 << 20), retries=3,
             request_timeout_ms=min(timeout_ms, 5000), delivery_timeout_ms=max(timeout_ms, 5000 + self._linger_ms),
-            max_block_ms=5000,
+            max_block_ms=5000, allow_auto_create_topics=False,
         )
+        no_auto_create(client)
+        return client
 
     @property
     def spooled(self) -> int:
@@ -274,7 +280,9 @@ class TelemetryProducer:
             try:
                 self._client = self._factory()
             except Exception as e:  # broker down: the caller spools or drops
-                log.warning("producer cannot connect to %s: %s", self.bootstrap, e)
+                from stragglerscope.redact import redact
+
+                log.warning("producer cannot connect to %s: %s", redact(self.bootstrap), redact(e))
                 return None
         return self._client
 

@@ -50,46 +50,167 @@ class KafkaSource:
     beginning). ``advance(tp, next_offset)`` records that everything before
     ``next_offset`` was handled; ``positions()`` returns those, which the shard
     turns into committable offsets once results are stored.
+
+    The source never creates a topic and never skips records silently. A
+    partition it cannot read as it should is paused, logged once (a warning)
+    and listed in ``problems`` (one line each, for the shard's status) until
+    the source is set up again: a partition that does not exist (a topic
+    deleted or re-created with fewer partitions), a topic re-created under
+    the source (its topic id changed: the broker restarted empty), a position
+    beyond the partition's end (the broker lost records; reading on would
+    skip the records it now gives those offsets). Records that expired
+    before they were read (position before the beginning) are logged and
+    skipped: nothing can bring them back. ``poll``, ``positions`` and ``lag``
+    never raise for such a partition; the others are read on.
     """
 
+    PROBLEM_HINT = "stop the pipeline; `stragglerscope offsets show` and README (Broker lost data) tell what to do"
+
     def __init__(self, bootstrap: str, topics: Iterable[str], partitions: Iterable[int],
-                 client_id: str = "stragglerscope-shard", max_poll_records: int = 500):
+                 client_id: str = "stragglerscope-shard", max_poll_records: int = 500,
+                 check_interval_s: float = 2.0):
         self.bootstrap = bootstrap
         self.topics = tuple(topics)
         self.partitions = tuple(partitions)
         self.client_id = client_id
         self.max_poll_records = max_poll_records
+        self.check_interval_s = check_interval_s
         self._consumer = None
         self._producer = None
         self._positions: dict[TopicPartition, int] = {}
         self._end: dict[TopicPartition, int] = {}
         self._end_checked = 0.0
+        self._problems: dict[TopicPartition, str] = {}
+        self._topic_ids: dict[str, Any] = {}
 
     def setup(self) -> None:
         from kafka import KafkaConsumer, TopicPartition as KTP
 
+        from ingest.broker import no_auto_create
+
         self._KTP = KTP
         self._consumer = KafkaConsumer(
             bootstrap_servers=self.bootstrap, client_id=self.client_id, group_id=None,
-            enable_auto_commit=False, auto_offset_reset="earliest",
+            enable_auto_commit=False, auto_offset_reset="none", allow_auto_create_topics=False,
             max_poll_records=self.max_poll_records, fetch_max_bytes=16 << 20,
-            max_partition_fetch_bytes=4 << 20,
+            max_partition_fetch_bytes=4 << 20, metadata_max_age_ms=30_000,
         )
+        no_auto_create(self._consumer)
         self._tps = [KTP(t, p) for t in self.topics for p in self.partitions]
         self._consumer.assign(self._tps)
+        self._problems, self._end = {}, {}
+
+    @property
+    def problems(self) -> list[str]:
+        """One line per partition that is not being read, and why; empty when all is well."""
+        return [self._problems[tp] for tp in sorted(self._problems)]
+
+    def _problem(self, tp: TopicPartition, what: str) -> None:
+        """Pause ``tp`` and report it (once)."""
+        if tp in self._problems:
+            return
+        self._problems[tp] = f"{tp[0]}[{tp[1]}]: {what}"
+        with _suppress_kafka():
+            self._consumer.pause(self._KTP(*tp))
+        log.warning("not reading %s[%d] any more: %s; %s", tp[0], tp[1], what, self.PROBLEM_HINT)
+
+    def _cluster(self):
+        """kafka-python's metadata cache of the consumer (None where the client has none)."""
+        return getattr(getattr(self._consumer, "_client", None), "cluster", None)
+
+    def _existing(self, fresh: bool = False) -> list:
+        """Assigned partitions the broker has; the others become problems.
+
+        ``fresh``: ask the broker (the consumer's public call, which blocks
+        until metadata arrives: only at setup); else the consumer's metadata
+        cache, which it refreshes every 30 s and after errors, so a loop
+        iteration never waits on a broker that is away.
+        """
+        out = []
+        cluster = self._cluster()
+        for topic in self.topics:
+            parts = None
+            with _suppress_kafka():
+                if fresh or not hasattr(cluster, "partitions_for_topic"):
+                    parts = self._consumer.partitions_for_topic(topic)
+                else:
+                    parts = cluster.partitions_for_topic(topic)
+            for ktp in self._tps:
+                if ktp.topic != topic:
+                    continue
+                if not parts:
+                    self._problem((topic, ktp.partition), "the topic does not exist on the broker any more")
+                elif ktp.partition not in parts:
+                    self._problem((topic, ktp.partition), f"the topic has only {len(parts)} partitions now")
+                elif (topic, ktp.partition) not in self._problems:
+                    out.append(ktp)
+        return out
+
+    def _topic_id(self, topic: str):
+        get = getattr(self._cluster(), "topic_id", None)
+        return get(topic) if get else None
+
+    def _check_topic_ids(self) -> None:
+        """A topic whose id changed was deleted and created again: the offsets we hold mean other records."""
+        for topic in self.topics:
+            now = self._topic_id(topic)
+            was = self._topic_ids.setdefault(topic, now)
+            if was is None and now is not None:
+                self._topic_ids[topic] = now
+            elif now is not None and now != was:
+                for ktp in self._tps:
+                    if ktp.topic == topic:
+                        self._problem((topic, ktp.partition), "the topic was deleted and created again "
+                                      "(its topic id changed; the broker lost its records?)")
 
     def seek(self, stored: dict[TopicPartition, int]) -> None:
         if self._consumer is None:
             self.setup()
-        begin = self._consumer.beginning_offsets(self._tps)
+        present = self._existing(fresh=True)
+        begin = self._offsets("beginning", present, strict=True)  # a failure here fails the setup, as before
+        self._end = self._offsets("end", present)  # lag before the first fetch; never a loss verdict
         for ktp in self._tps:
             tp = (ktp.topic, ktp.partition)
-            off = max(stored.get(tp, 0), begin.get(ktp, 0) or 0)
+            off = stored.get(tp, 0)
+            if tp in begin and off < begin[tp]:
+                if off > 0:
+                    log.warning("%s[%d]: records %d to %d expired before they were read (retention); "
+                                "reading on from %d", tp[0], tp[1], off, begin[tp] - 1, begin[tp])
+                off = begin[tp]
+            elif tp not in self._problems and tp not in begin:
+                self._problem(tp, "its offsets could not be read")
+            # Every assigned partition gets a position, paused ones too (the consumer wants one for each).
+            # One beyond the end shows at the first fetch: an error (Kafka) or a high watermark below it (Tansu).
             self._consumer.seek(ktp, off)
             self._positions[tp] = off
+        for topic in self.topics:
+            self._topic_ids[topic] = self._topic_id(topic)
+
+    def _offsets(self, which: str, ktps: list, strict: bool = False) -> dict[TopicPartition, int]:
+        if not ktps:
+            return {}
+        fn = self._consumer.beginning_offsets if which == "beginning" else self._consumer.end_offsets
+        try:
+            got = fn(ktps)
+        except Exception as e:  # noqa: BLE001 - a partition that went away between metadata and request
+            if strict:
+                raise
+            log.warning("reading the %s offsets of %d partitions failed: %s", which, len(ktps), e)
+            return {}
+        return {(k.topic, k.partition): v for k, v in got.items() if v is not None}
 
     def poll(self, timeout_ms: int) -> list[Message]:
-        got = self._consumer.poll(timeout_ms=timeout_ms)
+        from kafka.errors import KafkaError, OffsetOutOfRangeError
+
+        try:
+            got = self._consumer.poll(timeout_ms=timeout_ms)
+        except OffsetOutOfRangeError as e:
+            self._out_of_range(e.args[0] if e.args and isinstance(e.args[0], dict) else {})
+            return []
+        except (KafkaError, KeyError) as e:  # a partition vanished under the fetcher
+            log.warning("poll failed: %s: %s", type(e).__name__, e)
+            self._existing()
+            return []
         out = []
         for ktp, records in got.items():
             for r in records:
@@ -97,6 +218,23 @@ class KafkaSource:
         # Registrations first: a window can then see its job's layout in the same batch.
         out.sort(key=lambda m: m.topic != S.TOPIC_JOBS)
         return out
+
+    def _out_of_range(self, fetched: dict) -> None:
+        """The broker refused a fetch position: before the beginning the records expired, beyond the end it lost them."""
+        ktps = [k for k in fetched if (k.topic, k.partition) not in self._problems]
+        begin = self._offsets("beginning", ktps)
+        for ktp in ktps:
+            tp = (ktp.topic, ktp.partition)
+            pos = fetched[ktp]
+            if tp not in begin:
+                self._problem(tp, "its offsets could not be read")
+            elif pos < begin[tp]:
+                log.warning("%s[%d]: records %d to %d expired before they were read (retention); reading on "
+                            "from %d", tp[0], tp[1], pos, begin[tp] - 1, begin[tp])
+                self._consumer.seek(ktp, begin[tp])
+                self.advance(tp, begin[tp])
+            else:
+                self._problem(tp, f"the position {pos} is beyond its end: the broker lost records")
 
     def advance(self, tp: TopicPartition, next_offset: int) -> None:
         if next_offset > self._positions.get(tp, -1):
@@ -106,23 +244,50 @@ class KafkaSource:
         return dict(self._positions)
 
     def lag(self) -> int:
-        """Records not yet handled, from the latest end offsets (refreshed every 2 s)."""
+        """Records not yet handled: each partition's high watermark (from the latest fetch) minus its position.
+
+        High watermarks come with every fetch answer and, unlike Tansu's answer
+        to ListOffsets (the last batch's first offset + 1), are exact. A high
+        watermark below the position means the broker lost records. Every
+        ``check_interval_s`` the metadata is checked too: partitions that went
+        away, topics created again under us (see the class doc).
+        """
         now = time.monotonic()
-        if now - self._end_checked > 2.0:
+        if now - self._end_checked > self.check_interval_s:
             self._end_checked = now
             try:
-                ends = self._consumer.end_offsets(self._tps)
-                self._end = {(k.topic, k.partition): v for k, v in ends.items()}
-            except Exception as e:  # a lag figure is not worth failing the loop for
-                log.debug("end_offsets failed: %s", e)
-        return sum(max(0, end - self._positions.get(tp, 0)) for tp, end in self._end.items())
+                self._check_topic_ids()
+                self._existing()
+            except Exception as e:  # noqa: BLE001 - a check is not worth failing the loop for
+                log.debug("partition check failed: %s", e)
+        total = 0
+        for ktp in self._tps:
+            tp = (ktp.topic, ktp.partition)
+            if tp in self._problems:
+                continue
+            try:
+                hw = self._consumer.highwater(ktp)
+            except (KeyError, AssertionError, AttributeError):  # not assigned any more
+                hw = None
+            pos = self._positions.get(tp, 0)
+            if hw is not None and hw < pos:
+                self._problem(tp, f"its end {hw} is behind the position {pos}: the broker lost records")
+                continue
+            # Before the first fetch answer: the end ListOffsets gave at seek(), a lower bound on Tansu.
+            end = hw if hw is not None else self._end.get(tp)
+            total += max(0, end - pos) if end is not None else 0
+        return total
 
     def _producer_client(self):
         if self._producer is None:
             from kafka import KafkaProducer
 
+            from ingest.broker import no_auto_create
+
+            # max_block_ms: a missing topic (the broker lost it) costs the loop seconds, not a minute.
             self._producer = KafkaProducer(bootstrap_servers=self.bootstrap, client_id=self.client_id + "-out",
-                                           acks=1, linger_ms=5)
+                                           acks=1, linger_ms=5, allow_auto_create_topics=False, max_block_ms=3000)
+            no_auto_create(self._producer)
         return self._producer
 
     def dead_letter(self, msg: Message, reason: str) -> None:
@@ -152,6 +317,23 @@ class KafkaSource:
                 except Exception:
                     pass
         self._consumer = self._producer = None
+
+
+class _suppress_kafka:
+    """Swallow kafka-python's errors (and its KeyErrors for vanished partitions) around a best-effort call."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        if exc is None:
+            return False
+        from kafka.errors import KafkaError
+
+        if isinstance(exc, (KafkaError, KeyError)):
+            log.debug("ignored: %s: %s", type(exc).__name__, exc)
+            return True
+        return False
 
 
 class ResultWriter:

@@ -1,12 +1,18 @@
 """The pipeline's entry point: Ray, the shard actors, and their health.
 
-``Pipeline(cfg, source_id).start()`` connects to Ray (or starts a local one
-bound to 127.0.0.1), creates ``cfg.pipeline.shards`` shard actors, each
-owning the partitions ``p`` with ``p % shards == index`` of every input topic
-(all input topics have the same partition count, and records are keyed by
-job, so a job's records all reach one shard), and starts their loops. Each
-shard runs its analyses as Ray tasks. ``status()`` gathers the shards'
-counters; ``serve_metrics()`` exposes them to Prometheus on 127.0.0.1.
+``Pipeline(cfg, source_id).start()`` first checks the broker: it creates the
+topics that are missing (``kafka.partitions``, ``kafka.replication_factor``),
+refuses input topics with fewer partitions than configured or with
+different counts, and refuses to start when offsets stored for
+``source_id`` are beyond the end of their partitions (the broker lost
+records: ``stragglerscope offsets`` shows them and resets them). Then it
+connects to Ray (or starts a local one bound to 127.0.0.1), creates
+``cfg.pipeline.shards`` shard actors, each owning the partitions ``p`` with
+``p % shards == index`` of every input topic, counted over the topics'
+actual partition count (all input topics have the same one, and records are
+keyed by job, so a job's records all reach one shard), and starts their
+loops. Each shard runs its analyses as Ray tasks. ``status()`` gathers the
+shards' counters; ``serve_metrics()`` exposes them to Prometheus on 127.0.0.1.
 
 Actors are restarted by Ray when their process dies (``max_restarts``); a
 restarted shard re-reads its stored offsets and replays what was not yet
@@ -24,6 +30,57 @@ from stragglerscope.config import Config
 
 log = logging.getLogger(__name__)
 
+RAY_CONNECT_CHECK_S = 5.0
+"""How long the TCP check of ``ray.address`` waits: ray.init() itself retries a dead address for minutes."""
+
+
+class PipelineError(RuntimeError):
+    """The pipeline cannot start or run: Ray unreachable, shard actors not ready. One line, for the CLI."""
+
+    def __init__(self, message: object = "pipeline error") -> None:
+        from stragglerscope.redact import redact
+
+        super().__init__(redact(" ".join(str(message).split()))[:2000])
+
+
+def ray_endpoint(address: str) -> tuple[str, int] | None:
+    """(host, port) that ``ray.init(address=...)`` will connect to; None for 'auto' and the like."""
+    addr = address.strip()
+    default = 6379
+    if addr.startswith("ray://"):
+        addr, default = addr[len("ray://"):], 10001
+    elif "://" in addr or addr in ("auto", "local"):
+        return None
+    host, sep, port = addr.rstrip("/").rpartition(":")
+    if not sep:
+        host, port = addr.rstrip("/"), str(default)
+    try:
+        return host.strip("[]") or "127.0.0.1", int(port)
+    except ValueError:
+        raise PipelineError(f"bad ray.address {address!r}: write host:port (the head's GCS, e.g. "
+                            "ray-head:6379) or ray://host:10001") from None
+
+
+def check_ray_reachable(address: str, timeout_s: float = RAY_CONNECT_CHECK_S) -> None:
+    """PipelineError with one line when nothing accepts connections at ``address``.
+
+    ``ray.init`` to a closed port does not fail: it retries for minutes and
+    prints its C++ warnings on the terminal (measured with Ray 2.60: no
+    answer after 5 minutes). A plain TCP connect says in milliseconds.
+    """
+    import socket
+
+    endpoint = ray_endpoint(address)
+    if endpoint is None:
+        return
+    try:
+        with socket.create_connection(endpoint, timeout=timeout_s):
+            return
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+    raise PipelineError(f"no Ray cluster reachable at {address} ({reason}); set ray.address to the head's "
+                        "address (host:6379, or ray://host:10001 with ray[client]), or leave it empty for a local Ray")
+
 
 def init_ray(cfg: Config) -> None:
     """Connect to ``cfg.ray.address`` or start a local Ray that listens on 127.0.0.1 only."""
@@ -32,7 +89,11 @@ def init_ray(cfg: Config) -> None:
     if ray.is_initialized():
         return
     if cfg.ray.address:
-        ray.init(address=cfg.ray.address, log_to_driver=False)
+        check_ray_reachable(cfg.ray.address)
+        try:
+            ray.init(address=cfg.ray.address, log_to_driver=False)
+        except (ConnectionError, ValueError, RuntimeError, TimeoutError) as e:  # ray[client] missing, refused ...
+            raise PipelineError(f"cannot connect to Ray at {cfg.ray.address}: {_first_line(e)}") from None
         return
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set by ray_jobs/__init__.py, before Ray is imported.
     ray.init(
@@ -41,8 +102,78 @@ def init_ray(cfg: Config) -> None:
     )
 
 
+def _first_line(e: BaseException) -> str:
+    for line in str(e).splitlines():
+        if line.strip():
+            return line.strip()[:300]
+    return type(e).__name__
+
+
 def shard_partitions(index: int, shards: int, partitions: int) -> list[int]:
+    """Shard ``index``'s partitions: every ``p`` of ``range(partitions)`` with ``p % shards == index``.
+
+    ``partitions`` is the topics' actual count (``check_partitions``), which
+    may exceed ``kafka.partitions``: then the shards share the extra ones too.
+    """
     return [p for p in range(partitions) if p % shards == index]
+
+
+def check_topics(cfg: Config) -> int:
+    """Create the missing topics and return the input topics' partition count; BrokerError when it does not fit."""
+    from ingest.broker import prepare_topics
+
+    return prepare_topics(cfg.kafka.bootstrap, cfg.kafka.partitions, cfg.kafka.replication_factor)
+
+
+def stored_offsets(store_url: str, source_id: str) -> dict[tuple[str, int], int]:
+    """The offsets stored for ``source_id`` (every input topic and partition), as the shards load them."""
+    from ingest import schema as S
+    from storage import open_store
+
+    store = open_store(store_url)
+    try:
+        store.setup()
+        return store.load_offsets(source_id, S.INPUT_TOPICS, None)
+    finally:
+        store.close()
+
+
+def check_offsets(cfg: Config, source_id: str, stored: dict[tuple[str, int], int] | None = None) -> None:
+    """OffsetsAheadError when an offset stored for ``source_id`` is beyond its partition's end.
+
+    The shards would otherwise wait at those offsets and skip the records the
+    broker gives them next: the broker lost records (restarted empty, topic
+    deleted and re-created), and nothing read them. The message names the way out.
+    """
+    from ingest.broker import OffsetsAheadError, end_offsets, offsets_ahead
+
+    stored = stored_offsets(cfg.store.url, source_id) if stored is None else stored
+    stored = {tp: off for tp, off in stored.items() if off > 0}
+    if not stored:
+        return
+    ahead = offsets_ahead(stored, end_offsets(cfg.kafka.bootstrap, stored))
+    if not ahead:
+        return
+    (topic, part), (off, end) = next(iter(ahead.items()))
+    more = f" and {len(ahead) - 1} more partitions" if len(ahead) > 1 else ""
+    raise OffsetsAheadError(
+        f"Kafka at {cfg.kafka.bootstrap} lost records: the offsets stored for source {source_id!r} are beyond "
+        f"the end of {topic}[{part}] (stored {off}, end {end}){more}. Results of records read before are "
+        f"stored; the records the broker lost are gone. If the broker was reset, run `stragglerscope offsets "
+        f"reset` (same --config) to read its topics from the beginning; `stragglerscope offsets show` lists "
+        f"them", ahead)
+
+
+def _actor_error(e: BaseException) -> str:
+    """The root cause's line of a Ray actor error (Ray puts the actor's traceback in the message)."""
+    cause = getattr(e, "cause", None) or getattr(e, "error", None)
+    if isinstance(cause, BaseException) and cause is not e:
+        return f"{type(cause).__name__}: {_first_line(cause)}"
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for ln in reversed(lines):  # the last "SomeError: message" line is the actor's own exception
+        if ": " in ln and not ln.startswith(("File ", "Traceback")):
+            return ln[:300]
+    return _first_line(e)
 
 
 def _make_actor_class():
@@ -59,7 +190,11 @@ def _make_actor_class():
         def __init__(self, index, partitions, cfg, source_id):
             from stragglerscope import logs
 
+            from stragglerscope.redact import install_log_filter, quiet_libraries
+
             logs.configure(cfg.pipeline.log_format, logging.INFO, shard=index, source=source_id)
+            install_log_filter()
+            quiet_libraries()  # the shard reports what fails itself (status, one warning)
             self.worker = ShardWorker(index, partitions, cfg, source_id, submit=remote_analyze.remote)
             self.worker.start()
 
@@ -82,17 +217,29 @@ class Pipeline:
         self.cfg = cfg
         self.source_id = source_id
         self.actors: list = []
+        self.partitions = cfg.kafka.partitions
+        """The input topics' actual partition count, once started."""
         self._metrics = None
 
     def start(self) -> "Pipeline":
+        """Check the broker (topics, stored offsets), then start Ray and the shard actors.
+
+        BrokerError (OffsetsAheadError) or PipelineError, each one line, when the checks fail.
+        """
+        n = self.cfg.pipeline.shards
+        parts = check_topics(self.cfg)
+        if n > parts:
+            raise PipelineError(f"pipeline.shards ({n}) must not exceed the input topics' partitions ({parts})")
+        if parts > self.cfg.kafka.partitions:
+            log.warning("the input topics have %d partitions, more than kafka.partitions = %d: the %d shards "
+                        "read all %d", parts, self.cfg.kafka.partitions, n, parts)
+        check_offsets(self.cfg, self.source_id)
+        self.partitions = parts
         init_ray(self.cfg)
         actor_cls = _make_actor_class()
-        n, parts = self.cfg.pipeline.shards, self.cfg.kafka.partitions
-        if n > parts:
-            raise ValueError(f"pipeline.shards ({n}) must not exceed kafka.partitions ({parts})")
         self.actors = [
             actor_cls.options(name=f"ss-shard-{self.source_id}-{i}").remote(
-                i, shard_partitions(i, n, parts), self.cfg, self.source_id)
+                i, shard_partitions(i, n, self.partitions), self.cfg, self.source_id)
             for i in range(n)
         ]
         return self
@@ -109,8 +256,10 @@ class Pipeline:
         try:
             ray.get([a.status.remote() for a in self.actors], timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"shard actors not ready after {timeout_s:.0f} s "
-                               "(is Ray short of CPUs, or Kafka or the store unreachable?)") from None
+            raise PipelineError(f"shard actors not ready after {timeout_s:.0f} s "
+                                "(is Ray short of CPUs, or Kafka or the store unreachable?)") from None
+        except ray.exceptions.RayError as e:  # an actor's setup failed (store or broker refused it)
+            raise PipelineError(f"a shard actor failed to start: {_actor_error(e)}") from None
 
     def status(self, timeout_s: float = 10.0) -> list[dict]:
         """One dict of counters per shard; a shard that does not answer reports ``error``."""

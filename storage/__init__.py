@@ -2,6 +2,7 @@
 
     store = open_store("chdb://./.stragglerscope/store")   # embedded chDB
     store = open_store("clickhouse://default:@127.0.0.1:9000/default")  # a server (native protocol)
+    store = open_store("clickhouse://admin@ch:9000/db?password_file=/run/secrets/ch")  # password read at open
     store = open_store("http://127.0.0.1:8123")            # a store daemon (storage.daemon)
     store.setup()                                         # tables, views, forward migrations; idempotent
     store.insert("window_result", table)                  # a table of ingest.schema.WINDOW_RESULT
@@ -62,14 +63,54 @@ def open_store(url: str = DEFAULT_URL) -> Store:
         return ChdbStore(path, url)
     if scheme == "clickhouse":
         from storage.server_backend import ServerStore
+        from stragglerscope.redact import redact_url
 
-        return ServerStore(url)
+        store = ServerStore(_server_credentials(url))
+        store.url = redact_url(url)  # what messages and repr() show; the connection keeps the password
+        return store
     if scheme == "http":
         from storage.daemon import HttpStore
 
         return HttpStore(url)
     raise StoreError(f"unsupported store URL {url!r}: use chdb://PATH, clickhouse://user:pass@host:port/db "
                      "or http://127.0.0.1:PORT")
+
+
+def _server_credentials(url: str) -> str:
+    """``url`` with its password in place: ``?password_file=PATH`` is read now (and dropped from the URL).
+
+    The password, however it came, is registered with ``stragglerscope.redact``
+    so that no message shows it. StoreError when the file cannot be read or
+    the URL has a password as well.
+    """
+    from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+
+    from stragglerscope.redact import add_secret
+
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user, has_pw, raw_pw = userinfo.partition(":")
+    files = [v for k, v in query if k == "password_file"]
+    if not files:
+        add_secret(unquote(raw_pw))
+        return url
+    if has_pw and raw_pw:
+        raise StoreError("the store URL has a password and a password_file: keep one")
+    path = files[-1]
+    try:
+        with open(path, encoding="utf-8") as f:
+            password = f.read().rstrip("\r\n")
+    except OSError as e:
+        raise StoreError(f"cannot read the store password file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise StoreError(f"the store password file {path} is not UTF-8 text") from None
+    if not password:
+        raise StoreError(f"the store password file {path} is empty")
+    add_secret(password)
+    netloc = f"{user or 'default'}:{quote(password, safe='')}@{host}"
+    rest = urlencode([(k, v) for k, v in query if k != "password_file"])
+    return urlunsplit(parts._replace(netloc=netloc, query=rest))
 
 
 def __getattr__(name: str):

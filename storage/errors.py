@@ -6,12 +6,15 @@ class StoreError(RuntimeError):
     """A store could not do what was asked: bad URL, unreachable server, refused SQL, bad parameter.
 
     The message is one line fit for a command line (``stragglerscope sql``
-    prints it as is); the backend's own exception, if any, is the cause.
+    prints it as is), with any password it would show replaced by ``***``
+    (``stragglerscope.redact``); the backend's own exception, if any, is the cause.
     """
 
     def __init__(self, message: str) -> None:
+        from stragglerscope.redact import redact
+
         text = " ".join(str(message).split()) if message else "store error"
-        super().__init__(text[:2000])
+        super().__init__(redact(text)[:2000])
 
 
 def first_line(exc: BaseException, limit: int = 500) -> str:

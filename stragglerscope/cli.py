@@ -18,6 +18,11 @@ configuration (defaults shown; a TOML file given with --config and
 STRAGGLERSCOPE_<SECTION>_<KEY> environment variables override them):
 {keys}
 
+secrets:
+  A clickhouse:// store's password may sit in store.url (clickhouse://user:pass@host:9000/db), but keep
+  it out of files: set STRAGGLERSCOPE_STORE_PASSWORD, or store.password_file = FILE (a file holding the
+  password, read when the store is opened; the URL then has none). Passwords are printed as ***.
+
 examples:
   stragglerscope demo                       # everything local, console on http://127.0.0.1:8501
   stragglerscope demo --headless --once     # analyse a demo fleet and exit
@@ -25,6 +30,7 @@ examples:
   stragglerscope sql fleet_summary --format json
   stragglerscope whatif trace.parquet --meta meta.yaml --json out.json
   stragglerscope run --config prod.toml     # against real Kafka, ClickHouse and Ray
+  stragglerscope offsets show --config prod.toml   # stored offsets against the broker's ends
 """
 
 
@@ -36,6 +42,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input or an unreachable service, not a bug."""
     errs: list[type[BaseException]] = [CLIError, config_mod.ConfigError, FileNotFoundError, PermissionError]
     for mod, name in (("ingest.broker", "BrokerError"), ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
+                      ("ray_jobs.pipeline", "PipelineError"),
                       ("stragglerscope.replay", "ReplayError"), ("stragglerscope.advise", "AdviseError"),
                       ("analyzers.whatif", "WhatIfInputError"), ("ingest.schema", "DecodeError"),
                       ("stragglerscope.trace", "TraceError")):
@@ -105,6 +112,23 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Consume the configured Kafka, analyse with shard actors on the configured "
                                    "Ray, store results; runs until Ctrl-C.")
     _add_config(p)
+
+    p = sub.add_parser("offsets", help="show or reset the Kafka offsets stored for a source",
+                       description="The pipeline keeps its Kafka offsets in the store, per source (kafka.source_id, "
+                                   "default: the bootstrap string). `show` lists them beside each partition's end "
+                                   "on the broker. A broker that lost its records (restarted empty, topics "
+                                   "deleted and re-created) leaves stored offsets beyond those ends, and the "
+                                   "pipeline refuses to start: after checking, `reset` (with the pipeline "
+                                   "stopped) sets them back to the beginning, so the topics are read from "
+                                   "their start. Results already stored stay.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="example: stragglerscope offsets show --config prod.toml\n"
+                              "         stragglerscope offsets reset --config prod.toml   # asks first")
+    _add_config(p)
+    p.add_argument("action", choices=("show", "reset"))
+    p.add_argument("--source-id", help="the source (default: kafka.source_id, else kafka.bootstrap)")
+    p.add_argument("--yes", action="store_true", help="reset without asking")
+    p.add_argument("--store", help="store URL (overrides store.url)")
 
     p = sub.add_parser("replay", help="backfill historical traces through the pipeline",
                        description="Publish traces (golden trace folders or parquet files, or op-span parquet "
@@ -186,7 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("config", help="print every configuration key with its default and meaning",
                    description="Print every configuration key with its default and meaning. Keys are set in a "
                                "TOML file given with --config (sections [kafka], [store], [ray], [pipeline], "
-                               "[alerts], [ui]) or by STRAGGLERSCOPE_<SECTION>_<KEY> environment variables.")
+                               "[alerts], [ui]) or by STRAGGLERSCOPE_<SECTION>_<KEY> environment variables. "
+                               "The store's password comes from STRAGGLERSCOPE_STORE_PASSWORD or the file "
+                               "named by store.password_file, never from the TOML file.")
     return parser
 
 
@@ -195,17 +221,33 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _guard_logs(args.verbose)
     if not args.command:
         parser.print_help()
         return 2
+    from stragglerscope.redact import redact
+
     try:
         return _dispatch(args) or 0
     except _user_errors() as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"stragglerscope {args.command}: error: {msg}", file=sys.stderr)
+        print(f"stragglerscope {args.command}: error: {redact(msg)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception:  # a bug: its traceback, with any password in it redacted
+        import traceback
+
+        sys.stderr.write(redact(traceback.format_exc()))
+        return 1
+
+
+def _guard_logs(verbose: bool) -> None:
+    """Passwords redacted in every log line; the client libraries' connection noise only with -v."""
+    from stragglerscope.redact import install_log_filter, quiet_libraries
+
+    install_log_filter()
+    quiet_libraries(verbose)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -225,8 +267,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         from stragglerscope import logs
 
         logs.configure(cfg.pipeline.log_format, logging.INFO if args.verbose else logging.WARNING)
+        _guard_logs(args.verbose)
     if getattr(args, "store", None):
-        cfg = cfg.replace(store={"url": args.store})
+        cfg = config_mod.with_store_credentials(cfg.replace(store={"url": args.store}))
     if cmd == "demo":
         from stragglerscope.demo import DemoOptions, run_demo
 
@@ -271,6 +314,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if cmd == "advise":
         return _advise(args, cfg)
+    if cmd == "offsets":
+        return _offsets(args, cfg)
     if cmd == "import":
         return _import(args, cfg)
     if cmd == "replay":
@@ -289,11 +334,12 @@ def _dispatch(args: argparse.Namespace) -> int:
                 proc.terminate()
     if cmd == "store":
         from storage import serve
+        from stragglerscope.redact import redact_url
 
         if not cfg.store.url.startswith("chdb://"):
             raise CLIError(f"only a chdb:// store needs serving, got {cfg.store.url}")
         serve(cfg.store.url, port=args.port,
-              ready=lambda port: print(f"store {cfg.store.url} at http://127.0.0.1:{port}", flush=True))
+              ready=lambda port: print(f"store {redact_url(cfg.store.url)} at http://127.0.0.1:{port}", flush=True))
         return 0
     raise CLIError(f"unknown command {cmd}")
 
@@ -325,6 +371,62 @@ def _advise(args: argparse.Namespace, cfg) -> int:
     return 0
 
 
+def _offsets(args: argparse.Namespace, cfg) -> int:
+    """`stragglerscope offsets show|reset`: stored offsets of a source against the broker's partition ends."""
+    from ingest.broker import check_reachable, end_offsets, offsets_ahead
+    from ray_jobs.pipeline import stored_offsets
+    from stragglerscope.redact import redact_url
+
+    if not cfg.kafka.bootstrap and not args.source_id:
+        raise CLIError("kafka.bootstrap is empty: the embedded broker's offsets belong to one run (its "
+                       "cluster id); give --source-id to look at those")
+    source_id = args.source_id or cfg.kafka.source_id or cfg.kafka.bootstrap
+    stored = stored_offsets(cfg.store.url, source_id)
+    where = f"source {source_id!r} in store {redact_url(cfg.store.url)}"
+    if not stored:
+        print(f"no offsets stored for {where}", file=sys.stderr)
+        return 0
+    ends: dict = {}
+    if cfg.kafka.bootstrap:
+        check_reachable(cfg.kafka.bootstrap)
+        ends = end_offsets(cfg.kafka.bootstrap, stored)
+    ahead = offsets_ahead(stored, ends) if cfg.kafka.bootstrap else {}
+    if args.action == "show":
+        print(f"{where}, broker {cfg.kafka.bootstrap or '(none configured)'}:")
+        print(f"{'topic':<16} {'partition':>9} {'stored':>12} {'end':>12}  state")
+        for (topic, part), off in sorted(stored.items()):
+            end = ends.get((topic, part))
+            state = ("BEYOND THE END: the broker lost records" if (topic, part) in ahead else
+                     "ok" if end is not None else "partition missing" if cfg.kafka.bootstrap else "")
+            print(f"{topic:<16} {part:>9} {off:>12} {'-' if end is None else end:>12}  {state}")
+        if ahead:
+            print(f"{len(ahead)} partitions beyond their end: `stragglerscope offsets reset` reads the topics "
+                  "from their beginning (stop the pipeline first)")
+        return 1 if ahead else 0
+    moved = {tp: 0 for tp, off in stored.items() if off > 0}
+    if not moved:
+        print(f"every offset of {where} is at the beginning already", file=sys.stderr)
+        return 0
+    print(f"reset {len(moved)} stored offsets of {where} to the beginning ({len(ahead)} of them beyond the "
+          f"broker's end); the pipeline must be stopped. Records still on the broker are read again; "
+          "windows already stored are not stored twice.", file=sys.stderr)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise CLIError("resetting offsets needs a confirmation: add --yes")
+        if input("reset? [y/N] ").strip().lower() not in ("y", "yes"):
+            print("nothing changed", file=sys.stderr)
+            return 1
+    from storage import open_store
+
+    store = open_store(cfg.store.url)
+    try:
+        store.store_offsets(source_id, moved)
+    finally:
+        store.close()
+    print(f"reset {len(moved)} offsets of source {source_id!r}; start the pipeline again", file=sys.stderr)
+    return 0
+
+
 def _import(args: argparse.Namespace, cfg) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -340,10 +442,11 @@ def _import(args: argparse.Namespace, cfg) -> int:
     layout = JobLayout(dp_size=args.dp, pp_size=args.pp, tp_size=args.tp, cp_size=args.cp)
     producer = None
     if args.publish:
-        from ingest.broker import check_reachable
+        from ingest.broker import check_reachable, prepare_topics
         from ingest.producer import TelemetryProducer
 
         check_reachable(cfg.kafka.bootstrap)
+        prepare_topics(cfg.kafka.bootstrap, cfg.kafka.partitions, cfg.kafka.replication_factor, outputs=False)
         producer = TelemetryProducer(cfg.kafka.bootstrap, client_id="stragglerscope-import")
     tables = []
     for path in tqdm(args.paths, desc=f"import {args.format}", unit="file", file=sys.stderr, disable=None):

@@ -33,6 +33,10 @@ class KafkaConfig:
 class StoreConfig:
     url: str = "chdb://./.stragglerscope/store"
     """chdb://PATH (embedded), clickhouse://user:pass@host:9000/db (server) or http://127.0.0.1:PORT (store daemon)."""
+    password_file: str = ""
+    """File holding the clickhouse:// store's password, read when the store is opened; the URL then has none."""
+    password: str = dataclasses.field(default="", repr=False)
+    """The clickhouse:// store's password, from STRAGGLERSCOPE_STORE_PASSWORD only (refused in a file; never printed)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +179,9 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
 # Keys whose value must be one of a few words.
 _CHOICES = {("pipeline", "log_format"): ("text", "json")}
 
+# Secrets: accepted from the environment (or code), never from a configuration file.
+_ENV_ONLY = {("store", "password"): "STRAGGLERSCOPE_STORE_PASSWORD"}
+
 
 def _merge(cfg: Config, data: Mapping[str, Mapping[str, Any]], source: str) -> Config:
     sections = {f.name: f for f in dataclasses.fields(Config)}
@@ -190,6 +197,9 @@ def _merge(cfg: Config, data: Mapping[str, Mapping[str, Any]], source: str) -> C
         for key, value in values.items():
             if key not in fields:
                 raise ConfigError(f"{source}: unknown key {sname}.{key} (known: {', '.join(fields)})")
+            if (sname, key) in _ENV_ONLY and source not in ("environment", "override"):
+                raise ConfigError(f"{source}: {sname}.{key} does not belong in a file: set the "
+                                  f"{_ENV_ONLY[sname, key]} environment variable or {sname}.password_file")
             typ = type(getattr(current, key))
             changes[key] = _coerce(value, typ, f"{source}: {sname}.{key}")
             allowed = _CHOICES.get((sname, key))
@@ -221,7 +231,46 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None) -> Confi
                 from_env.setdefault(f.name, {})[sf.name] = env[var]
     if "STRAGGLERSCOPE_STORE" in env:  # short form used by `sql` and the console
         from_env.setdefault("store", {})["url"] = env["STRAGGLERSCOPE_STORE"]
-    return _merge(cfg, from_env, "environment") if from_env else cfg
+    cfg = _merge(cfg, from_env, "environment") if from_env else cfg
+    return with_store_credentials(cfg)
+
+
+def with_store_credentials(cfg: Config) -> Config:
+    """``store.url`` with the password's source folded in, so every process that opens it finds it.
+
+    ``store.password_file`` becomes the URL's ``password_file=`` parameter
+    (``storage.open_store`` reads the file when it opens the store: the URL
+    travels to the console and the shard actors without the secret);
+    ``store.password`` (STRAGGLERSCOPE_STORE_PASSWORD) becomes the URL's
+    password. Only ``clickhouse://`` URLs have passwords; one source at most.
+    Idempotent: call it again after changing ``store.url``.
+    """
+    from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+
+    st = cfg.store
+    url = st.url.strip()
+    if not url.lower().startswith("clickhouse://") or not (st.password or st.password_file):
+        return cfg
+    from stragglerscope.redact import add_secret
+
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user, _, raw_pw = userinfo.partition(":")
+    url_pw, url_file = unquote(raw_pw), dict(query).get("password_file", "")
+    sources = [name for name, given in (
+        ("a password in store.url", url_pw and url_pw != st.password),
+        ("STRAGGLERSCOPE_STORE_PASSWORD", st.password),
+        ("password_file= in store.url", url_file and url_file != st.password_file),
+        ("store.password_file", st.password_file)) if given]
+    if len(sources) > 1:
+        raise ConfigError(f"the store password comes from {' and '.join(sources)}: keep one")
+    if st.password:
+        add_secret(st.password)
+        parts = parts._replace(netloc=f"{user or 'default'}:{quote(st.password, safe='')}@{host}")
+    elif not url_file:
+        parts = parts._replace(query=urlencode(query + [("password_file", st.password_file)]))
+    return dataclasses.replace(cfg, store=dataclasses.replace(st, url=urlunsplit(parts)))
 
 
 def describe() -> str:

@@ -19,7 +19,10 @@ from stragglerscope.config import Config
 
 
 def say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """One progress line on stderr, passwords redacted (``stragglerscope.redact``)."""
+    from stragglerscope.redact import redact
+
+    print(redact(msg), file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass
@@ -31,8 +34,9 @@ class Services:
 
 
 def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
-    from ingest import schema as S
-    from ingest.broker import LocalBroker, check_reachable, ensure_topics
+    from ingest.broker import LocalBroker, check_reachable
+    from ray_jobs.pipeline import check_topics
+
     bootstrap = cfg.kafka.bootstrap
     if not bootstrap:
         broker = stack.enter_context(LocalBroker())
@@ -43,7 +47,9 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
         check_reachable(bootstrap)
         source_id = cfg.kafka.source_id or bootstrap
         say(f"broker     {bootstrap}")
-    ensure_topics(bootstrap, S.INPUT_TOPICS + (S.TOPIC_DEAD_LETTER, S.TOPIC_ALERTS), cfg.kafka.partitions)
+    # Topics first: a wrong partition count is an error before anything else starts.
+    partitions = check_topics(cfg.replace(kafka={"bootstrap": bootstrap}))
+    say(f"topics     {partitions} partitions per input topic")
 
     from ray_jobs.pipeline import Pipeline
     from storage import StoreDaemon, open_store

@@ -64,6 +64,7 @@ def child_env(settings_env: dict[str, str], base: dict[str, str] | None = None) 
 
 def run_trace(cfg: Config, opts: TraceOptions) -> int:
     from ingest.autotrace.session import SettingsError, TraceSettings, parse_layout, parse_sample
+    from stragglerscope.redact import redact_url
     from stragglerscope.service import say
 
     if not opts.command:
@@ -87,9 +88,11 @@ def run_trace(cfg: Config, opts: TraceOptions) -> int:
             svc = start_services(cfg, stack)
             bootstrap = svc.cfg.kafka.bootstrap
         else:
-            from ingest.broker import check_reachable
+            from ingest.broker import check_reachable, prepare_topics
 
             check_reachable(cfg.kafka.bootstrap)
+            # Exporters never create topics by writing to them (a broker would pick the partition count).
+            prepare_topics(cfg.kafka.bootstrap, cfg.kafka.partitions, cfg.kafka.replication_factor, outputs=False)
             bootstrap = cfg.kafka.bootstrap
         spool = os.path.join(run_dir, "spool") if embedded else os.path.join(
             tempfile.gettempdir(), f"stragglerscope-spool-{job_id}")
@@ -128,7 +131,7 @@ def run_trace(cfg: Config, opts: TraceOptions) -> int:
         except Exception as e:  # the training's exit code matters more than our summary
             say(f"trace      error: could not summarise the job: {e!r}; "
                 f"see stragglerscope sql job_windows --param job_id={job_id}")
-        say(f"console    stragglerscope console --store {cfg.store.url}   (then open job {job_id})")
+        say(f"console    stragglerscope console --store {redact_url(cfg.store.url)}   (then open job {job_id})")
     return code
 
 

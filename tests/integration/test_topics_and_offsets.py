@@ -1,0 +1,218 @@
+"""Topics checked at start, every partition read, a broker that lost its data stops the pipeline (issue 18).
+
+Each test runs its own Tansu broker (the topics' partition counts are the
+subject, and the session broker's topics must stay as they are), the store
+behind its daemon and the session's local Ray.
+"""
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from ingest import schema as S
+from ingest.broker import BrokerError, LocalBroker, OffsetsAheadError, ensure_topics, topic_partitions
+from ingest.fleetgen import fleet_windows, make_fleet
+from ingest.producer import TelemetryProducer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _jobs_on(partitions: list[int], count: int, tag: str) -> list:
+    """Small fleet jobs whose ids the producer's partitioner puts on ``partitions`` (murmur2 of the key)."""
+    from kafka.partitioner.default import murmur2
+
+    base = make_fleet(len(partitions), 3, 8, 16)
+    out = []
+    for want, spec in zip(partitions, base):
+        i = 0
+        while (murmur2(f"{tag}-{want}-{i}".encode()) & 0x7fffffff) % count != want:
+            i += 1
+        out.append(dataclasses.replace(spec, job_id=f"{tag}-{want}-{i}"))
+    return out
+
+
+def _produce(bootstrap: str, jobs) -> list[tuple[str, int, int]]:
+    keys = []
+    with TelemetryProducer(bootstrap) as p:
+        for j in jobs:
+            p.send(j.registration(0, 2))
+        for spec, wid, table in fleet_windows(jobs, 1, 2, 0):
+            p.send(table)
+            keys.append((spec.job_id, 0, wid))
+        assert p.flush(60)
+        assert p.stats.records_dropped == 0
+    return keys
+
+
+def _config(bootstrap: str, store_url: str, partitions: int, shards: int, source_id: str):
+    from stragglerscope.config import Config
+
+    return Config().replace(kafka={"bootstrap": bootstrap, "partitions": partitions, "source_id": source_id},
+                            store={"url": store_url}, pipeline={"shards": shards, "idle_timeout_s": 5.0})
+
+
+def _wait_stored(store, keys, pipe, timeout_s=180):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(store.window_stored(k) for k in keys):
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"windows not stored: {[k for k in keys if not store.window_stored(k)]}; {pipe.status()}")
+
+
+def _cli(*args, timeout=120, stdin=subprocess.DEVNULL):
+    return subprocess.run([sys.executable, "-m", "stragglerscope", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, stdin=stdin,
+                          env=dict(os.environ, STRAGGLERSCOPE_PIPELINE_METRICS_PORT="-1"))
+
+
+def _toml(path: Path, bootstrap: str, store_url: str, partitions: int, source_id: str) -> str:
+    path.write_text(f'[kafka]\nbootstrap = "{bootstrap}"\npartitions = {partitions}\nsource_id = "{source_id}"\n'
+                    f'[store]\nurl = "{store_url}"\n[pipeline]\nshards = 1\nmetrics_port = -1\n')
+    return str(path)
+
+
+def test_fewer_partitions_than_configured_is_a_one_line_error(tmp_path):
+    from ray_jobs.pipeline import Pipeline
+
+    with LocalBroker() as broker:
+        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 2)
+        with pytest.raises(BrokerError, match=r"topic ss\.\w+ has 2 partitions, fewer than kafka.partitions = 4"):
+            Pipeline(_config(broker.bootstrap, "chdb://unused", 4, 2, "few"), "few").start()
+        r = _cli("run", "--config", _toml(tmp_path / "c.toml", broker.bootstrap, f"chdb://{tmp_path / 's'}", 4, "few"))
+        assert r.returncode == 2, r.stderr
+        err = r.stderr.strip().splitlines()
+        assert "has 2 partitions, fewer than kafka.partitions = 4" in err[-1] and "Traceback" not in r.stderr
+        assert err[-1].startswith("stragglerscope run: error:"), r.stderr
+
+
+def test_clients_never_create_topics():
+    """Consumers and producers asking about a missing topic leave it missing (Tansu creates any topic a
+    metadata request names unless the request says not to)."""
+    from ray_jobs.io import KafkaSource
+
+    with LocalBroker() as broker:
+        src = KafkaSource(broker.bootstrap, [S.TOPIC_OPS], range(2))
+        src.seek({})
+        src.poll(300)
+        src.lag()
+        with TelemetryProducer(broker.bootstrap, delivery_timeout_s=2.0) as p:
+            p.send(make_fleet(1, 0, 8, 8)[0].registration(0, 2))
+            p.flush(15)
+        assert topic_partitions(broker.bootstrap, S.INPUT_TOPICS) == {}, "no client created a topic"
+        assert src.problems and all("does not exist" in line for line in src.problems)
+        src.close()
+
+
+def test_records_on_partitions_beyond_the_configured_count_are_analysed(ray_local, tmp_path):
+    """Topics with 6 partitions, kafka.partitions = 4: the jobs on partitions 4 and 5 are analysed too."""
+    from ray_jobs.pipeline import Pipeline
+    from storage import StoreDaemon, open_store
+
+    with LocalBroker() as broker, StoreDaemon(f"chdb://{tmp_path / 'store'}") as daemon:
+        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 6)
+        jobs = _jobs_on([4, 5, 1], 6, f"more-{uuid.uuid4().hex[:4]}")
+        keys = _produce(broker.bootstrap, jobs)
+        store = open_store(daemon.url)
+        store.setup()
+        pipe = Pipeline(_config(broker.bootstrap, daemon.url, 4, 2, "more"), "more").start()
+        try:
+            assert pipe.partitions == 6
+            pipe.wait_ready()
+            _wait_stored(store, keys, pipe)
+        finally:
+            pipe.stop()
+        store.close()
+
+
+def test_a_broker_restarted_empty_stops_the_next_start_until_offsets_are_reset(ray_local, tmp_path):
+    from ray_jobs.pipeline import Pipeline, stored_offsets
+    from storage import StoreDaemon, open_store
+
+    source = f"restart-{uuid.uuid4().hex[:6]}"
+    broker = LocalBroker().start()
+    port = broker.port
+    try:
+        with StoreDaemon(f"chdb://{tmp_path / 'store'}") as daemon:
+            store = open_store(daemon.url)
+            store.setup()
+            cfg = _config(broker.bootstrap, daemon.url, 2, 1, source)
+            toml = _toml(tmp_path / "c.toml", broker.bootstrap, daemon.url, 2, source)
+
+            ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 2)
+            first = _produce(broker.bootstrap, _jobs_on([0, 1], 2, "before"))
+            pipe = Pipeline(cfg, source).start()
+            try:
+                _wait_stored(store, first, pipe)
+            finally:
+                pipe.stop()  # stores the final offsets
+            assert any(off > 0 for off in stored_offsets(daemon.url, source).values())
+
+            broker.stop()
+            broker = LocalBroker(port=port).start()  # same address, empty
+
+            with pytest.raises(OffsetsAheadError, match="stragglerscope offsets reset") as e:
+                Pipeline(cfg, source).start()
+            assert e.value.ahead and all(end == 0 for _, end in e.value.ahead.values())
+            r = _cli("run", "--config", toml)
+            assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+            assert "lost records" in r.stderr.strip().splitlines()[-1]
+
+            r = _cli("offsets", "show", "--config", toml)
+            assert r.returncode == 1 and "BEYOND THE END" in r.stdout, r.stdout + r.stderr
+            r = _cli("offsets", "reset", "--config", toml)
+            assert r.returncode == 2 and "add --yes" in r.stderr, r.stderr
+            r = _cli("offsets", "reset", "--config", toml, "--yes")
+            assert r.returncode == 0, r.stderr
+            assert not any(stored_offsets(daemon.url, source).values())
+
+            second = _produce(broker.bootstrap, _jobs_on([0, 1], 2, "after"))
+            pipe = Pipeline(cfg, source).start()
+            try:
+                _wait_stored(store, second, pipe)
+            finally:
+                pipe.stop()
+            store.close()
+    finally:
+        broker.stop()
+
+
+def test_a_running_source_reports_a_topic_created_again_under_it():
+    """The broker restarts empty and gets more records than the source had read: no offset is beyond
+    the end, but the topic id changed; the source must not read on as if nothing happened."""
+    from ray_jobs.io import KafkaSource
+
+    broker = LocalBroker().start()
+    port = broker.port
+    try:
+        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 2)
+        _produce(broker.bootstrap, _jobs_on([0, 1], 2, "a"))
+        src = KafkaSource(broker.bootstrap, [S.TOPIC_OPS], range(2), check_interval_s=0.0)
+        src.seek({})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(src.positions().values()):
+            for m in src.poll(300):
+                src.advance((m.topic, m.partition), m.offset + 1)
+        assert all(src.positions().values()) and src.lag() == 0 and src.problems == []
+
+        broker.stop()
+        broker = LocalBroker(port=port).start()
+        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 2)
+        for _ in range(3):
+            _produce(broker.bootstrap, _jobs_on([0, 1], 2, f"b{_}"))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(src.problems) < 2:
+            src.poll(300)
+            src.lag()
+        assert len(src.problems) == 2, src.problems
+        assert all(any(w in p for w in ("created again", "lost records", "does not exist")) for p in src.problems)
+        src.close()
+    finally:
+        broker.stop()
