@@ -266,6 +266,9 @@ class ShardWorker:
         st.open_windows = len(self.tracker.open)
         st.buffered_rows = self.tracker.buffered_rows()
         st.lag = self.source.lag() + len(self._polled)
+        problems = getattr(self.source, "problems", ())
+        if problems:  # a vanished partition, an offset past the end: paused there, shown here
+            st.error = ("kafka: " + "; ".join(problems))[:500]
         st.heartbeat_age_s = self.hangs.heartbeat_age_s
         st.heartbeat_silence_s = now - self.hangs.last_input if self.hangs.last_input else 0.0
         st.hang_clock_held_back_s = self.hangs.clock_held_back_s
