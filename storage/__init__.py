@@ -16,8 +16,12 @@ Store methods (the same behaviour on every backend):
   that has a table (every result kind, ``job_registration``, ``op_span``);
   the table is conformed to the schema (StoreError otherwise). Writing the
   same keys again stores nothing new (see ``storage.store``).
-- ``query(sql, params)``: one reading statement; DDL/DML refused with
-  StoreError; parameters are ``{name:Type}`` placeholders, bound by the engine.
+- ``query(sql, params, limits)``: free SQL, a sandbox (``storage.sandbox``):
+  one reading statement over the project's tables with pure functions
+  (``storage.sqlfuncs``), anything else refused with StoreError; run
+  read-only within ``limits`` (time, memory, result rows: ``[sql]``),
+  beside writes; parameters are ``{name:Type}`` placeholders, bound by the
+  engine.
 - ``run_named(name, params)``: a query of ``NAMED_QUERIES``.
 - ``window_stored((job_id, attempt, window_id))``, ``load_offsets``,
   ``store_offsets`` (latest stored value wins), ``load_jobs`` (latest

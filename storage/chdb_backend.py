@@ -13,6 +13,14 @@ chDB allows one data path per process, and one process per path. Here:
 
 Inserts pass Arrow tables straight to the engine through chDB's ``Python()``
 table function; parameters are bound by the engine (``{name:Type}``).
+
+Free SQL (``Store.query``) runs in a second chDB session of the same path,
+beside the writes and outside their lock: a long free query never holds up
+the pipeline's inserts and offset commits. That session is read-only at the
+session level (``SET readonly = 1`` after its limits, so a query can neither
+write nor change them); free queries take their own lock and run one at a
+time (a second waits at most its time limit). Sessions are kept per set of
+limits (a few).
 """
 from __future__ import annotations
 
@@ -27,11 +35,13 @@ import pyarrow as pa
 from storage import ddl
 from storage.errors import StoreError, first_line
 from storage.keys import HighWater
-from storage.sqltext import read_only_wrapped, replace_identifier
+from storage.sandbox import SQLLimits, limit_error, limited
+from storage.sqltext import WRAPPABLE, replace_identifier
 from storage.store import SQLStore
 
 DATABASE = "stragglerscope"
 LOCK_FILE = ".lock"
+MAX_READERS = 4
 
 
 class _Shared:
@@ -41,6 +51,8 @@ class _Shared:
         self.path = path
         self.refs = 0
         self.lock = threading.RLock()
+        self.read_lock = threading.Lock()  # free SQL: one query at a time, beside the writes
+        self._readers: dict[SQLLimits, object] = {}
         # Every writer of this path goes through this process (the flock below), so the marks are exact.
         self.high_water = HighWater()
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -76,8 +88,42 @@ class _Shared:
         finally:
             os.close(self._lock_fd)
 
+    def reader(self, limits: SQLLimits):
+        """The read-only session for free SQL within ``limits`` (the caller holds ``read_lock``)."""
+        session = self._readers.pop(limits, None)
+        if session is None:
+            from chdb import session as chdb_session
+
+            session = chdb_session.Session(self.path)
+            try:
+                session.query(f"USE {DATABASE}")
+                session.query("SET do_not_merge_across_partitions_select_final = 1")
+                for name, value in limits.settings().items():
+                    session.query(f"SET {name} = {int(value)}")
+                session.query("SET readonly = 1")  # last: from here on no setting changes, no writes
+            except Exception as e:
+                session.close()
+                raise StoreError(f"cannot open a read-only chDB session at {self.path}: {first_line(e)}") from e
+            while len(self._readers) >= MAX_READERS:
+                self._readers.pop(next(iter(self._readers))).close()  # the least recently used
+        self._readers[limits] = session
+        return session
+
+    def drop_reader(self, limits: SQLLimits) -> None:
+        """Close the session of ``limits`` (the caller holds ``read_lock``); the next query opens a new one."""
+        session = self._readers.pop(limits, None)
+        if session is not None:
+            try:
+                session.close()
+            except Exception:
+                pass
+
     def close(self) -> None:
         try:
+            with self.read_lock:
+                for session in self._readers.values():
+                    session.close()
+                self._readers.clear()
             self.session.close()
         finally:
             self._unlock()
@@ -145,12 +191,34 @@ class ChdbStore(SQLStore):
     def _high_water(self) -> HighWater:
         return self._shared.high_water
 
+    @staticmethod
+    def _values(params: dict[str, tuple[str, Any]] | None) -> dict:
+        return {n: (v.isoformat() if hasattr(v, "isoformat") else v) for n, (_t, v) in (params or {}).items()}
+
     def _select(self, sql: str, params: dict[str, tuple[str, Any]] | None = None,
-                tables: dict[str, pa.Table] | None = None, read_only: str | None = None) -> pa.Table:
-        if read_only:
-            sql = read_only_wrapped(sql, read_only)
-        values = {n: (v.isoformat() if hasattr(v, "isoformat") else v) for n, (_t, v) in (params or {}).items()}
-        return self._run(sql, "ArrowTable", values, tables)
+                tables: dict[str, pa.Table] | None = None) -> pa.Table:
+        return self._run(sql, "ArrowTable", self._values(params), tables)
+
+    def _free_select(self, sql: str, params: dict[str, tuple[str, Any]], first: str, limits: SQLLimits) -> pa.Table:
+        self._check_open()
+        if first in WRAPPABLE:
+            sql = limited(sql, limits)
+        values = self._values(params) or None
+        shared = self._shared
+        if not shared.read_lock.acquire(timeout=limits.max_execution_time_s):
+            raise StoreError("another free SQL query is still running on this store; try again")
+        try:
+            self._check_open()
+            session = shared.reader(limits)
+            try:
+                return session.query(sql, "ArrowTable", params=values)
+            except Exception as e:
+                # chDB 4.4: the query after a cancelled one (time limit) on the same session can get a
+                # corrupt Arrow answer ("Invalid flatbuffers message"); a failed query's session is replaced.
+                shared.drop_reader(limits)
+                raise StoreError(limit_error(first_line(e), limits)) from e
+        finally:
+            shared.read_lock.release()
 
     def _insert(self, table_name: str, rows: pa.Table) -> None:
         cols = ", ".join(ddl.quote(c) for c in rows.column_names)

@@ -96,8 +96,11 @@ def format_result(table: pa.Table, fmt: str) -> str | bytes:
 
 
 def run_sql(store_url: str, name: str | None = None, query: str | None = None, params: list[str] | None = None,
-            fmt: str = "table") -> str | bytes:
-    """Run named query ``name`` or free ``query`` on the store at ``store_url``; the formatted result."""
+            fmt: str = "table", limits=None) -> str | bytes:
+    """Run named query ``name`` or free ``query`` on the store at ``store_url``; the formatted result.
+
+    ``limits`` bound a free query (``[sql]``'s SQLConfig, or SQLLimits; None: their defaults).
+    """
     from storage import open_store
     from storage.queries import NAMED_QUERIES
 
@@ -111,7 +114,7 @@ def run_sql(store_url: str, name: str | None = None, query: str | None = None, p
     store = open_store(store_url)
     try:
         store.setup()
-        table = store.run_named(name, values) if name else store.query(query, values)
+        table = store.run_named(name, values) if name else store.query(query, values, limits)
     finally:
         store.close()
     return format_result(table, fmt)
@@ -127,4 +130,5 @@ def sql_main(args: argparse.Namespace) -> str | bytes:
 
         url = DEFAULT_URL
     return run_sql(url, name=getattr(args, "name", None), query=getattr(args, "query", None),
-                   params=getattr(args, "param", None), fmt=getattr(args, "format", "table"))
+                   params=getattr(args, "param", None), fmt=getattr(args, "format", "table"),
+                   limits=getattr(args, "sql_limits", None))

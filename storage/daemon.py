@@ -11,7 +11,11 @@ Wire format (stdlib only): ``POST /v1/<method>``; the body is one line of
 JSON (the arguments) followed, for inserts, by an Arrow IPC stream. The
 answer has the same shape: a JSON line (``{"ok": true, ...}`` or
 ``{"error": "one line"}``, HTTP 400 for a refused call) and, for results,
-an Arrow IPC stream. Calls run one at a time (the chDB store's lock).
+an Arrow IPC stream. Calls run one at a time (the chDB store's lock), except
+free SQL (``query``): it runs in a read-only session of its own, beside the
+writes, within the daemon's SQL limits (``--max-execution-time-s``,
+``--max-memory-mb``, ``--max-result-rows``; a client may ask for less, not
+more), so a long free query cannot hold up the pipeline's inserts.
 
 Discovery file ``PATH/daemon.json``: ``{"url": ..., "pid": ..., "store": ...}``,
 written once the server listens and removed when it stops; a file whose pid
@@ -40,6 +44,7 @@ from urllib.parse import urlparse
 import pyarrow as pa
 
 from storage.errors import StoreError, first_line
+from storage.sandbox import SQLLimits
 from storage.store import Store, filter_offsets
 
 DISCOVERY_FILE = "daemon.json"
@@ -120,7 +125,8 @@ def discover(path: str | os.PathLike) -> str | None:
 # --------------------------------------------------------------------------
 # server
 # --------------------------------------------------------------------------
-def _dispatch(store: Store, method: str, args: dict, table: pa.Table | None) -> tuple[dict, pa.Table | None]:
+def _dispatch(store: Store, method: str, args: dict, table: pa.Table | None,
+              sql_limits: SQLLimits | None = None) -> tuple[dict, pa.Table | None]:
     if method == "ping":
         return {"ok": True, "pid": os.getpid(), "store": store.url}, None
     if method == "setup":
@@ -132,7 +138,10 @@ def _dispatch(store: Store, method: str, args: dict, table: pa.Table | None) -> 
         store.insert(str(args.get("kind")), table)
         return {"ok": True}, None
     if method == "query":
-        return {"ok": True}, store.query(str(args.get("sql", "")), args.get("params"))
+        ceiling = sql_limits or SQLLimits()
+        asked = args.get("limits")
+        limits = ceiling if asked is None else SQLLimits.of(asked).capped(ceiling)
+        return {"ok": True}, store.query(str(args.get("sql", "")), args.get("params"), limits)
     if method == "run_named":
         return {"ok": True}, store.run_named(str(args.get("name", "")), args.get("params"))
     if method == "window_stored":
@@ -179,7 +188,7 @@ class _Handler(BaseHTTPRequestHandler):
             if not self.path.startswith("/v1/"):
                 raise StoreError(f"no such path {self.path}")
             args, table = _decode(body)
-            envelope, result = _dispatch(self.server.store, self.path[4:], args, table)
+            envelope, result = _dispatch(self.server.store, self.path[4:], args, table, self.server.sql_limits)
             self._reply(200, _encode(envelope, result))
         except StoreError as e:
             self._reply(400, _encode({"error": str(e)}))
@@ -193,8 +202,11 @@ class _Server(ThreadingHTTPServer):
 
 
 def serve(url: str, host: str = "127.0.0.1", port: int = 0, ready: Callable[[int], None] | None = None,
-          stop: threading.Event | None = None) -> None:
+          stop: threading.Event | None = None, sql_limits=None) -> None:
     """Serve the chDB store at ``url`` (``chdb://PATH``) until SIGINT/SIGTERM.
+
+    ``sql_limits`` (SQLLimits or ``[sql]``'s SQLConfig; default: its
+    defaults) bound every free query; clients may ask for lower limits.
 
     Opens the path (failing with StoreError if another process holds it),
     runs ``setup()``, listens on ``host:port`` (0: a free port), writes
@@ -211,13 +223,15 @@ def serve(url: str, host: str = "127.0.0.1", port: int = 0, ready: Callable[[int
     other = discover(path)
     if other:
         raise StoreError(f"{url} is already served at {other}")
-    store = ChdbStore(path, url)
+    limits = SQLLimits.of(sql_limits)
+    store = ChdbStore(path, url, sql_limits=limits)
     file = Path(path) / DISCOVERY_FILE
     httpd = None
     try:
         store.setup()
         httpd = _Server((host, port), _Handler)
         httpd.store = store
+        httpd.sql_limits = limits
         bound = httpd.server_address[1]
         tmp = file.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"url": f"http://{host}:{bound}", "pid": os.getpid(), "store": url}))
@@ -328,8 +342,10 @@ class HttpStore(Store):
         _env, table = self._call(method, args)
         return table if table is not None else pa.table({})
 
-    def query(self, sql: str, params: dict | None = None) -> pa.Table:
-        return self._table("query", {"sql": sql, "params": self._params(params)})
+    def query(self, sql: str, params: dict | None = None, limits=None) -> pa.Table:
+        """Free SQL on the daemon; ``limits`` may lower the daemon's SQL limits (None: the daemon's)."""
+        asked = None if limits is None else SQLLimits.of(limits).as_dict()
+        return self._table("query", {"sql": sql, "params": self._params(params), "limits": asked})
 
     def run_named(self, name: str, params: dict | None = None) -> pa.Table:
         return self._table("run_named", {"name": name, "params": self._params(params)})
@@ -378,10 +394,11 @@ class StoreDaemon:
     """
 
     def __init__(self, url: str, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 60.0,
-                 stop_timeout: float = 20.0) -> None:
+                 stop_timeout: float = 20.0, sql_limits=None) -> None:
         if not isinstance(url, str) or not url.startswith("chdb://"):
             raise StoreError(f"the store daemon serves chdb://PATH stores, got {url!r}")
         self.store_url = url
+        self.sql_limits = SQLLimits.of(sql_limits)
         self.host = host
         self.port = port
         self.start_timeout = start_timeout
@@ -408,7 +425,9 @@ class StoreDaemon:
         self._log = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "storage.daemon", self.store_url, "--host", self.host, "--port", str(self.port),
-             "--watch-stdin"],
+             "--watch-stdin", "--max-execution-time-s", repr(float(self.sql_limits.max_execution_time_s)),
+             "--max-memory-mb", str(int(self.sql_limits.max_memory_mb)),
+             "--max-result-rows", str(int(self.sql_limits.max_result_rows))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env, cwd=os.getcwd(),
             start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
@@ -490,6 +509,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--watch-stdin", action="store_true", help="stop when stdin closes (the parent died)")
+    base = SQLLimits()
+    p.add_argument("--max-execution-time-s", type=float, default=base.max_execution_time_s,
+                   help="free SQL: longest run, seconds")
+    p.add_argument("--max-memory-mb", type=int, default=base.max_memory_mb, help="free SQL: most memory, MiB")
+    p.add_argument("--max-result-rows", type=int, default=base.max_result_rows, help="free SQL: most result rows")
     args = p.parse_args(argv)
     out = sys.stdout
 
@@ -501,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.watch_stdin:
         _watch_stdin(stop)
     try:
-        serve(args.url, args.host, args.port, ready, stop)
+        limits = SQLLimits(args.max_execution_time_s, args.max_memory_mb, args.max_result_rows)
+        serve(args.url, args.host, args.port, ready, stop, sql_limits=limits)
     except StoreError as e:
         print(f"store daemon: error: {e}", file=sys.stderr)
         return 2

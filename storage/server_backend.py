@@ -3,13 +3,18 @@
 Inserts are columnar (numpy columns, one block per call). Parameters and
 Arrow tables that a query reads travel as external tables beside the query
 (``storage.params`` explains why: 18.16 has no server-side parameters).
-Free SQL runs with the ``readonly=1`` setting. One connection per store,
-serialised by the store's lock (clickhouse-driver clients are not
-thread-safe).
+One connection per store for its own queries and writes, serialised by the
+store's lock (clickhouse-driver clients are not thread-safe). Free SQL
+(``Store.query``) has a second connection with a lock of its own, so a long
+free query never holds up writes, and runs with the ``[sql]`` limits as
+per-query settings (``max_execution_time``, ``max_memory_usage``, then
+``readonly = 1``, which also forbids changing them).
 """
 from __future__ import annotations
 
+import contextlib
 import re
+import threading
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -18,7 +23,8 @@ import pyarrow as pa
 
 from storage import ddl
 from storage.errors import StoreError, first_line
-from storage.sqltext import external_params_sql
+from storage.sandbox import SQLLimits, limit_error, limited
+from storage.sqltext import WRAPPABLE, external_params_sql
 from storage.store import SQLStore
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -86,6 +92,8 @@ class ServerStore(SQLStore):
         self.address = f"{self._args['host']}:{self._args['port']}"
         self.database = self._args["database"]
         self._timeout = connect_timeout
+        self._read_client = None  # free SQL's connection, made on first use
+        self._read_lock = threading.Lock()
         self._client = self._connect("default")
         version = self._call(self._client, "SELECT version()")[0][0][0]
         self.caps = ddl.Capabilities.from_version(str(version))
@@ -125,8 +133,31 @@ class ServerStore(SQLStore):
             self._call(self._client, sql)
 
     def _select(self, sql: str, params: dict[str, tuple[str, Any]] | None = None,
-                tables: dict[str, pa.Table] | None = None, read_only: str | None = None) -> pa.Table:
+                tables: dict[str, pa.Table] | None = None) -> pa.Table:
         self._check_open()
+        return self._select_on(self._client, self._lock, sql, params, tables, {})
+
+    def _free_select(self, sql: str, params: dict[str, tuple[str, Any]], first: str, limits: SQLLimits) -> pa.Table:
+        self._check_open()
+        if first in WRAPPABLE:
+            sql = limited(sql, limits)
+        settings = {**limits.settings(), "readonly": 1}  # readonly last: the query cannot change the others
+        if not self._read_lock.acquire(timeout=limits.max_execution_time_s):
+            raise StoreError("another free SQL query is still running on this store; try again")
+        try:
+            self._check_open()
+            if self._read_client is None:
+                self._read_client = self._connect(self.database)
+            try:
+                return self._select_on(self._read_client, contextlib.nullcontext(), sql, params, None, settings)
+            except StoreError as e:
+                raise StoreError(limit_error(str(e), limits)) from e
+        finally:
+            self._read_lock.release()
+
+    def _select_on(self, client, lock, sql: str, params: dict[str, tuple[str, Any]] | None,
+                   tables: dict[str, pa.Table] | None, settings: dict) -> pa.Table:
+        """Run a query on ``client``, holding ``lock`` while the client is in use."""
         ext = []
         limit = None
         if params:
@@ -138,13 +169,13 @@ class ServerStore(SQLStore):
         for name, table in (tables or {}).items():
             # numpy mode of clickhouse-driver takes external data as a DataFrame
             ext.append({"name": name, "structure": _structure(table), "data": table.to_pandas()})
-        settings = {"readonly": 1} if read_only else {}
+        settings = dict(settings)
         if not self.caps.partition_local_final:
             # Old servers read FINAL from every part at once with a 1 MiB buffer per column and part:
             # a year of day partitions then needs gigabytes. Small buffers keep it bounded.
-            settings["max_read_buffer_size"] = 65536
-        with self._lock:
-            cols, types = self._call(self._client, sql, external_tables=ext or None, settings=settings)
+            settings = {"max_read_buffer_size": 65536, **settings}
+        with lock:
+            cols, types = self._call(client, sql, external_tables=ext or None, settings=settings)
         arrays = [_column(c, t) for c, (_n, t) in zip(cols, types)] if cols else \
             [pa.array([], ddl.arrow_type(t)) for _n, t in types]
         out = pa.Table.from_arrays(arrays, names=[n for n, _t in types])
@@ -163,7 +194,9 @@ class ServerStore(SQLStore):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            try:
-                self._client.disconnect()
-            except Exception:
-                pass
+            for client in (self._client, self._read_client):
+                try:
+                    if client is not None:
+                        client.disconnect()
+                except Exception:
+                    pass

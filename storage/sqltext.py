@@ -17,7 +17,7 @@ _PLACEHOLDER = re.compile(r"\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*:\s*([A-Za-z][A-Za-z
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 READ_STATEMENTS = frozenset({"SELECT", "WITH", "SHOW", "DESCRIBE", "DESC", "EXISTS", "EXPLAIN"})
-WRAPPABLE = frozenset({"SELECT", "WITH"})
+WRAPPABLE = frozenset({"SELECT", "WITH"})  # statements that can be a subquery
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,16 +129,6 @@ def check_read_only(sql: str) -> tuple[str, str]:
     if first == "EXPLAIN" and any(w in words for w in ("INSERT", "ALTER", "DROP", "CREATE", "TRUNCATE")):
         raise StoreError("read-only store: EXPLAIN of a writing statement is refused")
     return text, first
-
-
-def read_only_wrapped(sql: str, first: str) -> str:
-    """A reading statement wrapped so that the engine enforces ``readonly=1`` for it (chDB).
-
-    SHOW/DESCRIBE/EXISTS/EXPLAIN cannot be wrapped; they read by nature.
-    """
-    if first not in WRAPPABLE:
-        return sql
-    return f"SELECT * FROM (\n{sql}\n) SETTINGS readonly = 1"
 
 
 def external_params_sql(sql: str, table: str = "_params") -> tuple[str, str | None]:

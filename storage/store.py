@@ -45,7 +45,8 @@ from storage import ddl
 from storage.errors import StoreError
 from storage.keys import GROWING_KEY, Encoded, HighWater, PendingMarks, first_of_each_key
 from storage.params import bind, bind_free
-from storage.sqltext import check_read_only, placeholders
+from storage.sandbox import PROJECT_TABLES, SQLLimits, check_free_sql, is_show_tables
+from storage.sqltext import placeholders
 
 DEFAULT_RETENTION_DAYS = 7
 RETENTION_CHECK_S = 3600.0
@@ -64,7 +65,7 @@ class Store(abc.ABC):
     def insert(self, kind: str, table: pa.Table) -> None: ...
 
     @abc.abstractmethod
-    def query(self, sql: str, params: dict | None = None) -> pa.Table: ...
+    def query(self, sql: str, params: dict | None = None, limits=None) -> pa.Table: ...
 
     @abc.abstractmethod
     def run_named(self, name: str, params: dict | None = None) -> pa.Table: ...
@@ -135,9 +136,10 @@ def filter_offsets(rows: list[dict], topics, partitions) -> dict[tuple[str, int]
 class SQLStore(Store):
     """The store over a ClickHouse engine; subclasses provide the primitives below."""
 
-    def __init__(self, url: str, retention_days: int = DEFAULT_RETENTION_DAYS) -> None:
+    def __init__(self, url: str, retention_days: int = DEFAULT_RETENTION_DAYS, sql_limits=None) -> None:
         self.url = url
         self.retention_days = retention_days
+        self.sql_limits = SQLLimits.of(sql_limits)  # free SQL's limits where a call gives none
         self.caps: ddl.Capabilities | None = None
         self._lock = threading.RLock()
         self._last_ns = 0
@@ -151,14 +153,18 @@ class SQLStore(Store):
 
     @abc.abstractmethod
     def _select(self, sql: str, params: dict[str, tuple[str, Any]] | None = None,
-                tables: dict[str, pa.Table] | None = None, read_only: str | None = None) -> pa.Table:
-        """Run a query; ``params`` bind ``{name:Type}`` placeholders; ``tables`` are sent as external
-        data named ``_ext_keys`` / ``_ext_rows``; ``read_only`` (the statement's first keyword) makes
-        the engine refuse writes for this query."""
+                tables: dict[str, pa.Table] | None = None) -> pa.Table:
+        """Run one of the store's own queries; ``params`` bind ``{name:Type}`` placeholders; ``tables``
+        are sent as external data named ``_ext_keys`` / ``_ext_rows``."""
 
     @abc.abstractmethod
     def _insert(self, table_name: str, rows: pa.Table) -> None:
         """Insert ``rows`` (columns named as in the table) into a data table."""
+
+    @abc.abstractmethod
+    def _free_select(self, sql: str, params: dict[str, tuple[str, Any]], first: str, limits: SQLLimits) -> pa.Table:
+        """Run free SQL that ``check_free_sql`` passed (``first``: its first keyword) read-only within
+        ``limits``, beside the store's writes: never under the lock that inserts take."""
 
     # -- helpers ----------------------------------------------------------
     def _check_open(self) -> None:
@@ -418,14 +424,23 @@ class SQLStore(Store):
                         dropped.append(day)
         return dropped
 
-    def query(self, sql: str, params: dict | None = None) -> pa.Table:
+    def query(self, sql: str, params: dict | None = None, limits=None) -> pa.Table:
+        """Free SQL: one reading statement over the project's tables (``storage.sandbox``).
+
+        ``limits`` (SQLLimits, ``[sql]``'s SQLConfig or a dict) bound its time, memory and result rows;
+        None takes ``self.sql_limits``. It runs beside writes, not under their lock.
+        """
         self._check_open()
         if not isinstance(sql, str):
             raise StoreError("query() needs SQL text")
-        text, first = check_read_only(sql)
+        text, first = check_free_sql(sql)
         bound = bind_free(placeholders(text), params)
-        with self._lock:
-            return normalise(self._select(text, bound, read_only=first))
+        lim = self.sql_limits if limits is None else SQLLimits.of(limits)
+        out = self._free_select(text, bound, first, lim)
+        lim.check_rows(out.num_rows)
+        if first == "SHOW" and is_show_tables(text) and out.num_columns:
+            out = out.filter(pc.is_in(out.column(0), pa.array(sorted(PROJECT_TABLES))))
+        return normalise(out)
 
     def run_named(self, name: str, params: dict | None = None) -> pa.Table:
         from storage.queries import NAMED_QUERIES

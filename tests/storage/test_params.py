@@ -8,7 +8,7 @@ import pytest
 from storage.errors import StoreError
 from storage.params import ParamSpec, bind, bind_free, coerce, parse_cli_params, parse_time_ns
 from storage.queries import NAMED_QUERIES
-from storage.sqltext import check_read_only, external_params_sql, placeholders, read_only_wrapped, segments
+from storage.sqltext import check_read_only, external_params_sql, placeholders, segments
 
 
 def test_placeholders_outside_strings_and_comments():
@@ -58,11 +58,6 @@ def test_read_only_accepts(sql):
 def test_read_only_refuses(sql, reason):
     with pytest.raises(StoreError, match=reason):
         check_read_only(sql)
-
-
-def test_read_only_wrap():
-    assert read_only_wrapped("SELECT 1", "SELECT").endswith("SETTINGS readonly = 1")
-    assert read_only_wrapped("SHOW TABLES", "SHOW") == "SHOW TABLES"
 
 
 def test_external_params_rewrite_keeps_values_out_of_the_text():
