@@ -46,7 +46,10 @@ def named_live(name: str, **params) -> pd.DataFrame:
 
 
 def free_sql(sql: str) -> pd.DataFrame:
-    return _store(store_url()).query(sql).to_pandas()
+    """Read-only SQL within the ``[sql]`` limits of the configuration (``storage.sandbox``)."""
+    from stragglerscope.config import load
+
+    return _store(store_url()).query(sql, limits=load().sql).to_pandas()
 
 
 def query_catalogue() -> dict:
