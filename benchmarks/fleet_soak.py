@@ -105,7 +105,9 @@ def main() -> int:
 
     tmp = tempfile.mkdtemp(prefix="ss-soak-")
     cfg = Config().replace(store={"url": args.store or f"chdb://{tmp}/store"},
-                           alerts={"cooldown_s": 0.0}, pipeline={"metrics_port": -1})
+                           alerts={"cooldown_s": 0.0}, pipeline={"metrics_port": -1},
+                           # The soak's own progress reads list every window: more rows than an analyst's query.
+                           sql={"max_result_rows": 10_000_000, "max_execution_time_s": 300.0})
     rng = np.random.default_rng(0)
     causes = make_fleet(args.jobs, seed=11, min_gpus=128, max_gpus=8192)
     jobs = []

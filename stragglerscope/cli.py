@@ -303,7 +303,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.list:
             print(list_queries())
             return 0
-        out = run_sql(cfg.store.url, name=args.name, query=args.query, params=args.param, fmt=args.format)
+        out = run_sql(cfg.store.url, name=args.name, query=args.query, params=args.param, fmt=args.format,
+                      limits=cfg.sql)
         if args.out:
             with open(args.out, "wb") as f:
                 f.write(out if isinstance(out, bytes) else out.encode())
@@ -338,7 +339,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         if not cfg.store.url.startswith("chdb://"):
             raise CLIError(f"only a chdb:// store needs serving, got {cfg.store.url}")
-        serve(cfg.store.url, port=args.port,
+        serve(cfg.store.url, port=args.port, sql_limits=cfg.sql,
               ready=lambda port: print(f"store {redact_url(cfg.store.url)} at http://127.0.0.1:{port}", flush=True))
         return 0
     raise CLIError(f"unknown command {cmd}")

@@ -56,7 +56,7 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
 
     store_url = cfg.store.url
     if store_url.startswith("chdb://"):
-        daemon = stack.enter_context(StoreDaemon(store_url))
+        daemon = stack.enter_context(StoreDaemon(store_url, sql_limits=cfg.sql))
         say(f"store      {store_url} (served to the pipeline and console at {daemon.url})")
         store_url = daemon.url
     else:
