@@ -416,6 +416,10 @@ class Tracer:
         self.gc_done = True
         if self.gc_pause is not None:
             first, total = self.gc_pause
+            # A pipeline schedule runs backward chunks after one another: a collection between two of
+            # them is still this step's gc, but the model's gc op follows the last compute op. Started
+            # between the chunks it made a dependency cycle (gc before a chunk that precedes it).
+            first = max(first, self.last_compute_end or first)
         else:  # empty, where the model puts it: right after the last compute op
             first, total = self.last_compute_end or time.perf_counter_ns(), 0
         self.gc_pause = None

@@ -13,7 +13,8 @@ forward sleeps ``--gpu-ms`` and backward twice that), so the shared 2 cores do
 not decide the timings. ``--slow-rank R --delay-ms D`` adds D to every forward
 and backward of rank R; ``--control`` spreads it as D / W over every rank.
 ``--gc-storm-rank R`` makes rank R call ``gc.collect()`` ``--gc-storm`` times
-between backward and the optimizer. ``--out DIR``: each rank writes its losses
+between backward and the optimizer; ``--gc-between-chunks-rank R`` after each of
+its backward chunks (pipelining). ``--out DIR``: each rank writes its losses
 and step times to DIR/rankN.json. ``--crash-at-step N``: rank 0 raises there.
 """
 from __future__ import annotations
@@ -86,6 +87,8 @@ def main() -> int:
     p.add_argument("--control", action="store_true")
     p.add_argument("--gc-storm-rank", type=int, default=-1)
     p.add_argument("--gc-storm", type=int, default=20)
+    p.add_argument("--gc-between-chunks-rank", type=int, default=-1,
+                   help="pipelining: this rank collects garbage after each backward chunk (between chunks)")
     p.add_argument("--crash-at-step", type=int, default=-1)
     p.add_argument("--out", help="folder for rankN.json (losses, step times)")
     args = p.parse_args()
@@ -117,6 +120,17 @@ def main() -> int:
         dp_groups = [dist.new_group([s * dp + d for d in range(dp)]) for s in range(pp)]
         pp_group, dp_group = pp_groups[dp_rank], dp_groups[pp_rank]
         chunks = 2 if args.framework == "interleaved" else 1
+        if rank == args.gc_between_chunks_rank:
+            # After the chunk returns, outside any span the tracer keeps open: a collection that the
+            # schedule's own allocations could trigger there at any time.
+            plain_backward = PipelineStage.backward_one_chunk
+
+            def backward_then_collect(self, *a, **kw):
+                try:
+                    return plain_backward(self, *a, **kw)
+                finally:
+                    gc.collect()
+            PipelineStage.backward_one_chunk = backward_then_collect
         stages, params = [], []
         for k in range(chunks):
             idx = pp_rank + k * pp
