@@ -88,4 +88,8 @@ def test_the_campaign_through_a_real_pipeline(ray_local, tmp_path):
                            ("good", 0, 0), True, "")["window_result"].to_pylist()[0]
     assert windows["good"]["slowdown"] == pytest.approx(alone["slowdown"], rel=1e-12), str((windows["good"], alone))
     assert windows["good"]["n_ops"] == alone["n_ops"] and windows["good"]["complete"]
-    assert set(windows) == {"good", "skewed", "huge"}, "no bad job got a window of its own"
+    # The good rows of partly refused batches of job "bad" go on and may make a window of their own (its
+    # idle timeout decides when); no other bad key gets one, and nothing stored is absurd.
+    assert set(windows) - {"bad"} == {"good", "skewed", "huge"}, set(windows)
+    for r in windows.values():
+        assert r["gpu_hours"] < 1.0 and (math.isnan(r["slowdown"]) or r["slowdown"] < 10), r
