@@ -75,9 +75,9 @@ def _apply(table: pa.Table, kind: str, rules: list[tuple[Any, str]]) -> Split:
     taken = np.zeros(table.num_rows, dtype=bool)
     refused = []
     for mask, why in rules:
-        m = np.asarray(mask, dtype=bool) if not isinstance(mask, (pa.Array, pa.ChunkedArray)) else \
-            pc.fill_null(mask, True).to_numpy(zero_copy_only=False).astype(bool)
-        new = m & ~taken
+        if isinstance(mask, (pa.Array, pa.ChunkedArray)):  # Arrow masks: a null compares as refused
+            mask = pc.fill_null(mask, True).to_numpy(zero_copy_only=False)
+        new = np.asarray(mask, dtype=bool) & ~taken
         n = int(new.sum())
         if n:
             refused.append((n, f"{kind} rows: {why}"))
@@ -235,6 +235,7 @@ class ClockGuard:
         self.ahead_ns = int(limits.max_clock_skew_s * _NS)
         self.behind_ns = int(limits.max_record_age_s * _NS)
         self.skew: dict[tuple[str, int, int], int] = {}  # (job, attempt, rank) -> ns to subtract
+        self._jobs: dict[str, int] = {}  # job -> ranks of it in ``skew``: other jobs' batches skip the row loop
         self._max = max_ranks
         self.corrected_rows = 0
 
@@ -243,18 +244,26 @@ class ClockGuard:
             return table
         off = _col(table, "ts_ns") - wall_ns
         wrong = (off > self.ahead_ns) | (off < -self.behind_ns)
-        if not wrong.any() and not self.skew:
+        if not wrong.any() and not any(j in self._jobs for j in pc.unique(table["job_id"]).to_pylist()):
             return table
         keys = _rank_keys(table)
         for i, k in enumerate(keys):
             if wrong[i]:
-                if k not in self.skew and len(self.skew) >= self._max:
-                    self.skew.pop(next(iter(self.skew)))
+                if k not in self.skew:
+                    if len(self.skew) >= self._max:
+                        self._forget(next(iter(self.skew)))
+                    self._jobs[k[0]] = self._jobs.get(k[0], 0) + 1
                 self.skew[k] = int(off[i])
-            else:
-                self.skew.pop(k, None)  # its clock is plausible again: trust it
+            elif k in self.skew:
+                self._forget(k)  # its clock is plausible again: trust it
         delta = np.where(wrong, off, 0)
         return self._shift(table, delta, self._HB_TIMES)
+
+    def _forget(self, k: tuple[str, int, int]) -> None:
+        del self.skew[k]
+        self._jobs[k[0]] -= 1
+        if not self._jobs[k[0]]:
+            del self._jobs[k[0]]
 
     def correct_ccl(self, table: pa.Table) -> pa.Table:
         if table.num_rows == 0 or not self.skew:

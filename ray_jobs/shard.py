@@ -272,6 +272,7 @@ class ShardWorker:
         st.heartbeat_age_s = self.hangs.heartbeat_age_s
         st.heartbeat_silence_s = now - self.hangs.last_input if self.hangs.last_input else 0.0
         st.hang_clock_held_back_s = self.hangs.clock_held_back_s
+        st.clock_corrected_rows = self.clocks.corrected_rows
         st.records = self.tracker.counters.records
         st.late_records = self.tracker.counters.late_records
         if self.webhook is not None:
@@ -288,15 +289,15 @@ class ShardWorker:
             self._dead_letter(msg, f"quarantined: the shard process died {self.journal.deaths.get(pos, 0)} times "
                                    "while handling this message")
             self.journal.forget(pos)
-            return
-        self.journal.begin(*pos)
-        try:
-            self._route(msg, now)
-        except Exception as e:  # a bug or a case no check foresaw: this message's fault, not the shard's
-            log.warning("shard %d: handling %s:%d@%d failed", self.index, *pos, exc_info=True)
-            self._dead_letter(msg, f"handling failed: {type(e).__name__}: {e}")
-        finally:
-            self.journal.end()
+        else:
+            self.journal.begin(*pos)
+            try:
+                self._route(msg, now)
+            except Exception as e:  # a bug or a case no check foresaw: this message's fault, not the shard's
+                log.warning("shard %d: handling %s:%d@%d failed", self.index, *pos, exc_info=True)
+                self._dead_letter(msg, f"handling failed: {type(e).__name__}: {e}")
+            finally:
+                self.journal.end()
         self.source.advance((msg.topic, msg.partition), msg.offset + 1)
 
     def _route(self, msg, now: float) -> None:
@@ -345,7 +346,6 @@ class ShardWorker:
             if split.good.num_rows:
                 self.hangs.add_ccl(split.good, now)
                 self.tracker.add_ccl(split.good, tp, msg.offset, now)
-        self.stats.clock_corrected_rows = self.clocks.corrected_rows
 
     def _layout_of(self, key: str | None, table: pa.Table):
         """The registered layout of the job attempt the rows belong to, or None (not registered, or mixed)."""
