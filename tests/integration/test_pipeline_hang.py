@@ -47,6 +47,13 @@ def test_hang_alert_is_stored_within_threshold_plus_5s(broker, ray_local, tmp_pa
             hang={"floor_s": FLOOR_S, "k_steps": 1.0, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S})
         pipe = Pipeline(cfg, source_id=f"src-{uuid.uuid4().hex[:6]}").start()
         pipe.wait_ready()  # the job must not start before its shard listens
+        # The session's broker holds every earlier test's records, and a new pipeline reads them
+        # from the start. Catching up on that backlog (over 1,000 messages, seconds per loop pass
+        # on 2 cores) delayed this hang's detection to 14.7 s in CI. This test measures a caught-up
+        # pipeline: the job starts once nothing is left to read and no analysis is running.
+        caught_up = pipe.wait(lambda sts: all(st.get("lag", 1) == 0 and st.get("inflight", 1) == 0 for st in sts),
+                              timeout_s=180)
+        assert caught_up, ("the shards did not catch up with the broker's backlog", pipe.status())
         proc = subprocess.Popen(
             [sys.executable, "-m", "ingest.train_gloo", "--bootstrap", broker.bootstrap, "--job-id", job,
              "--steps", "30", "--stop-rank", "1", "--stop-at-step", "6", "--heartbeat-s", "0.5",
