@@ -22,6 +22,8 @@ import time
 import uuid
 from typing import Iterable
 
+from ingest.kafka_conn import KafkaConn, as_conn
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PARTITIONS = 8
@@ -93,11 +95,17 @@ class LocalBroker:
     process. The broker's memory storage dies with it.
     """
 
-    def __init__(self, port: int | None = None, host: str = "127.0.0.1", log_path: str | None = None):
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1", log_path: str | None = None,
+                 advertise: str | None = None, authentication: bool = False):
         self.host = host
         self.port = port or free_port(host)
         self.cluster_id = f"ss-{uuid.uuid4().hex[:12]}"
         self.log_path = log_path
+        # host:port clients are told to connect to (metadata), when something stands in front of the
+        # broker, such as a TLS terminator: Tansu 0.6 does not speak TLS itself (RELIABILITY.md).
+        self.advertise = advertise or f"{host}:{self.port}"
+        # Require SASL: Tansu 0.6 then accepts only SCRAM, against credentials in its storage.
+        self.authentication = authentication
         self._proc: subprocess.Popen | None = None
         self._log_file = None
 
@@ -110,10 +118,10 @@ class LocalBroker:
         cmd = [
             tansu_binary(), "broker",
             "--listener-url", url,
-            "--advertised-listener-url", url,
+            "--advertised-listener-url", f"tcp://{self.advertise}",
             "--storage-engine", "memory://tansu/",
             "--cluster-id", self.cluster_id,
-        ]
+        ] + (["--authentication"] if self.authentication else [])
         if self.log_path is None:
             self._log_file = tempfile.TemporaryFile()
         else:
@@ -182,20 +190,30 @@ def _reason(e: BaseException) -> str:
     return text if text.startswith(type(e).__name__) else f"{type(e).__name__}: {text}"
 
 
-def _admin(bootstrap: str, timeout_s: float):
+def _admin(bootstrap: KafkaConn | str, timeout_s: float):
     from kafka import KafkaAdminClient
     from kafka.errors import KafkaError
 
-    opts = dict(bootstrap_servers=bootstrap, client_id="stragglerscope-admin", request_timeout_ms=int(timeout_s * 1000))
+    conn = as_conn(bootstrap)
+    opts = dict(bootstrap_servers=conn.bootstrap, client_id="stragglerscope-admin",
+                request_timeout_ms=int(timeout_s * 1000), **conn.client_options())
     if "bootstrap_timeout_ms" in KafkaAdminClient.DEFAULT_CONFIG:  # kafka-python >= 3.0.10
         opts["bootstrap_timeout_ms"] = int(timeout_s * 1000)
     try:
         return KafkaAdminClient(**opts)
     except KafkaError as e:
-        raise BrokerError(f"cannot reach Kafka at {bootstrap}: {_reason(e)}") from None
+        raise BrokerError(f"cannot reach Kafka at {conn.describe()}: {_reason(e)}{_why(conn)}") from None
 
 
-def topic_partitions(bootstrap: str, topics: Iterable[str], timeout_s: float = 20.0) -> dict[str, int]:
+def _why(conn: KafkaConn) -> str:
+    """"; " and the transport's problem found by a direct handshake, or ""."""
+    from ingest.kafka_conn import diagnose
+
+    why = diagnose(conn)
+    return f"; {why}" if why else ""
+
+
+def topic_partitions(bootstrap: KafkaConn | str, topics: Iterable[str], timeout_s: float = 20.0) -> dict[str, int]:
     """Partition count of each of ``topics`` that exists (absent ones are left out); creates nothing."""
     from kafka.errors import KafkaError
 
@@ -217,7 +235,7 @@ def _describe(admin, topics: list[str]) -> dict[str, int]:
     return out
 
 
-def ensure_topics(bootstrap: str, topics: Iterable[str], partitions: int = DEFAULT_PARTITIONS,
+def ensure_topics(bootstrap: KafkaConn | str, topics: Iterable[str], partitions: int = DEFAULT_PARTITIONS,
                   timeout_s: float = 20.0, replication_factor: int = 1) -> dict[str, int]:
     """Create the topics that do not exist yet (idempotent); returns every topic's partition count.
 
@@ -279,7 +297,7 @@ def check_partitions(counts: dict[str, int], topics: Iterable[str], configured: 
     return distinct[0]
 
 
-def prepare_topics(bootstrap: str, partitions: int, replication_factor: int = 1, outputs: bool = True,
+def prepare_topics(bootstrap: KafkaConn | str, partitions: int, replication_factor: int = 1, outputs: bool = True,
                    timeout_s: float = 20.0) -> int:
     """Create stragglerscope's missing topics; return the input topics' partition count (``check_partitions``).
 
@@ -292,7 +310,7 @@ def prepare_topics(bootstrap: str, partitions: int, replication_factor: int = 1,
     return check_partitions(counts, S.INPUT_TOPICS, partitions)
 
 
-def end_offsets(bootstrap: str, partitions: Iterable[tuple[str, int]],
+def end_offsets(bootstrap: KafkaConn | str, partitions: Iterable[tuple[str, int]],
                 timeout_s: float = 20.0) -> dict[tuple[str, int], int | None]:
     """Each partition's end offset (the offset its next record gets); None for one that does not exist.
 
@@ -313,11 +331,12 @@ def end_offsets(bootstrap: str, partitions: Iterable[tuple[str, int]],
     if not present:
         return out
     try:
-        consumer = KafkaConsumer(bootstrap_servers=bootstrap, client_id="stragglerscope-admin", group_id=None,
+        conn = as_conn(bootstrap)
+        consumer = KafkaConsumer(bootstrap_servers=conn.bootstrap, client_id="stragglerscope-admin", group_id=None,
                                  enable_auto_commit=False, auto_offset_reset="none", allow_auto_create_topics=False,
-                                 max_partition_fetch_bytes=1024, fetch_max_bytes=64 << 10)
+                                 max_partition_fetch_bytes=1024, fetch_max_bytes=64 << 10, **conn.client_options())
     except KafkaError as e:
-        raise BrokerError(f"cannot reach Kafka at {bootstrap}: {_reason(e)}") from None
+        raise BrokerError(f"cannot reach Kafka at {conn.describe()}: {_reason(e)}{_why(conn)}") from None
     no_auto_create(consumer)
     try:
         consumer.assign(present)
@@ -359,9 +378,9 @@ def offsets_ahead(stored: dict[tuple[str, int], int],
     return out
 
 
-def check_reachable(bootstrap: str, timeout_s: float = 5.0) -> None:
-    """Raise BrokerError with a one-line reason when no broker answers at ``bootstrap``."""
-    for hp in bootstrap.split(","):
+def check_reachable(bootstrap: KafkaConn | str, timeout_s: float = 5.0) -> None:
+    """Raise BrokerError with a one-line reason when no broker answers at ``bootstrap`` (a TCP connect)."""
+    for hp in str(bootstrap).split(","):
         host, _, port = hp.strip().rpartition(":")
         try:
             with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):

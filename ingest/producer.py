@@ -18,11 +18,15 @@ import logging
 import queue
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from ingest import schema as S
 from ingest.spool import Spool
+
+if TYPE_CHECKING:
+    from ingest.kafka_conn import KafkaConn
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +86,13 @@ class TelemetryProducer:
     order. Without ``spool_dir`` undeliverable messages are dropped and counted.
     """
 
-    def __init__(self, bootstrap: str, *, client_id: str = "stragglerscope", max_queue_bytes: int = 64 << 20,
+    def __init__(self, bootstrap: KafkaConn | str, *, client_id: str = "stragglerscope", max_queue_bytes: int = 64 << 20,
                  kafka_factory=None, linger_ms: int = 20, spool_dir: str | None = None,
                  max_spool_bytes: int = 256 << 20, retry_s: float = 2.0, delivery_timeout_s: float = 10.0):
-        self.bootstrap = bootstrap
+        from ingest.kafka_conn import as_conn
+
+        self.conn = as_conn(bootstrap)
+        self.bootstrap = self.conn.bootstrap
         self.client_id = client_id
         self.max_queue_bytes = max_queue_bytes
         self.stats = ProducerStats()
@@ -119,7 +126,7 @@ class TelemetryProducer:
             linger_ms=self._linger_ms,
             max_request_size=max(S.MAX_MESSAGE_BYTES + 65536, 1 << 20), retries=3,
             request_timeout_ms=min(timeout_ms, 5000), delivery_timeout_ms=max(timeout_ms, 5000 + self._linger_ms),
-            max_block_ms=5000, allow_auto_create_topics=False,
+            max_block_ms=5000, allow_auto_create_topics=False, **self.conn.client_options(),
         )
         no_auto_create(client)
         return client

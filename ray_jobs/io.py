@@ -23,6 +23,7 @@ from typing import Any, Iterable
 import pyarrow as pa
 
 from ingest import schema as S
+from ingest.kafka_conn import KafkaConn, as_conn
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +67,11 @@ class KafkaSource:
 
     PROBLEM_HINT = "stop the pipeline; `stragglerscope offsets show` and README (Broker lost data) tell what to do"
 
-    def __init__(self, bootstrap: str, topics: Iterable[str], partitions: Iterable[int],
+    def __init__(self, bootstrap: KafkaConn | str, topics: Iterable[str], partitions: Iterable[int],
                  client_id: str = "stragglerscope-shard", max_poll_records: int = 500,
                  check_interval_s: float = 2.0):
-        self.bootstrap = bootstrap
+        self.conn = as_conn(bootstrap)
+        self.bootstrap = self.conn.bootstrap
         self.topics = tuple(topics)
         self.partitions = tuple(partitions)
         self.client_id = client_id
@@ -93,7 +95,7 @@ class KafkaSource:
             bootstrap_servers=self.bootstrap, client_id=self.client_id, group_id=None,
             enable_auto_commit=False, auto_offset_reset="none", allow_auto_create_topics=False,
             max_poll_records=self.max_poll_records, fetch_max_bytes=16 << 20,
-            max_partition_fetch_bytes=4 << 20, metadata_max_age_ms=30_000,
+            max_partition_fetch_bytes=4 << 20, metadata_max_age_ms=30_000, **self.conn.client_options(),
         )
         no_auto_create(self._consumer)
         self._tps = [KTP(t, p) for t in self.topics for p in self.partitions]
@@ -286,7 +288,8 @@ class KafkaSource:
 
             # max_block_ms: a missing topic (the broker lost it) costs the loop seconds, not a minute.
             self._producer = KafkaProducer(bootstrap_servers=self.bootstrap, client_id=self.client_id + "-out",
-                                           acks=1, linger_ms=5, allow_auto_create_topics=False, max_block_ms=3000)
+                                           acks=1, linger_ms=5, allow_auto_create_topics=False, max_block_ms=3000,
+                                           **self.conn.client_options())
             no_auto_create(self._producer)
         return self._producer
 

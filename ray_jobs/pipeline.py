@@ -122,7 +122,7 @@ def check_topics(cfg: Config) -> int:
     """Create the missing topics and return the input topics' partition count; BrokerError when it does not fit."""
     from ingest.broker import prepare_topics
 
-    return prepare_topics(cfg.kafka.bootstrap, cfg.kafka.partitions, cfg.kafka.replication_factor)
+    return prepare_topics(cfg.kafka.conn(), cfg.kafka.partitions, cfg.kafka.replication_factor)
 
 
 def stored_offsets(store_url: str, source_id: str) -> dict[tuple[str, int], int]:
@@ -151,7 +151,7 @@ def check_offsets(cfg: Config, source_id: str, stored: dict[tuple[str, int], int
     stored = {tp: off for tp, off in stored.items() if off > 0}
     if not stored:
         return
-    ahead = offsets_ahead(stored, end_offsets(cfg.kafka.bootstrap, stored))
+    ahead = offsets_ahead(stored, end_offsets(cfg.kafka.conn(), stored))
     if not ahead:
         return
     (topic, part), (off, end) = next(iter(ahead.items()))

@@ -142,7 +142,7 @@ class ShardWorker:
         self.downtime = DowntimeAccountant()
         self._downtime_due = 0.0
         self.source = self._consumer_factory() if self._consumer_factory else KafkaSource(
-            self.cfg.kafka.bootstrap, S.INPUT_TOPICS, self.partitions)
+            self.cfg.kafka.conn(), S.INPUT_TOPICS, self.partitions)
         self.limits = self.cfg.validation
         self.clocks = B.ClockGuard(self.limits)
         self._store_failures: dict = {}  # window key -> failed store attempts

@@ -41,7 +41,7 @@ class CLIError(Exception):
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input or an unreachable service, not a bug."""
     errs: list[type[BaseException]] = [CLIError, config_mod.ConfigError, FileNotFoundError, PermissionError]
-    for mod, name in (("ingest.broker", "BrokerError"), ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
+    for mod, name in (("ingest.broker", "BrokerError"), ("ingest.kafka_conn", "KafkaConnError"), ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
                       ("ray_jobs.pipeline", "PipelineError"),
                       ("stragglerscope.replay", "ReplayError"), ("stragglerscope.advise", "AdviseError"),
                       ("analyzers.whatif", "WhatIfInputError"), ("ingest.schema", "DecodeError"),
@@ -390,7 +390,7 @@ def _offsets(args: argparse.Namespace, cfg) -> int:
     ends: dict = {}
     if cfg.kafka.bootstrap:
         check_reachable(cfg.kafka.bootstrap)
-        ends = end_offsets(cfg.kafka.bootstrap, stored)
+        ends = end_offsets(cfg.kafka.conn(), stored)
     ahead = offsets_ahead(stored, ends) if cfg.kafka.bootstrap else {}
     if args.action == "show":
         print(f"{where}, broker {cfg.kafka.bootstrap or '(none configured)'}:")
@@ -447,8 +447,8 @@ def _import(args: argparse.Namespace, cfg) -> int:
         from ingest.producer import TelemetryProducer
 
         check_reachable(cfg.kafka.bootstrap)
-        prepare_topics(cfg.kafka.bootstrap, cfg.kafka.partitions, cfg.kafka.replication_factor, outputs=False)
-        producer = TelemetryProducer(cfg.kafka.bootstrap, client_id="stragglerscope-import")
+        prepare_topics(cfg.kafka.conn(), cfg.kafka.partitions, cfg.kafka.replication_factor, outputs=False)
+        producer = TelemetryProducer(cfg.kafka.conn(), client_id="stragglerscope-import")
     tables = []
     for path in tqdm(args.paths, desc=f"import {args.format}", unit="file", file=sys.stderr, disable=None):
         (_, table), = import_paths(args.format, [path], job_id=args.job_id, layout=layout, meta=args.meta,

@@ -27,6 +27,32 @@ class KafkaConfig:
     """Names the Kafka cluster in stored offsets; empty = the bootstrap string (embedded: per run)."""
     replication_factor: int = 1
     """Replicas of each topic stragglerscope creates (3 on a production cluster, so acks=all means something)."""
+    security_protocol: str = "PLAINTEXT"
+    """PLAINTEXT, SSL (TLS), SASL_PLAINTEXT or SASL_SSL (SASL over TLS): for every producer, consumer and admin."""
+    sasl_mechanism: str = "SCRAM-SHA-512"
+    """SCRAM-SHA-512, SCRAM-SHA-256 or PLAIN (PLAIN only over SASL_SSL: it sends the password as is)."""
+    sasl_username: str = ""
+    """SASL user name (SASL_PLAINTEXT, SASL_SSL)."""
+    sasl_password_file: str = ""
+    """File holding the SASL password, read when a client connects; or STRAGGLERSCOPE_KAFKA_SASL_PASSWORD."""
+    sasl_password: str = dataclasses.field(default="", repr=False)
+    """The SASL password, from STRAGGLERSCOPE_KAFKA_SASL_PASSWORD only (refused in a file; never printed)."""
+    ssl_cafile: str = ""
+    """PEM CA bundle that signed the brokers' certificates; empty = the system's trust store."""
+    ssl_certfile: str = ""
+    """PEM client certificate (and its key, or see ssl_keyfile) where the brokers require mutual TLS."""
+    ssl_keyfile: str = ""
+    """PEM private key of ssl_certfile, when not in the same file."""
+    ssl_check_hostname: bool = True
+    """Check that a broker's certificate names the host connected to (turn off only for IP-only test setups)."""
+
+    def conn(self):
+        """The ``ingest.kafka_conn.KafkaConn`` every Kafka client of this configuration is built from."""
+        from ingest.kafka_conn import KafkaConn
+
+        return KafkaConn(bootstrap=self.bootstrap, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                                        if f.name not in ("bootstrap", "partitions", "source_id",
+                                                                          "replication_factor")})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,10 +203,13 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
 
 
 # Keys whose value must be one of a few words.
-_CHOICES = {("pipeline", "log_format"): ("text", "json")}
+_CHOICES = {("pipeline", "log_format"): ("text", "json"),
+            ("kafka", "security_protocol"): ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
+            ("kafka", "sasl_mechanism"): ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")}
 
 # Secrets: accepted from the environment (or code), never from a configuration file.
-_ENV_ONLY = {("store", "password"): "STRAGGLERSCOPE_STORE_PASSWORD"}
+_ENV_ONLY = {("store", "password"): "STRAGGLERSCOPE_STORE_PASSWORD",
+             ("kafka", "sasl_password"): "STRAGGLERSCOPE_KAFKA_SASL_PASSWORD"}
 
 
 def _merge(cfg: Config, data: Mapping[str, Mapping[str, Any]], source: str) -> Config:
@@ -199,7 +228,7 @@ def _merge(cfg: Config, data: Mapping[str, Mapping[str, Any]], source: str) -> C
                 raise ConfigError(f"{source}: unknown key {sname}.{key} (known: {', '.join(fields)})")
             if (sname, key) in _ENV_ONLY and source not in ("environment", "override"):
                 raise ConfigError(f"{source}: {sname}.{key} does not belong in a file: set the "
-                                  f"{_ENV_ONLY[sname, key]} environment variable or {sname}.password_file")
+                                  f"{_ENV_ONLY[sname, key]} environment variable or {sname}.{key}_file")
             typ = type(getattr(current, key))
             changes[key] = _coerce(value, typ, f"{source}: {sname}.{key}")
             allowed = _CHOICES.get((sname, key))
@@ -232,7 +261,25 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None) -> Confi
     if "STRAGGLERSCOPE_STORE" in env:  # short form used by `sql` and the console
         from_env.setdefault("store", {})["url"] = env["STRAGGLERSCOPE_STORE"]
     cfg = _merge(cfg, from_env, "environment") if from_env else cfg
-    return with_store_credentials(cfg)
+    return check_kafka_transport(with_store_credentials(cfg))
+
+
+def check_kafka_transport(cfg: Config) -> Config:
+    """Refuse Kafka TLS/SASL settings that cannot work (a missing CA file, SASL without a user) at load."""
+    from ingest.kafka_conn import KafkaConnError
+
+    if cfg.kafka.sasl_password:
+        from stragglerscope.redact import add_secret
+
+        add_secret(cfg.kafka.sasl_password)
+    if not cfg.kafka.bootstrap and cfg.kafka.security_protocol != "PLAINTEXT":
+        raise ConfigError(f"kafka.security_protocol = {cfg.kafka.security_protocol} needs kafka.bootstrap: "
+                          "the embedded broker (no bootstrap) listens in plaintext on 127.0.0.1 only")
+    try:
+        cfg.kafka.conn().check()
+    except KafkaConnError as e:
+        raise ConfigError(str(e)) from None
+    return cfg
 
 
 def with_store_credentials(cfg: Config) -> Config:

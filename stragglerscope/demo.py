@@ -15,9 +15,12 @@ import logging
 import subprocess
 import sys
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from stragglerscope.config import Config
+
+if TYPE_CHECKING:
+    from ingest.kafka_conn import KafkaConn
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +43,7 @@ def run_tag(now: float | None = None) -> str:
     return time.strftime("demo%Y%m%d-%H%M%S", time.gmtime(now))
 
 
-def produce_fleet(bootstrap: str, opts: DemoOptions, tag: str,
+def produce_fleet(bootstrap: KafkaConn | str, opts: DemoOptions, tag: str,
                   progress: Callable[[int, int], None] | None = None) -> tuple[list[tuple[str, int, int]], int]:
     """Registrations and op spans of a synthetic fleet; returns (window keys, op records)."""
     from ingest.fleetgen import fleet_windows, make_fleet
@@ -113,7 +116,7 @@ def run_demo(cfg: Config, opts: DemoOptions) -> int:
             svc = start_services(cfg, stack)
             tag = run_tag()
             bar = tqdm(total=opts.jobs * opts.windows, desc="produce", unit="window", file=sys.stderr, disable=None)
-            keys, n_ops = produce_fleet(svc.cfg.kafka.bootstrap, opts, tag,
+            keys, n_ops = produce_fleet(svc.cfg.kafka.conn(), opts, tag,
                                         progress=lambda n, total: bar.update(n - bar.n))
             bar.close()
             say(f"produced   {opts.jobs} jobs, {len(keys)} windows, {n_ops:,} op records (run {tag})")

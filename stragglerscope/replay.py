@@ -96,7 +96,7 @@ def run_replay(cfg: Config, paths: list[str], timeout_s: float = 1800.0) -> int:
     try:
         with contextlib.ExitStack() as stack:
             svc = start_services(cfg, stack)
-            with TelemetryProducer(svc.cfg.kafka.bootstrap, client_id="stragglerscope-replay") as prod:
+            with TelemetryProducer(svc.cfg.kafka.conn(), client_id="stragglerscope-replay") as prod:
                 for path, table, layout in tqdm(loaded, desc="publish", unit="trace", file=sys.stderr,
                                                 disable=None):
                     for reg in registrations(table, layout):

@@ -46,7 +46,7 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
     else:
         check_reachable(bootstrap)
         source_id = cfg.kafka.source_id or bootstrap
-        say(f"broker     {bootstrap}")
+        say(f"broker     {cfg.kafka.conn().describe()}")
     # Topics first: a wrong partition count is an error before anything else starts.
     partitions = check_topics(cfg.replace(kafka={"bootstrap": bootstrap}))
     say(f"topics     {partitions} partitions per input topic")

@@ -92,13 +92,14 @@ def run_trace(cfg: Config, opts: TraceOptions) -> int:
 
             check_reachable(cfg.kafka.bootstrap)
             # Exporters never create topics by writing to them (a broker would pick the partition count).
-            prepare_topics(cfg.kafka.bootstrap, cfg.kafka.partitions, cfg.kafka.replication_factor, outputs=False)
+            prepare_topics(cfg.kafka.conn(), cfg.kafka.partitions, cfg.kafka.replication_factor, outputs=False)
             bootstrap = cfg.kafka.bootstrap
+        transport = "" if embedded or cfg.kafka.security_protocol == "PLAINTEXT" else cfg.kafka.conn().to_json()
         spool = os.path.join(run_dir, "spool") if embedded else os.path.join(
             tempfile.gettempdir(), f"stragglerscope-spool-{job_id}")
         settings = TraceSettings(job_id=job_id, bootstrap=bootstrap, layout=layout, sampling=sampling,
                                  attempt=opts.attempt, spool_dir=spool, run_dir=run_dir,
-                                 heartbeat_s=opts.heartbeat_s)
+                                 heartbeat_s=opts.heartbeat_s, kafka_transport=transport)
         say(f"trace      job {job_id}, profiling {sampling.profile_steps} of every {sampling.every} steps; "
             f"running: {' '.join(opts.command)}")
         t0 = time.monotonic()

@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 
 from ingest.exporter import Sampling
+from ingest.kafka_conn import KafkaConn
 from ingest.schema import JobLayout
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,11 @@ class TraceSettings:
     hang_dump_s: float = 60.0
     team: str = ""
     model: str = ""
+    kafka_transport: str = ""  # KafkaConn.to_json(): TLS/SASL settings, no secret; empty = plaintext
+
+    def conn(self) -> KafkaConn:
+        """The producer's Kafka connection."""
+        return KafkaConn.from_json(self.bootstrap, self.kafka_transport)
 
     def to_env(self) -> dict[str, str]:
         layout = ",".join(f"{k}={self.layout[v]}" for k, v in _LAYOUT_KEYS.items() if v in self.layout)
@@ -80,7 +86,8 @@ class TraceSettings:
                 f"{ENV}_SAMPLE": f"{self.sampling.profile_steps}/{self.sampling.every}",
                 f"{ENV}_ATTEMPT": str(self.attempt), f"{ENV}_SPOOL_DIR": self.spool_dir,
                 f"{ENV}_RUN_DIR": self.run_dir, f"{ENV}_HEARTBEAT_S": str(self.heartbeat_s),
-                f"{ENV}_HANG_DUMP_S": str(self.hang_dump_s), f"{ENV}_TEAM": self.team, f"{ENV}_MODEL": self.model}
+                f"{ENV}_HANG_DUMP_S": str(self.hang_dump_s), f"{ENV}_TEAM": self.team, f"{ENV}_MODEL": self.model,
+                f"{ENV}_KAFKA_TRANSPORT": self.kafka_transport}
 
     @classmethod
     def from_env(cls, env=os.environ) -> "TraceSettings":
@@ -91,7 +98,8 @@ class TraceSettings:
         return cls(job_id=get("JOB_ID"), bootstrap=get("BOOTSTRAP"), layout=parse_layout(get("LAYOUT")),
                    sampling=parse_sample(get("SAMPLE", "10/100")), attempt=int(get("ATTEMPT", "0")),
                    spool_dir=get("SPOOL_DIR"), run_dir=get("RUN_DIR"), heartbeat_s=float(get("HEARTBEAT_S", "5")),
-                   hang_dump_s=float(get("HANG_DUMP_S", "60")), team=get("TEAM"), model=get("MODEL"))
+                   hang_dump_s=float(get("HANG_DUMP_S", "60")), team=get("TEAM"), model=get("MODEL"),
+                   kafka_transport=get("KAFKA_TRANSPORT"))
 
 
 _armed: TraceSettings | None = None
@@ -158,19 +166,21 @@ def _start() -> None:
                   file=sys.stderr)
 
 
-def instrument(job_id: str, bootstrap: str, *, layout: str | dict | None = None, sample: str | Sampling = "10/100",
+def instrument(job_id: str, bootstrap: str | KafkaConn, *, layout: str | dict | None = None, sample: str | Sampling = "10/100",
                attempt: int = 0, spool_dir: str = "", team: str = "", model: str = "") -> None:
     """Instrument this training process with no other change to its code (the one-call API).
 
     Call it before or after ``torch.distributed.init_process_group``. Steps,
     forward and backward per microbatch, pipeline transfers, collectives,
     optimizer, GC pauses and checkpoints are then recorded as
-    ``stragglerscope trace`` records them, and exported to ``bootstrap``.
+    ``stragglerscope trace`` records them, and exported to ``bootstrap`` (a
+    host:port list, or an ``ingest.kafka_conn.KafkaConn`` for TLS/SASL).
     """
+    transport = bootstrap.to_json() if isinstance(bootstrap, KafkaConn) else ""
     lay = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     sampling = parse_sample(sample) if isinstance(sample, str) else sample
-    arm(TraceSettings(job_id=job_id, bootstrap=bootstrap, layout=lay, sampling=sampling, attempt=attempt,
-                      spool_dir=spool_dir, team=team, model=model))
+    arm(TraceSettings(job_id=job_id, bootstrap=str(bootstrap), layout=lay, sampling=sampling, attempt=attempt,
+                      spool_dir=spool_dir, team=team, model=model, kafka_transport=transport))
 
 
 class TraceSession:
@@ -189,7 +199,7 @@ class TraceSession:
         self.layout = resolve_layout(settings.layout, self.world)
         dp_rank, pp_rank = coords_of(self.rank, self.layout)
         spool = os.path.join(settings.spool_dir, f"rank{self.rank}") if settings.spool_dir else None
-        self.producer = TelemetryProducer(settings.bootstrap, client_id=f"trace-{settings.job_id}-{self.rank}",
+        self.producer = TelemetryProducer(settings.conn(), client_id=f"trace-{settings.job_id}-{self.rank}",
                                           spool_dir=spool)
         self.exporter = RankExporter(settings.job_id, self.rank, dp_rank, pp_rank, self.producer.send,
                                      attempt=settings.attempt, sampling=settings.sampling,

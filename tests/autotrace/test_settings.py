@@ -49,6 +49,23 @@ def test_settings_travel_to_children_through_the_environment():
         TraceSettings.from_env({})
 
 
+def test_kafka_transport_travels_to_children_without_the_password(tmp_path):
+    from ingest.kafka_conn import KafkaConn
+
+    pw = tmp_path / "pw"
+    pw.write_text("hunter2")
+    conn = KafkaConn("10.0.0.1:9093", security_protocol="SASL_SSL", sasl_username="trainer",
+                     sasl_password_file=str(pw), ssl_check_hostname=False)
+    st = TraceSettings(job_id="j-1", bootstrap=conn.bootstrap, kafka_transport=conn.to_json())
+    env = child_env(st.to_env(), base={})
+    assert "hunter2" not in repr(env)
+    back = TraceSettings.from_env(env).conn()
+    assert back == conn and back.client_options()["sasl_plain_password"] == "hunter2"
+    assert back.client_options()["ssl_check_hostname"] is False
+    # No transport given: plaintext, as before.
+    assert TraceSettings(job_id="j", bootstrap="h:1").conn().client_options() == {"security_protocol": "PLAINTEXT"}
+
+
 def test_default_job_id_names_the_script():
     assert default_job_id(["torchrun", "--nproc-per-node", "4", "my train.py"], now=0) == "my-train-19700101-000000"
     assert default_job_id(["./run.sh"], now=0) == "run.sh-19700101-000000"
