@@ -21,7 +21,9 @@ STRAGGLERSCOPE_<SECTION>_<KEY> environment variables override them):
 secrets:
   A clickhouse:// store's password may sit in store.url (clickhouse://user:pass@host:9000/db), but keep
   it out of files: set STRAGGLERSCOPE_STORE_PASSWORD, or store.password_file = FILE (a file holding the
-  password, read when the store is opened; the URL then has none). Passwords are printed as ***.
+  password, read when the store is opened; the URL then has none). Kafka's SASL password: set
+  STRAGGLERSCOPE_KAFKA_SASL_PASSWORD or kafka.sasl_password_file = FILE; TLS files are kafka.ssl_*.
+  Passwords are printed as ***.
 
 examples:
   stragglerscope demo                       # everything local, console on http://127.0.0.1:8501

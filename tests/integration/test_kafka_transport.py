@@ -180,3 +180,18 @@ def test_bad_transport_settings_are_config_errors(tmp_path, certs):
     assert "hunter2" not in repr(conn) + conn.to_json() + conn.describe() + repr(cfg)
     with pytest.raises(KafkaConnError, match="needs kafka.sasl_username"):
         KafkaConn.from_json("h:1", json.dumps({"security_protocol": "SASL_SSL"}))
+
+
+def test_run_refused_by_sasl_is_one_line_exit_2_without_the_password(sasl_broker, tmp_path):
+    secret = "Zebra-Secret-77"
+    env = dict(os.environ, STRAGGLERSCOPE_STORE=f"chdb://{tmp_path / 'store'}", STRAGGLERSCOPE_PIPELINE_METRICS_PORT="-1",
+               STRAGGLERSCOPE_KAFKA_BOOTSTRAP=sasl_broker.bootstrap, STRAGGLERSCOPE_KAFKA_SECURITY_PROTOCOL="SASL_PLAINTEXT",
+               STRAGGLERSCOPE_KAFKA_SASL_MECHANISM="SCRAM-SHA-256", STRAGGLERSCOPE_KAFKA_SASL_USERNAME="trainer",
+               STRAGGLERSCOPE_KAFKA_SASL_PASSWORD=secret)
+    r = subprocess.run([sys.executable, "-m", "stragglerscope", "run"], env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert secret not in r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    (err,) = [line for line in r.stderr.splitlines() if "error:" in line]
+    assert "(SASL_PLAINTEXT SCRAM-SHA-256 as trainer)" in err and "check kafka.sasl_username" in err, r.stderr
