@@ -3,11 +3,18 @@
     store = open_store("chdb://./.stragglerscope/store")   # embedded chDB
     store = open_store("clickhouse://default:@127.0.0.1:9000/default")  # a server (native protocol)
     store = open_store("clickhouse://admin@ch:9000/db?password_file=/run/secrets/ch")  # password read at open
-    store = open_store("http://127.0.0.1:8123")            # a store daemon (storage.daemon)
+    store = open_store("clickhouse://admin@ch:9440/db?password_file=/run/secrets/ch&secure=1&ca_certs=/etc/ca.pem")
+    store = open_store("http://127.0.0.1:8123?token_file=/data/store/daemon.token")  # a store daemon (storage.daemon)
     store.setup()                                         # tables, views, forward migrations; idempotent
     store.insert("window_result", table)                  # a table of ingest.schema.WINDOW_RESULT
     store.run_named("fleet_summary", {"team": "llm"})     # -> pyarrow.Table
     store.query("SELECT job_id FROM windows WHERE slowdown > {s:Float64}", {"s": 1.2})
+
+A clickhouse:// URL takes ``secure``, ``verify``, ``ca_certs``, ``certfile``,
+``keyfile``, ``server_hostname``, ``connect_timeout`` and ``password_file``
+(``storage.server_backend.tls_options``); an http:// URL takes ``token_file``,
+the file where the daemon keeps its token (``storage.daemon``). Neither
+carries a secret itself, so both may travel to other processes and logs.
 
 Store methods (the same behaviour on every backend):
 

@@ -20,17 +20,36 @@ more), so a long free query cannot hold up the pipeline's inserts.
 Discovery file ``PATH/daemon.json``: ``{"url": ..., "pid": ..., "store": ...}``,
 written once the server listens and removed when it stops; a file whose pid
 is gone is stale and removed by the next ``open_store``.
+
+Token: the daemon serves only callers that show its token. At start it
+makes a random one (``secrets.token_urlsafe``) and writes it, with its own
+address, to ``PATH/daemon.token``, created with mode 0600 (only its owner
+may read it), before anything names the daemon. Every request must carry
+``Authorization: Bearer TOKEN`` (compared in constant time); without one the
+answer is 401, with a wrong one 403, and nothing runs. The daemon's URL
+names the file, not the token: ``http://127.0.0.1:PORT?token_file=PATH/daemon.token``
+(``StoreDaemon.url``, ``daemon.json``), so it can travel to Ray actors, the
+console and logs; ``HttpStore`` reads the file when it opens and again once
+after a refusal (a daemon restarted on the same port has a new token). It
+refuses a token file that other users may read or write (the token would
+not be a secret; ``chmod 600`` mends it) and one written by a daemon at
+another address (the URL is stale: sending that token to whatever now
+listens on the old port would give it away).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
+import hmac
 import http.client
 import io
 import json
 import os
+import secrets
 import select
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -39,7 +58,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Callable
-from urllib.parse import urlparse
+from urllib.parse import parse_qsl, quote, urlparse
 
 import pyarrow as pa
 
@@ -48,6 +67,8 @@ from storage.sandbox import SQLLimits
 from storage.store import Store, filter_offsets
 
 DISCOVERY_FILE = "daemon.json"
+TOKEN_FILE = "daemon.token"
+_MAX_REFUSED_BODY = 1 << 20  # a refused request's body is read (and dropped) up to this size, then the socket closes
 _ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -123,6 +144,69 @@ def discover(path: str | os.PathLike) -> str | None:
 
 
 # --------------------------------------------------------------------------
+# token
+# --------------------------------------------------------------------------
+def token_path(store_path: str | os.PathLike) -> Path:
+    """Where the daemon serving ``store_path`` keeps its token (absolute)."""
+    return Path(os.path.abspath(os.fspath(store_path))) / TOKEN_FILE
+
+
+def daemon_url(host: str, port: int, store_path: str | os.PathLike) -> str:
+    """The URL of the daemon serving ``store_path`` on ``host:port``: it names the token file, not the token."""
+    return f"http://{host}:{port}?token_file={quote(str(token_path(store_path)), safe='/')}"
+
+
+def _write_token(file: Path, address: str) -> str:
+    """A new random token for the daemon at ``address``, written to ``file`` (mode 0600) atomically."""
+    token = secrets.token_urlsafe(32)
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    # O_EXCL | O_NOFOLLOW: never write through a file or link someone else put there; 0600 from the start.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, json.dumps({"url": address, "pid": os.getpid(), "token": token}).encode() + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, file)
+    from stragglerscope.redact import add_secret
+
+    add_secret(token)
+    return token
+
+
+def read_token(path: str, address: str) -> str:
+    """The token in ``path`` for the daemon at ``address``; StoreError when it cannot be trusted or read."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise StoreError(f"cannot read the store daemon's token file {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise StoreError(f"the store daemon's token file {path} is not a regular file")
+    if st.st_mode & 0o077:
+        raise StoreError(f"the store daemon's token file {path} is open to other users (mode "
+                         f"{stat.S_IMODE(st.st_mode):04o}): anyone who reads it may write to the store; "
+                         f"chmod 600 {path}, or restart the daemon, which writes a new one with mode 0600")
+    try:
+        with open(path, encoding="utf-8") as f:
+            info = json.loads(f.read(65536))
+        token, written_for = str(info["token"]), str(info["url"])
+    except OSError as e:
+        raise StoreError(f"cannot read the store daemon's token file {path}: {e.strerror or e}") from None
+    except (ValueError, KeyError, TypeError):
+        raise StoreError(f"the store daemon's token file {path} is not one a daemon wrote") from None
+    if written_for != address:
+        raise StoreError(f"the token file {path} is for the store daemon at {written_for}, not {address}: the "
+                         "daemon moved; open the store by its chdb:// path (that finds the daemon and its token)")
+    from stragglerscope.redact import add_secret
+
+    add_secret(token)
+    return token
+
+
+# --------------------------------------------------------------------------
 # server
 # --------------------------------------------------------------------------
 def _dispatch(store: Store, method: str, args: dict, table: pa.Table | None,
@@ -175,13 +259,52 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _authorized(self) -> bool:
+        """True when the request shows the daemon's token; otherwise answers 401 or 403 and closes."""
+        given = self.headers.get("Authorization")
+        scheme, _, value = (given or "").strip().partition(" ")
+        expected = self.server.token.encode()
+        if given and scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode("utf-8", "replace"),
+                                                                        expected):
+            return True
+        with self.server.refused_lock:
+            self.server.refused += 1
+            first = self.server.refused == 1
+        if first:
+            print(f"store daemon: refused a request without the right token from {self.client_address[0]} "
+                  f"(more are counted, not logged)", file=sys.stderr, flush=True)
+        try:  # drop a small body, so that closing does not reset the connection before the client reads why
+            length = int(self.headers.get("Content-Length") or 0)
+            if 0 < length <= _MAX_REFUSED_BODY:
+                self.connection.settimeout(5.0)  # a caller without the token holds no thread for long
+                self.rfile.read(length)
+        except (ValueError, OSError):
+            pass
+        status, why = (401, "a request without a token") if not given else (403, "a request with a wrong token")
+        body = _encode({"error": f"store daemon refused {why}; every request needs Authorization: Bearer TOKEN, "
+                                 f"the token in {self.server.token_file} (readable by the daemon's user only)",
+                        "token_file": str(self.server.token_file)})
+        self.close_connection = True
+        self.send_response(status)
+        self.send_header("WWW-Authenticate", 'Bearer realm="stragglerscope-store"')
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+        return False
+
     def do_GET(self):
+        if not self._authorized():
+            return
         if self.path.rstrip("/") in ("", "/ping", "/v1/ping"):
             self._reply(200, _encode({"ok": True, "pid": os.getpid(), "store": self.server.store.url}))
         else:
             self._reply(404, _encode({"error": f"no such path {self.path}"}))
 
     def do_POST(self):
+        if not self._authorized():
+            return
         try:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else b""
@@ -209,9 +332,10 @@ def serve(url: str, host: str = "127.0.0.1", port: int = 0, ready: Callable[[int
     defaults) bound every free query; clients may ask for lower limits.
 
     Opens the path (failing with StoreError if another process holds it),
-    runs ``setup()``, listens on ``host:port`` (0: a free port), writes
-    ``PATH/daemon.json``, calls ``ready(port)``, and on shutdown removes the
-    file and closes the store. It also stops when ``stop`` is set (chDB's
+    runs ``setup()``, listens on ``host:port`` (0: a free port), writes a new
+    token to ``PATH/daemon.token`` (mode 0600) and ``PATH/daemon.json``
+    (whose URL, ``daemon_url``, names the token file), calls ``ready(port)``,
+    and on shutdown removes both files and closes the store. It also stops when ``stop`` is set (chDB's
     engine takes over SIGTERM in its process, so a parent stops its daemon
     child by closing the child's stdin, which sets this event).
     """
@@ -226,15 +350,24 @@ def serve(url: str, host: str = "127.0.0.1", port: int = 0, ready: Callable[[int
     limits = SQLLimits.of(sql_limits)
     store = ChdbStore(path, url, sql_limits=limits)
     file = Path(path) / DISCOVERY_FILE
+    tokens = token_path(path)
+    token = None
     httpd = None
     try:
         store.setup()
         httpd = _Server((host, port), _Handler)
         httpd.store = store
         httpd.sql_limits = limits
+        httpd.refused, httpd.refused_lock = 0, threading.Lock()
         bound = httpd.server_address[1]
+        # The token first: once daemon.json names the daemon, its token must be there.
+        try:
+            token = httpd.token = _write_token(tokens, f"http://{host}:{bound}")
+        except OSError as e:
+            raise StoreError(f"cannot write the store daemon's token file {tokens}: {e.strerror or e}") from None
+        httpd.token_file = tokens
         tmp = file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"url": f"http://{host}:{bound}", "pid": os.getpid(), "store": url}))
+        tmp.write_text(json.dumps({"url": daemon_url(host, bound, path), "pid": os.getpid(), "store": url}))
         os.replace(tmp, file)
         stop = stop or threading.Event()
         if threading.current_thread() is threading.main_thread():
@@ -253,6 +386,11 @@ def serve(url: str, host: str = "127.0.0.1", port: int = 0, ready: Callable[[int
                 file.unlink()
         except (OSError, ValueError):
             pass
+        try:  # ours only: a daemon started since may have written its own
+            if token and json.loads(tokens.read_text()).get("token") == token:
+                tokens.unlink()
+        except (OSError, ValueError):
+            pass
         if httpd is not None:
             httpd.server_close()
         store.close()
@@ -267,16 +405,26 @@ class HttpStore(Store):
     def __init__(self, url: str, timeout: float = 600.0) -> None:
         u = urlparse(url)
         if u.scheme != "http" or not u.hostname or u.path not in ("", "/"):
-            raise StoreError(f"bad store daemon URL {url!r}: write http://127.0.0.1:PORT")
+            raise StoreError(f"bad store daemon URL {url!r}: write http://127.0.0.1:PORT?token_file=PATH")
         try:
             self.port = u.port
         except ValueError:
             raise StoreError(f"bad port in store daemon URL {url!r}") from None
         if not self.port:
             raise StoreError(f"store daemon URL {url!r} needs a port")
-        self.url = f"http://{u.hostname}:{self.port}"
+        query = parse_qsl(u.query, keep_blank_values=True)
+        for key, _value in query:
+            if key != "token_file":
+                raise StoreError(f"unknown parameter {key!r} in store daemon URL {url}: it takes token_file= only")
+        files = [v for _k, v in query]
+        if len(files) > 1 or (files and not files[0]):
+            raise StoreError(f"store daemon URL {url} needs one token_file=PATH")
+        self.token_file = files[0] if files else None
+        self.address = f"http://{u.hostname}:{self.port}"  # what messages show
+        self.url = self.address + (f"?token_file={quote(self.token_file, safe='/')}" if self.token_file else "")
         self.host = u.hostname
         self.timeout = timeout
+        self._token = read_token(self.token_file, self.address) if self.token_file else None
         self._local = threading.local()
         self._closed = False
         self._call("ping", {}, timeout=5.0)
@@ -296,29 +444,49 @@ class HttpStore(Store):
         if conn is not None:
             conn.close()
 
-    def _call(self, method: str, args: dict, table: pa.Table | None = None,
-              timeout: float | None = None) -> tuple[dict, pa.Table | None]:
-        if self._closed:
-            raise StoreError(f"store {self.url} is closed")
-        body = _encode(args, table)
+    def _post(self, method: str, body: bytes, timeout: float | None) -> tuple[int, bytes]:
+        headers = {"Content-Type": "application/octet-stream"}
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
         for attempt in (0, 1):  # a kept-alive connection the daemon closed: reconnect once (calls are idempotent)
             try:
                 conn = self._conn(timeout or self.timeout)
-                conn.request("POST", f"/v1/{method}", body=body,
-                             headers={"Content-Type": "application/octet-stream"})
+                conn.request("POST", f"/v1/{method}", body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
-                break
+                if resp.will_close:
+                    self._drop_conn()
+                return resp.status, data
             except (ConnectionError, http.client.HTTPException, OSError) as e:
                 self._drop_conn()
                 if attempt or isinstance(e, (ConnectionRefusedError, TimeoutError)):
-                    raise StoreError(f"store daemon at {self.url} is unreachable: {first_line(e)}") from e
+                    raise StoreError(f"store daemon at {self.address} is unreachable: {first_line(e)}") from e
+        raise AssertionError("unreachable")
+
+    def _call(self, method: str, args: dict, table: pa.Table | None = None,
+              timeout: float | None = None) -> tuple[dict, pa.Table | None]:
+        if self._closed:
+            raise StoreError(f"store {self.address} is closed")
+        body = _encode(args, table)
+        status, data = self._post(method, body, timeout)
+        if status in (401, 403) and self.token_file:
+            # A daemon restarted on this port has a new token in the same file: read it once more.
+            token = read_token(self.token_file, self.address)
+            if token != self._token:
+                self._token = token
+                status, data = self._post(method, body, timeout)
         try:
             envelope, result = _decode(data)
         except (ValueError, pa.ArrowInvalid) as e:
-            raise StoreError(f"store daemon at {self.url} sent a bad answer (HTTP {resp.status})") from e
-        if resp.status != 200 or "error" in envelope:
-            raise StoreError(envelope.get("error") or f"store daemon at {self.url}: HTTP {resp.status}")
+            raise StoreError(f"store daemon at {self.address} sent a bad answer (HTTP {status})") from e
+        if status == 401:
+            raise StoreError(f"store daemon at {self.address} wants its token (add ?token_file="
+                             f"{envelope.get('token_file') or 'PATH/daemon.token'} to the URL, or open the store by "
+                             "its chdb:// path)")
+        if status == 403:
+            raise StoreError(f"store daemon at {self.address} refused the token from {self.token_file}")
+        if status != 200 or "error" in envelope:
+            raise StoreError(envelope.get("error") or f"store daemon at {self.address}: HTTP {status}")
         return envelope, result
 
     @staticmethod
@@ -408,9 +576,14 @@ class StoreDaemon:
 
     @property
     def url(self) -> str:
+        """``http://HOST:PORT?token_file=PATH/daemon.token``: the file is the daemon's token, 0600."""
         if not self._proc:
             raise StoreError("store daemon not started")
-        return f"http://{self.host}:{self.port}"
+        return daemon_url(self.host, self.port, self.store_url[len("chdb://"):])
+
+    @property
+    def token_file(self) -> Path:
+        return token_path(self.store_url[len("chdb://"):])
 
     @property
     def pid(self) -> int | None:

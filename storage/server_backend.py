@@ -9,6 +9,14 @@ store's lock (clickhouse-driver clients are not thread-safe). Free SQL
 free query never holds up writes, and runs with the ``[sql]`` limits as
 per-query settings (``max_execution_time``, ``max_memory_usage``, then
 ``readonly = 1``, which also forbids changing them).
+
+TLS and authentication: ``clickhouse://user@host:9440/db?secure=1&ca_certs=PATH``
+speaks TLS to the server's secure native port and checks its certificate
+(``tls_options`` lists the parameters); the password comes from the URL,
+``password_file=`` or ``STRAGGLERSCOPE_STORE_PASSWORD`` (``storage.open_store``).
+Opening a store connects at once, and the TCP connect, the TLS handshake
+and the server's hello each finish within the connect timeout (5 s,
+``connect_timeout=``) or fail with one line that says which.
 """
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ import contextlib
 import re
 import threading
 from typing import Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qsl, unquote, urlparse
 
 import numpy as np
 import pyarrow as pa
@@ -28,22 +36,166 @@ from storage.sqltext import WRAPPABLE, external_params_sql
 from storage.store import SQLStore
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SEND_RECEIVE_TIMEOUT_S = 300  # a long query's reads; the connect and the hello use the connect timeout
+
+
+# Query parameters of a clickhouse:// URL (``password_file`` is read by ``storage.open_store`` first).
+_BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+_TLS_FILES = ("ca_certs", "certfile", "keyfile")
+URL_PARAMS = ("secure", "verify", "ca_certs", "certfile", "keyfile", "server_hostname", "connect_timeout",
+              "password_file")
 
 
 def parse_server_url(url: str) -> dict:
-    """``clickhouse://user:pass@host:port/db`` into client arguments; StoreError when malformed."""
+    """``clickhouse://user:pass@host:port/db?secure=1&ca_certs=PATH`` into client arguments.
+
+    StoreError (one line, password masked) when the URL is malformed or a
+    TLS parameter is bad; see ``tls_options`` for the parameters.
+    """
     u = urlparse(url)
     if u.scheme != "clickhouse" or not u.hostname:
         raise StoreError(f"bad ClickHouse URL {url!r}: write clickhouse://user:pass@host:port/db")
+    tls, timeout = tls_options(url, u.query)
     try:
-        port = u.port or 9000
+        port = u.port or (9440 if tls["secure"] else 9000)
     except ValueError:
         raise StoreError(f"bad port in ClickHouse URL {url!r}") from None
     database = (u.path or "/").lstrip("/") or "default"
     if not _IDENT.fullmatch(database):
         raise StoreError(f"bad database name {database!r} in {url!r}: letters, digits and _ only")
     return dict(host=u.hostname, port=port, user=unquote(u.username or "default"),
-                password=unquote(u.password or ""), database=database)
+                password=unquote(u.password or ""), database=database, tls=tls, connect_timeout=timeout)
+
+
+def tls_options(url: str, query: str) -> tuple[dict, float | None]:
+    """The TLS arguments of clickhouse-driver and the connect timeout from a URL's query string.
+
+    ``secure=1`` (default 0) speaks TLS to the server's secure native port
+    (``tcp_port_secure``; 9440 when the URL names no port). ``verify=1``
+    (the default) checks the server's certificate against ``ca_certs=PATH``
+    (a PEM bundle; without it, the system's CAs) and its name against the
+    host, or against ``server_hostname=NAME``; ``verify=0`` encrypts without
+    knowing who answers. ``certfile=PATH`` (and ``keyfile=PATH`` when the key
+    is a file of its own) is a client certificate for a server that asks for
+    one; the key must not be encrypted. ``connect_timeout=SECONDS`` bounds
+    the TCP connect, the TLS handshake and the server's hello.
+
+    Every file is read here, so a missing or wrong one is a StoreError now,
+    not a handshake failure later. Unknown parameters are refused: a typo in
+    ``secure`` must not fall back to plain text.
+    """
+    import ssl
+
+    pairs = parse_qsl(query, keep_blank_values=True)
+    seen: dict[str, str] = {}
+    for key, value in pairs:
+        if key not in URL_PARAMS:
+            raise StoreError(f"unknown parameter {key!r} in store URL {url}: known are {', '.join(URL_PARAMS)}")
+        if key in seen:
+            raise StoreError(f"parameter {key!r} given twice in store URL {url}")
+        seen[key] = value.strip()
+
+    def flag(name: str, default: bool) -> bool:
+        if name not in seen:
+            return default
+        value = _BOOL.get(seen[name].lower())
+        if value is None:
+            raise StoreError(f"bad {name}={seen[name]!r} in store URL {url}: use 1 or 0")
+        return value
+
+    secure, verify = flag("secure", False), flag("verify", True)
+    timeout = None
+    if "connect_timeout" in seen:
+        try:
+            timeout = float(seen["connect_timeout"])
+        except ValueError:
+            timeout = -1.0
+        if not 0 < timeout <= 3600:
+            raise StoreError(f"bad connect_timeout={seen['connect_timeout']!r} in store URL {url}: "
+                             "seconds, above 0 and at most 3600")
+    tls_given = [k for k in (*_TLS_FILES, "server_hostname", "verify") if k in seen]
+    if not secure:
+        if tls_given:
+            raise StoreError(f"{tls_given[0]}= in store URL {url} needs secure=1 (without it the connection "
+                             "is plain text)")
+        return {"secure": False}, timeout
+    for name in _TLS_FILES:
+        if name in seen and not seen[name]:
+            raise StoreError(f"empty {name}= in store URL {url}: name a file")
+    if not verify and ("ca_certs" in seen or "server_hostname" in seen):
+        raise StoreError(f"store URL {url} has verify=0 and {'ca_certs' if 'ca_certs' in seen else 'server_hostname'}"
+                         "=: verify=0 checks nothing; drop one")
+    if "keyfile" in seen and "certfile" not in seen:
+        raise StoreError(f"keyfile= in store URL {url} needs certfile= (the client certificate)")
+    hostname = seen.get("server_hostname")
+    if hostname is not None and not re.fullmatch(r"[A-Za-z0-9.:_-]{1,253}", hostname):
+        raise StoreError(f"bad server_hostname={hostname!r} in store URL {url}: a DNS name or an IP address")
+    for name in _TLS_FILES:
+        if name in seen:
+            _readable(url, name, seen[name])
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if "ca_certs" in seen:
+        try:
+            context.load_verify_locations(cafile=seen["ca_certs"])
+        except (ssl.SSLError, ValueError) as e:
+            raise StoreError(f"ca_certs={seen['ca_certs']} holds no usable PEM certificate: {first_line(e)}") from None
+    if "certfile" in seen:
+        def no_passphrase():
+            raise ValueError("the key is encrypted")
+
+        try:
+            context.load_cert_chain(seen["certfile"], seen.get("keyfile"), password=no_passphrase)
+        except (ssl.SSLError, ValueError) as e:
+            which = f"certfile={seen['certfile']}" + (f" and keyfile={seen['keyfile']}" if "keyfile" in seen else "")
+            raise StoreError(f"{which}: not a usable client certificate and unencrypted key ({first_line(e)})") \
+                from None
+    tls = {"secure": True, "verify": verify}
+    for name in (*_TLS_FILES, "server_hostname"):
+        if name in seen:
+            tls[name] = seen[name]
+    return tls, timeout
+
+
+def _readable(url: str, name: str, path: str) -> None:
+    import os
+
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except IsADirectoryError:
+        raise StoreError(f"{name}={path} in store URL {url} is a directory: name a PEM file") from None
+    except OSError as e:
+        raise StoreError(f"cannot read {name}={path} from store URL {url}: {e.strerror or e}") from None
+    if not os.path.isfile(path):
+        raise StoreError(f"{name}={path} in store URL {url} is not a regular file")
+
+
+def describe_tls_error(text: str, tls: dict, connecting: bool = True) -> str | None:
+    """A one-line explanation of a TLS failure in a connection error's ``text``, or None when it is none.
+
+    A connection closed at once is read as a TLS failure only while ``connecting``.
+    """
+    t = text.upper()
+    if "CERTIFICATE_VERIFY_FAILED" in t:
+        if "MISMATCH" in t:
+            return ("the server's certificate does not name this host (set server_hostname= to the name it "
+                    "was issued for)")
+        where = f"ca_certs={tls['ca_certs']}" if tls.get("ca_certs") else "the default CA bundle (set ca_certs=)"
+        return f"the server's certificate is not signed by a CA in {where}"
+    if any(k in t for k in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG",
+                            "UNKNOWN_PROTOCOL", "HTTP_REQUEST")):
+        return "the port does not speak TLS: use the server's secure native port (tcp_port_secure, often 9440)"
+    if "CERTIFICATE_REQUIRED" in t or ("HANDSHAKE_FAILURE" in t and not tls.get("certfile")):
+        return "the server asks for a client certificate: set certfile= (and keyfile=)"
+    if connecting and not tls.get("certfile") and any(k in t for k in ("EOF OCCURRED IN VIOLATION", "UNEXPECTED_EOF",
+                                                        "CONNECTION RESET", "UNEXPECTED EOF")):
+        # TLS 1.3: the server checks the client's certificate after the client's handshake is done, and
+        # its alert may be lost to the connection's reset; a server asking for one is the likely reason.
+        return ("the server closed the TLS connection at once; if it asks for a client certificate, set "
+                "certfile= (and keyfile=)")
+    if "[SSL" in t or "SSL:" in t or "TLSV1" in t:
+        return "the TLS handshake failed"
+    return None
 
 
 def _structure(table: pa.Table) -> list[tuple[str, str]]:
@@ -91,7 +243,8 @@ class ServerStore(SQLStore):
         self._args = parse_server_url(url)
         self.address = f"{self._args['host']}:{self._args['port']}"
         self.database = self._args["database"]
-        self._timeout = connect_timeout
+        self.secure = self._args["tls"]["secure"]
+        self._timeout = self._args["connect_timeout"] or connect_timeout
         self._read_client = None  # free SQL's connection, made on first use
         self._read_lock = threading.Lock()
         self._client = self._connect("default")
@@ -103,25 +256,61 @@ class ServerStore(SQLStore):
             self._client = self._connect(self.database)
 
     def _connect(self, database: str):
+        """A connected client: TCP connect, TLS handshake and the server's hello all within the connect timeout.
+
+        clickhouse-driver waits for the hello with the send/receive timeout
+        (300 s, for long queries); a port that accepts and never answers
+        would hold an open that long, so the first connect runs with the
+        connect timeout and the long one is set afterwards.
+        """
         from clickhouse_driver import Client
 
         a = self._args
-        return Client(host=a["host"], port=a["port"], user=a["user"], password=a["password"], database=database,
-                      connect_timeout=self._timeout, send_receive_timeout=300, sync_request_timeout=self._timeout,
-                      client_name="stragglerscope", settings={"use_numpy": True})
+        client = Client(host=a["host"], port=a["port"], user=a["user"], password=a["password"], database=database,
+                        connect_timeout=self._timeout, send_receive_timeout=self._timeout,
+                        sync_request_timeout=self._timeout, client_name="stragglerscope",
+                        settings={"use_numpy": True}, **a["tls"])
+        conn = client.connection
+        try:
+            self._guard(client, conn.connect, connecting=True)
+        finally:
+            conn.send_receive_timeout = _SEND_RECEIVE_TIMEOUT_S
+            if conn.connected and conn.socket is not None:
+                conn.socket.settimeout(_SEND_RECEIVE_TIMEOUT_S)
+        return client
 
     def _call(self, client, sql: str, data=None, **kw):
+        if data is not None:
+            return self._guard(client, lambda: client.execute(sql, data, columnar=True, **kw))
+        return self._guard(client, lambda: client.execute(sql, columnar=True, with_column_types=True, **kw))
+
+    def _guard(self, client, fn, connecting: bool = False):
+        """``fn()``, with clickhouse-driver's errors as one-line StoreErrors."""
         from clickhouse_driver import errors as ch_errors
 
         try:
-            if data is not None:
-                return client.execute(sql, data, columnar=True, **kw)
-            return client.execute(sql, columnar=True, with_column_types=True, **kw)
+            return fn()
         except (ch_errors.NetworkError, ch_errors.SocketTimeoutError, OSError, EOFError) as e:
             client.disconnect()
-            raise StoreError(f"ClickHouse server at {self.address} is unreachable: {first_line(e)}") from e
+            text = first_line(e)
+            why = describe_tls_error(text, self._args["tls"], connecting) if self.secure else None
+            if why:
+                raise StoreError(f"TLS to ClickHouse server at {self.address} failed: {why} ({text})") from e
+            if self.secure and isinstance(e, ch_errors.SocketTimeoutError):
+                raise StoreError(f"ClickHouse server at {self.address} did not complete the TLS handshake and "
+                                 f"its hello within {self._timeout:g} s: is it the secure native port? ({text})") from e
+            hint = ""
+            hung_up = any(k in text.upper() for k in ("CONNECTION RESET", "UNEXPECTED EOF"))
+            if connecting and not self.secure and hung_up:
+                hint = " (if that is the server's secure port, add secure=1)"  # it hung up on our plain-text hello
+            raise StoreError(f"ClickHouse server at {self.address} is unreachable: {text}{hint}") from e
         except ch_errors.ServerException as e:
-            raise StoreError(f"Code: {e.code}. {first_line(Exception(e.message))}") from e
+            message = re.sub(r"\s*Stack trace:$", "", first_line(Exception(e.message)))
+            if e.code in (192, 193, 194, 516):  # unknown user, wrong password, password required, auth failed
+                client.disconnect()
+                raise StoreError(f"ClickHouse server at {self.address} refused the login: Code: {e.code}. "
+                                 f"{message}") from e
+            raise StoreError(f"Code: {e.code}. {message}") from e
         except ch_errors.Error as e:
             raise StoreError(first_line(e)) from e
         except (TypeError, ValueError, KeyError) as e:  # data clickhouse-driver could not encode

@@ -9,6 +9,14 @@ installs the binary into ``/usr/sbin``; newer packages use ``/usr/bin``.
 
     with ClickHouseServer() as srv:
         store = open_store(srv.url)      # clickhouse://default:@127.0.0.1:PORT/default
+
+With ``tls_cert`` and ``tls_key`` (PEM files) it also opens the secure
+native port (``tcp_port_secure``, a ``config.d/tls.xml`` rendered from
+``infra/clickhouse/tls.xml.tmpl``); with ``tls_client_ca`` as well, that
+port asks every client for a certificate signed by that CA::
+
+    with ClickHouseServer(user="writer", password=pw, tls_cert=crt, tls_key=key) as srv:
+        store = open_store(srv.store_url("db", secure=True, ca_certs=ca))
 """
 from __future__ import annotations
 
@@ -44,6 +52,16 @@ _FALLBACK_CONFIG = """<?xml version="1.0"?>
     <default_profile>default</default_profile>
     <default_database>default</default_database>
     <timezone>UTC</timezone>
+</yandex>
+"""
+_FALLBACK_TLS = """<?xml version="1.0"?>
+<yandex>
+    <tcp_port_secure>$tcp_port_secure</tcp_port_secure>
+    <openSSL><server><certificateFile>$cert_file</certificateFile><privateKeyFile>$key_file</privateKeyFile>
+        $client_verification
+        <loadDefaultCAFile>false</loadDefaultCAFile><cacheSessions>true</cacheSessions>
+        <disableProtocols>sslv2,sslv3,tlsv1,tlsv1_1</disableProtocols><preferServerCiphers>true</preferServerCiphers>
+    </server></openSSL>
 </yandex>
 """
 _FALLBACK_USERS = """<?xml version="1.0"?>
@@ -99,6 +117,10 @@ class ClickHouseServer:
         binary: str | None = None,
         start_timeout: float = 30.0,
         stop_timeout: float = 10.0,
+        tls_cert: str | os.PathLike | None = None,
+        tls_key: str | os.PathLike | None = None,
+        tls_client_ca: str | os.PathLike | None = None,
+        tcp_port_secure: int | None = None,
     ) -> None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", user):
             raise ValueError(f"user name must be an identifier, got {user!r}")
@@ -111,6 +133,12 @@ class ClickHouseServer:
         self.binary = binary
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
+        if (tls_cert is None) != (tls_key is None) or (tls_client_ca is not None and tls_cert is None):
+            raise ValueError("TLS needs tls_cert and tls_key (and tls_client_ca only with them)")
+        self.tls_cert = Path(tls_cert).resolve() if tls_cert else None
+        self.tls_key = Path(tls_key).resolve() if tls_key else None
+        self.tls_client_ca = Path(tls_client_ca).resolve() if tls_client_ca else None
+        self.tcp_port_secure = tcp_port_secure
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -124,13 +152,20 @@ class ClickHouseServer:
         """Store URL for ``open_store``, database ``default``."""
         return self.store_url("default")
 
-    def store_url(self, database: str) -> str:
-        from urllib.parse import quote
+    def store_url(self, database: str, secure: bool = False, with_password: bool = True, **params: str) -> str:
+        """Store URL of ``database``: the plain native port, or with ``secure`` the TLS one (``secure=1``).
 
-        return (
-            f"clickhouse://{quote(self.user, safe='')}:{quote(self.password, safe='')}"
-            f"@127.0.0.1:{self.tcp_port}/{database}"
-        )
+        ``params`` become query parameters (``ca_certs=...``, ``password_file=...``);
+        ``with_password=False`` leaves the password out of the URL.
+        """
+        from urllib.parse import quote, urlencode
+
+        if secure and not self.tcp_port_secure:
+            raise RuntimeError("this server has no secure port (start it with tls_cert and tls_key)")
+        userinfo = quote(self.user, safe="") + (f":{quote(self.password, safe='')}" if with_password else "")
+        port = self.tcp_port_secure if secure else self.tcp_port
+        query = urlencode(([("secure", "1")] if secure else []) + [(k, str(v)) for k, v in params.items()])
+        return f"clickhouse://{userinfo}@127.0.0.1:{port}/{database}" + (f"?{query}" if query else "")
 
     def write_config(self) -> Path:
         """Render config and users files into the data dir; returns the config path."""
@@ -150,6 +185,18 @@ class ClickHouseServer:
                 users_path=escape(str(users_path)),
             )
         )
+        tls_path = d / "config.d" / "tls.xml"  # read and merged by the server beside config.xml
+        if self.tls_cert:
+            tls_path.parent.mkdir(exist_ok=True)
+            verification = "<verificationMode>none</verificationMode>"
+            if self.tls_client_ca:
+                verification = (f"<verificationMode>strict</verificationMode>"
+                                f"<caConfig>{escape(str(self.tls_client_ca))}</caConfig>")
+            tls_path.write_text(_template("tls.xml.tmpl", _FALLBACK_TLS).substitute(
+                tcp_port_secure=self.tcp_port_secure, cert_file=escape(str(self.tls_cert)),
+                key_file=escape(str(self.tls_key)), client_verification=verification))
+        elif tls_path.exists():
+            tls_path.unlink()
         return config_path
 
     def start(self) -> "ClickHouseServer":
@@ -162,6 +209,8 @@ class ClickHouseServer:
             self._data_dir = Path(tempfile.mkdtemp(prefix="ss-clickhouse-"))
         self.tcp_port = self.tcp_port or free_port()
         self.http_port = self.http_port or free_port()
+        if self.tls_cert:
+            self.tcp_port_secure = self.tcp_port_secure or free_port()
         config = self.write_config()
         log = open(self.data_dir / "log" / "stdout.log", "ab")
         self._proc = subprocess.Popen(
@@ -177,7 +226,7 @@ class ClickHouseServer:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"clickhouse-server exited with {self._proc.returncode}: {self._log_tail()}")
-            if self.ping():
+            if self.ping() and self._secure_port_listens():
                 return self
             time.sleep(0.05)
         self.stop()
@@ -187,6 +236,15 @@ class ClickHouseServer:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/ping", timeout=1) as r:
                 return r.status == 200
+        except OSError:
+            return False
+
+    def _secure_port_listens(self) -> bool:
+        if not self.tls_cert:
+            return True
+        try:
+            with socket.create_connection(("127.0.0.1", self.tcp_port_secure), timeout=1):
+                return True
         except OSError:
             return False
 
