@@ -341,8 +341,12 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         if not cfg.store.url.startswith("chdb://"):
             raise CLIError(f"only a chdb:// store needs serving, got {cfg.store.url}")
+        from storage.daemon import daemon_url
+
+        # The URL names the daemon's token file (readable by this user only), never the token.
         serve(cfg.store.url, port=args.port, sql_limits=cfg.sql,
-              ready=lambda port: print(f"store {redact_url(cfg.store.url)} at http://127.0.0.1:{port}", flush=True))
+              ready=lambda port: print(f"store {redact_url(cfg.store.url)} at "
+                                       f"{daemon_url('127.0.0.1', port, cfg.store.url[len('chdb://'):])}", flush=True))
         return 0
     raise CLIError(f"unknown command {cmd}")
 

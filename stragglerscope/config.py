@@ -58,7 +58,8 @@ class KafkaConfig:
 @dataclasses.dataclass(frozen=True)
 class StoreConfig:
     url: str = "chdb://./.stragglerscope/store"
-    """chdb://PATH (embedded), clickhouse://user:pass@host:9000/db (server) or http://127.0.0.1:PORT (store daemon)."""
+    """chdb://PATH (embedded), clickhouse://user@host:9000/db (server; TLS: clickhouse://user@host:9440/db?secure=1&ca_certs=PEM)
+    or http://127.0.0.1:PORT?token_file=PATH (the store daemon `stragglerscope store` prints)."""
     password_file: str = ""
     """File holding the clickhouse:// store's password, read when the store is opened; the URL then has none."""
     password: str = dataclasses.field(default="", repr=False)
