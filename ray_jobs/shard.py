@@ -376,7 +376,7 @@ class ShardWorker:
 
     def _dead_letter(self, msg, reason: str) -> None:
         self.stats.dead_letters += 1
-        row = dict(ts_ns=time.time_ns(), source_topic=msg.topic, source_partition=msg.partition,
+        row = dict(ts_ns=self._wall_ns(), source_topic=msg.topic, source_partition=msg.partition,
                    source_offset=msg.offset, key=(msg.key or b"").decode("utf-8", "replace"),
                    reason=reason[:1000], payload=bytes(msg.value[:65536]) if msg.value else b"")
         self.sink.write("dead_letter", S.from_rows(S.DEAD_LETTER, [row]))
@@ -491,7 +491,8 @@ class ShardWorker:
         """The window's alerts; a rule that fails costs the alert (logged), never the stored result."""
         try:
             row = tables["window_result"].to_pylist()[0]
-            wall, wall_ns = time.time(), time.time_ns()
+            wall_ns = self._wall_ns()
+            wall = wall_ns / 1e9
             alerts = self.rules.evaluate_window(row, wall, wall_ns)
             if "link_fault" in tables and tables["link_fault"].num_rows:
                 alerts += self.rules.evaluate_links(tables["link_fault"].to_pylist(), wall, wall_ns)
@@ -537,10 +538,11 @@ class ShardWorker:
 
     def _check_hangs(self, now: float) -> None:
         """Store new hangs and their alerts (hangs must not wait for any window to close)."""
-        rows = self.hangs.evaluate(now, self._wall_ns())
+        wall_ns = self._wall_ns()
+        rows = self.hangs.evaluate(now, wall_ns)
         if not rows:
             return
-        alerts = [a for r in rows for a in self.rules.evaluate_hang(r, time.time(), time.time_ns())]
+        alerts = [a for r in rows for a in self.rules.evaluate_hang(r, wall_ns / 1e9, wall_ns)]
         hangs = hang_table(rows)
         self.sink.write("hang", hangs)
         self.downtime.add_hangs(hangs)
