@@ -92,7 +92,8 @@ def fleet(broker, tmp_path_factory):
         time.sleep(0.5)
         log.seek(0)
         text = log.read()
-    url = re.search(r"served to the pipeline and console at (http://127\.0\.0\.1:\d+)", text).group(1)
+    # The daemon's URL names its token file (?token_file=...): the store refuses requests without the token.
+    url = re.search(r"served to the pipeline and console at (http://127\.0\.0\.1:\d+\S*)\)", text).group(1)
     from storage import open_store
 
     store = open_store(url)
