@@ -230,7 +230,9 @@ def test_limit_attack_fails_within_its_limit(sbx, name, sql, reason):
     with pytest.raises(StoreError, match=reason) as e:
         sbx.query(sql, limits=FAST)
     elapsed = time.monotonic() - t0
-    assert elapsed < FAST.max_execution_time_s + 3.0, (name, elapsed, str(e.value))
+    # The limit fires on time (the error reports ~2,000 ms); chDB then tears the query down, which took
+    # 6.6 s more once in a loaded CI run. Without the limit these queries run for minutes.
+    assert elapsed < FAST.max_execution_time_s + 10.0, (name, elapsed, str(e.value))
     assert "\n" not in str(e.value)
     assert _windows(sbx) == 9  # the store answers normally afterwards
 
