@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Iterable
 
-from ingest.kafka_conn import KafkaConn, as_conn
+from ingest.kafka_conn import KafkaConn, as_conn, diagnose
 
 log = logging.getLogger(__name__)
 
@@ -207,8 +207,6 @@ def _admin(bootstrap: KafkaConn | str, timeout_s: float):
 
 def _why(conn: KafkaConn) -> str:
     """"; " and the transport's problem found by a direct handshake, or ""."""
-    from ingest.kafka_conn import diagnose
-
     why = diagnose(conn)
     return f"; {why}" if why else ""
 

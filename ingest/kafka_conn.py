@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import socket
+import ssl
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 MECHANISMS = ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")
@@ -71,8 +76,7 @@ class KafkaConn:
                                      f"set {PASSWORD_ENV} or kafka.sasl_password_file")
             if self.sasl_mechanism == "PLAIN" and not self.uses_tls:
                 # Allowed (a trusted network may carry it), but the password crosses the wire in clear.
-                import logging
-                logging.getLogger(__name__).warning(
+                log.warning(
                     "kafka: SASL PLAIN without TLS sends the password in clear; use SASL_SSL or SCRAM")
         tls_files = {"ssl_cafile": self.ssl_cafile, "ssl_certfile": self.ssl_certfile, "ssl_keyfile": self.ssl_keyfile}
         given = {k: v for k, v in tls_files.items() if v}
@@ -161,11 +165,9 @@ def diagnose(conn: KafkaConn, timeout_s: float = 3.0) -> str:
     untrusted certificate, a refused client certificate, a broker that speaks
     TLS to a plaintext client). Cheap, and only run after a failure.
     """
-    import socket
-    import ssl
-
     for hp in conn.bootstrap.split(","):
-        host, _, port = hp.strip().rpartition(":")
+        where = hp.strip()
+        host, _, port = where.rpartition(":")
         host = host.strip("[]") or "127.0.0.1"
         try:
             sock = socket.create_connection((host, int(port)), timeout=timeout_s)
@@ -173,46 +175,51 @@ def diagnose(conn: KafkaConn, timeout_s: float = 3.0) -> str:
             continue
         with sock:
             sock.settimeout(timeout_s)
-            if not conn.uses_tls:
-                try:  # a TLS server answers a ClientHello; a Kafka broker waits for a request
-                    probe = ssl.create_default_context()
-                    probe.check_hostname, probe.verify_mode = False, ssl.CERT_NONE
-                    with probe.wrap_socket(sock, server_hostname=host):
-                        return (f"{hp.strip()} speaks TLS: set kafka.security_protocol = SSL "
-                                "(or SASL_SSL) and kafka.ssl_cafile")
-                except (OSError, ssl.SSLError):
-                    return _after_connect(conn, hp.strip())
-            try:
-                ctx = ssl.create_default_context(cafile=conn.ssl_cafile or None)
-                ctx.check_hostname = conn.ssl_check_hostname
-                if conn.ssl_certfile:
-                    ctx.load_cert_chain(conn.ssl_certfile, conn.ssl_keyfile or None)
-            except (OSError, ssl.SSLError) as e:
-                return f"the TLS files cannot be used: {e}"
-            try:
-                with ctx.wrap_socket(sock, server_hostname=host) as tls:
-                    # TLS 1.3: a server that refuses our client certificate says so after the handshake.
-                    tls.settimeout(min(timeout_s, 1.0))
-                    try:
-                        data = tls.recv(1)
-                    except (socket.timeout, TimeoutError):
-                        return _after_connect(conn, hp.strip())
-                    except ssl.SSLError as e:
-                        return f"TLS with {hp.strip()} failed after the handshake: {_ssl_reason(e)}"
-                    except OSError as e:
-                        data, _ = b"", e
-                    if not data and not conn.ssl_certfile:  # a broker waits for our request; this one hung up
-                        return (f"{hp.strip()} closed the TLS connection after the handshake: does it require "
-                                "a client certificate (kafka.ssl_certfile)?")
-                    return _after_connect(conn, hp.strip())
-            except ssl.SSLCertVerificationError as e:
-                return f"TLS with {hp.strip()}: {e.verify_message or 'certificate verify failed'} " \
-                       "(certificate verify failed; is kafka.ssl_cafile the CA that signed the broker's certificate?)"
-            except ssl.SSLError as e:
-                return f"TLS handshake with {hp.strip()} failed: {_ssl_reason(e)}"
-            except OSError as e:
-                return f"TLS handshake with {hp.strip()} failed: {e}"
+            if conn.uses_tls:
+                return _tls_problem(conn, sock, host, where)
+            try:  # a TLS server answers a ClientHello; a Kafka broker waits for a request
+                probe = ssl.create_default_context()
+                probe.check_hostname, probe.verify_mode = False, ssl.CERT_NONE
+                with probe.wrap_socket(sock, server_hostname=host):
+                    return f"{where} speaks TLS: set kafka.security_protocol = SSL (or SASL_SSL) and kafka.ssl_cafile"
+            except (OSError, ssl.SSLError):
+                return _after_connect(conn, where)
     return ""
+
+
+def _tls_problem(conn: KafkaConn, sock: socket.socket, host: str, where: str) -> str:
+    """What goes wrong with TLS on the connected ``sock``, or the hint for a transport that works."""
+    try:
+        ctx = ssl.create_default_context(cafile=conn.ssl_cafile or None)
+        ctx.check_hostname = conn.ssl_check_hostname
+        if conn.ssl_certfile:
+            ctx.load_cert_chain(conn.ssl_certfile, conn.ssl_keyfile or None)
+    except (OSError, ssl.SSLError) as e:
+        return f"the TLS files cannot be used: {e}"
+    try:
+        tls = ctx.wrap_socket(sock, server_hostname=host)
+    except ssl.SSLCertVerificationError as e:
+        return (f"TLS with {where}: {e.verify_message or 'certificate verify failed'} (certificate verify failed; "
+                "is kafka.ssl_cafile the CA that signed the broker's certificate?)")
+    except ssl.SSLError as e:
+        return f"TLS handshake with {where} failed: {_ssl_reason(e)}"
+    except OSError as e:
+        return f"TLS handshake with {where} failed: {e}"
+    with tls:
+        # TLS 1.3: a server that refuses our client certificate says so after the handshake.
+        tls.settimeout(1.0)
+        try:
+            data = tls.recv(1)
+        except (socket.timeout, TimeoutError):
+            return _after_connect(conn, where)
+        except ssl.SSLError as e:
+            return f"TLS with {where} failed after the handshake: {_ssl_reason(e)}"
+        except OSError:
+            data = b""
+    if not data and not conn.ssl_certfile:  # a broker waits for our request; this one hung up
+        return (f"{where} closed the TLS connection after the handshake: does it require "
+                "a client certificate (kafka.ssl_certfile)?")
+    return _after_connect(conn, where)
 
 
 def _after_connect(conn: KafkaConn, where: str) -> str:

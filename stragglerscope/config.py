@@ -50,9 +50,7 @@ class KafkaConfig:
         """The ``ingest.kafka_conn.KafkaConn`` every Kafka client of this configuration is built from."""
         from ingest.kafka_conn import KafkaConn
 
-        return KafkaConn(bootstrap=self.bootstrap, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                                                        if f.name not in ("bootstrap", "partitions", "source_id",
-                                                                          "replication_factor")})
+        return KafkaConn(**{f.name: getattr(self, f.name) for f in dataclasses.fields(KafkaConn)})
 
 
 @dataclasses.dataclass(frozen=True)
