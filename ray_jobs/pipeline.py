@@ -285,6 +285,16 @@ class Pipeline:
             time.sleep(poll_s)
         return False
 
+    @staticmethod
+    def caught_up(statuses: list[dict]) -> bool:
+        """Every shard has polled at least once, read all there is, and has no analysis running.
+
+        A shard answers ``status`` before its first poll, when its lag is not
+        measured yet (``loops == 0``): that must not count as caught up.
+        """
+        return all(st.get("loops", 0) > 0 and st.get("lag", 1) == 0 and st.get("inflight", 1) == 0
+                   for st in statuses)
+
     def serve_metrics(self, port: int) -> int:
         """Prometheus metrics of the shards on 127.0.0.1:port (0 = free port); returns the port."""
         from ray_jobs.metrics import MetricsServer

@@ -70,6 +70,9 @@ class ShardStats:
     open_windows: int = 0
     buffered_rows: int = 0
     lag: int = 0
+    """Records not yet handled. Not measured before the first loop pass (``loops == 0``): read it only after."""
+    loops: int = 0
+    """Loop passes run (poll, handle, dispatch, collect, hangs, commit). 0: the shard has not polled yet."""
     heartbeat_age_s: float = 0.0
     """Age of the newest heartbeat when it arrived (exporter, broker and consumer delay together)."""
     heartbeat_silence_s: float = 0.0
@@ -266,6 +269,7 @@ class ShardWorker:
         st.open_windows = len(self.tracker.open)
         st.buffered_rows = self.tracker.buffered_rows()
         st.lag = self.source.lag() + len(self._polled)
+        st.loops += 1
         problems = getattr(self.source, "problems", ())
         if problems:  # a vanished partition, an offset past the end: paused there, shown here
             st.error = ("kafka: " + "; ".join(problems))[:500]

@@ -371,3 +371,16 @@ def test_a_big_poll_is_handled_over_several_iterations_within_the_budget():
     assert w.stats.messages == len(tables)
     assert sorted(r["window_id"] for r in sink.rows["window_result"]) == [0, 100, 200, 300, 400]
     assert sink.offsets["s"][(S.TOPIC_OPS, 0)] == 5
+
+
+def test_lag_counts_as_caught_up_only_after_a_poll():
+    """A shard answers status before its first poll; its lag of 0 then is unmeasured (CI once waited on it)."""
+    from ray_jobs.pipeline import Pipeline
+
+    a = job("a")
+    w, src, _ = make_worker(messages_for([a.registration(0, STEPS), generate_window(a, 0, STEPS, 0)]))
+    assert w.stats.loops == 0 and not Pipeline.caught_up([w.status()])
+    w.step(poll_timeout_ms=0)
+    assert w.stats.loops == 1
+    run(w)
+    assert w.stats.lag == 0 and Pipeline.caught_up([w.status()])
