@@ -85,12 +85,7 @@ class Hang:
     evidence: dict
 
     def summary(self) -> str:
-        what = {"comm_hang": "communication hang", "noncomm_hang": "non-communication hang",
-                "node_loss": "node loss"}[self.kind]
-        where = f" in {self.op} #{self.seq} of group {self.group}" if self.group else ""
-        missing = f"; missing ranks {fold_ranks(self.missing_ranks)}" if self.missing_ranks else ""
-        hosts = f" on {', '.join(self.suspect_hosts[:4])}" if self.suspect_hosts else ""
-        return f"{self.job_id}: {what}{where} for {self.duration_s:.0f} s{missing}{hosts}"
+        return hang_summary(self.row(self.since_ns))
 
     def row(self, now_ns: int) -> dict:
         """A row of ``ingest.schema.HANG``."""
@@ -100,6 +95,17 @@ class Hang:
                     seq=self.seq, op=self.op, stuck_ranks=fold_ranks(self.stuck_ranks),
                     missing_ranks=fold_ranks(self.missing_ranks), suspect_hosts=",".join(self.suspect_hosts),
                     since_ns=self.since_ns, duration_s=self.duration_s, evidence_json=dumps(self.evidence))
+
+
+def hang_summary(row: dict) -> str:
+    """One line for an on-call engineer, from a HANG row (what the alert says)."""
+    what = {"comm_hang": "communication hang", "noncomm_hang": "non-communication hang",
+            "node_loss": "node loss"}.get(row["kind"], row["kind"])
+    where = f" in {row['op']} #{row['seq']} of group {row['group']}" if row["group"] else ""
+    missing = f"; missing ranks {row['missing_ranks']}" if row["missing_ranks"] else ""
+    hosts = [h for h in row["suspect_hosts"].split(",") if h]
+    on = f" on {', '.join(hosts[:4])}" if hosts else ""
+    return f"{row['job_id']}: {what}{where} for {row['duration_s']:.0f} s{missing}{on}"
 
 
 @dataclasses.dataclass

@@ -1,8 +1,10 @@
-"""Alert rules over stored results, deduplicated per (job, rule) with a cool-down.
+"""Alert rules over results, deduplicated per (job, rule) with a cool-down.
 
 ``AlertRules.evaluate_window`` turns a window result row into zero or more
 alert rows (ALERT schema). State is the last alert time per (job, rule), kept
 in the shard that owns the job; ``now`` is injected so tests drive it.
+``AlertReducer`` runs the rules over what the other reducers emit (window
+results, link faults, hangs) and publishes each alert once it is stored.
 ``WebhookSender`` delivers them to an optional webhook off the shard's loop.
 """
 from __future__ import annotations
@@ -15,7 +17,11 @@ import time
 import urllib.request
 from typing import Callable
 
+import pyarrow as pa
+
+from analyzers.hang import hang_summary
 from ingest import schema as S
+from ray_jobs.checkpoint import Clock, Unit
 from stragglerscope.config import AlertConfig
 
 log = logging.getLogger(__name__)
@@ -79,7 +85,7 @@ class AlertRules:
         return [dict(
             alert_id=f"{row['job_id']}/{row['attempt']}/{rule}/{row['hang_id']}", job_id=row["job_id"],
             attempt=row["attempt"], ts_ns=now_ns, rule=rule, severity="critical",
-            summary=row.get("summary") or f"{row['job_id']}: {row['kind']}",
+            summary=hang_summary(row),
             details_json=S.dumps({k: row[k] for k in ("kind", "group", "seq", "op", "stuck_ranks", "missing_ranks",
                                                      "suspect_hosts", "duration_s")}),
         )]
@@ -105,6 +111,54 @@ class AlertRules:
             details_json=S.dumps({k: top[k] for k in ("group", "kind", "src", "dst", "confidence", "slowdown",
                                                      "window_id")}),
         )]
+
+
+class AlertReducer:
+    """The rules as a reducer: result rows in (``add``), one unit of alerts out per pass (``due``).
+
+    Alerts are evaluated once, when their rows are emitted, and the unit keeps
+    them: a write the store refused is retried with the same alerts instead of
+    cooling them down. They are published (alert topic, webhook) only once
+    stored. A rule that fails costs its alert (logged), never the results.
+    """
+    consumes = frozenset({"window_result", "link_fault", "hang"})
+
+    def __init__(self, rules: AlertRules, clock: Clock, publish: Callable[[dict], None]):
+        self.rules = rules
+        self.clock = clock
+        self._publish = publish
+        self._pending: list[dict] = []
+        self.published = 0
+
+    def add(self, kind: str, table: pa.Table, at=None, now: float = 0.0) -> None:
+        wall_ns = self.clock.wall_ns()
+        wall = wall_ns / 1e9
+        try:
+            rows = table.to_pylist()
+            if kind == "window_result":
+                for row in rows:
+                    self._pending += self.rules.evaluate_window(row, wall, wall_ns)
+            elif kind == "link_fault":  # a table per window: one alert for its most confident fault
+                self._pending += self.rules.evaluate_links(rows, wall, wall_ns)
+            elif kind == "hang":
+                for row in rows:
+                    self._pending += self.rules.evaluate_hang(row, wall, wall_ns)
+        except Exception as e:
+            log.warning("alert rules failed on %d %s rows: %s", table.num_rows, kind, e)
+
+    def due(self, now: float) -> list[Unit]:
+        if not self._pending:
+            return []
+        alerts, self._pending = self._pending, []
+
+        def stored():
+            for a in alerts:
+                self.published += 1
+                self._publish(a)
+        return [Unit(f"{len(alerts)} alert(s)", {"alert": S.from_rows(S.ALERT, alerts)}, on_stored=stored)]
+
+    def snapshot(self) -> dict:
+        return dict(alerts=self.published)
 
 
 def post_webhook(url: str, alert: dict, timeout_s: float = 3.0) -> bool:

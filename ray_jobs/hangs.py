@@ -1,8 +1,9 @@
 """Hang monitoring inside a shard: one ``HangTracker`` per job attempt it owns.
 
-Heartbeats and CCL records are fed as they arrive; ``evaluate(now_ns)`` runs
-at most every ``every_s`` and returns the new hangs as HANG rows with their
-alerts. "Now" is the shard's wall clock (job clocks are aligned to wall time
+A reducer (``ray_jobs.checkpoint.Reducer``): heartbeats and CCL records are
+added as they arrive; ``due(now)`` evaluates at most every ``every_s`` and
+emits the new hangs as a unit of HANG rows (their alerts are the alert
+reducer's, which reads the rows). "Now" for stalls is the wall clock (job clocks are aligned to wall time
 by the exporters). A job whose heartbeats all stopped counts as node loss
 only while the shard still hears other jobs (``input_alive``), so a broken
 input does not page anyone about every job at once. Jobs silent for
@@ -10,20 +11,23 @@ input does not page anyone about every job at once. Jobs silent for
 """
 from __future__ import annotations
 
-import time
-
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from analyzers.hang import HangParams, HangTracker
 from ingest import schema as S
+from ray_jobs.checkpoint import Clock, Unit
 
 _NS = 1_000_000_000
 
 
 class HangMonitor:
-    def __init__(self, params: HangParams = HangParams(), every_s: float = 1.0, forget_after_s: float = 3600.0):
+    consumes = frozenset({"heartbeat", "ccl_record"})
+
+    def __init__(self, params: HangParams = HangParams(), every_s: float = 1.0, forget_after_s: float = 3600.0,
+                 clock: Clock = Clock()):
         self.params = params
+        self.clock = clock
         self.every_s = every_s
         self.forget_after_s = forget_after_s
         self.trackers: dict[tuple[str, int], HangTracker] = {}
@@ -31,7 +35,7 @@ class HangMonitor:
         self._last_eval = 0.0
         self.last_input = 0.0
         self._freshest_ns = 0  # newest heartbeat seen from any job (job clock)
-        self.hangs_found = 0
+        self.hangs = 0  # stored
         self.heartbeat_age_s = 0.0  # wall clock minus the newest heartbeat, at its arrival
         self.clock_held_back_s = 0.0  # wall clock minus the evaluation time, at the last evaluation
 
@@ -53,7 +57,7 @@ class HangMonitor:
             newest = int(pc.max(table["ts_ns"]).as_py())
             self._freshest_ns = max(self._freshest_ns, newest)
             # How stale the input is on arrival (exporter -> broker -> here); hang detection waits for it.
-            self.heartbeat_age_s = time.time_ns() / 1e9 - newest / 1e9
+            self.heartbeat_age_s = (self.clock.wall_ns() - newest) / _NS
         for key, tr, sub in self._by_job(table):
             tr.add_heartbeats(sub)
             self._last_seen[key] = now
@@ -68,7 +72,7 @@ class HangMonitor:
         if now - self._last_eval < self.every_s:
             return []
         self._last_eval = now
-        now_ns = time.time_ns() if now_ns is None else now_ns
+        now_ns = self.clock.wall_ns() if now_ns is None else now_ns
         if self._freshest_ns:
             # Judge the data as of what it has reached: while the input lags (a backlog after a
             # restart, a slow consumer) the newest records are older than the wall clock, and
@@ -84,12 +88,24 @@ class HangMonitor:
                 continue
             hang = tr.evaluate(now_ns, input_alive=input_alive)
             if hang is not None:
-                self.hangs_found += 1
-                row = hang.row(now_ns)
-                row["summary"] = hang.summary()
-                rows.append(row)
+                rows.append(hang.row(now_ns))
         return rows
 
+    # -- the reducer interface ------------------------------------------------
+    def add(self, kind: str, table: pa.Table, at=None, now: float = 0.0) -> None:
+        (self.add_heartbeats if kind == "heartbeat" else self.add_ccl)(table, now)
 
-def hang_table(rows: list[dict]) -> pa.Table:
-    return S.from_rows(S.HANG, [{k: v for k, v in r.items() if k != "summary"} for r in rows])
+    def due(self, now: float) -> list[Unit]:
+        """The hangs found since the last evaluation, as one unit (hangs never wait for a window)."""
+        rows = self.evaluate(now)
+        if not rows:
+            return []
+
+        def stored(n=len(rows)):
+            self.hangs += n
+        return [Unit(f"{len(rows)} hang(s)", {"hang": S.from_rows(S.HANG, rows)}, on_stored=stored)]
+
+    def snapshot(self) -> dict:
+        return dict(hangs=self.hangs, heartbeat_age_s=self.heartbeat_age_s,
+                    heartbeat_silence_s=self.clock.monotonic() - self.last_input if self.last_input else 0.0,
+                    hang_clock_held_back_s=self.clock_held_back_s)

@@ -29,6 +29,7 @@ _METRICS = (
     ("open_windows", "ss_open_windows", "gauge", "windows being filled"),
     ("buffered_rows", "ss_buffered_rows", "gauge", "op-span rows held in open windows"),
     ("lag", "ss_consumer_lag", "gauge", "records not yet consumed"),
+    ("units_dropped", "ss_units_dropped_total", "counter", "result units dropped: refused repeatedly by a live store"),
     ("loops", "ss_loop_passes_total", "counter", "shard loop passes run (0: not polling yet, lag unknown)"),
     ("heartbeat_age_s", "ss_heartbeat_age_seconds", "gauge", "age of the newest heartbeat on arrival"),
     ("heartbeat_silence_s", "ss_heartbeat_silence_seconds", "gauge", "seconds since any heartbeat arrived"),

@@ -17,7 +17,7 @@ dropped. Exact duplicate ops are dropped by the analyzer's dedup.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -79,10 +79,6 @@ class ReadyWindow:
 class WindowCounters:
     records: int = 0
     late_records: int = 0
-    windows_opened: int = 0
-    windows_ready: int = 0
-    windows_incomplete: int = 0
-    windows_stored: int = 0
 
 
 class WindowTracker:
@@ -109,29 +105,41 @@ class WindowTracker:
 
     def add_ops(self, table: pa.Table, tp: TopicPartition, offset: int, now: float) -> None:
         """Route one decoded op-span table (possibly several jobs and windows)."""
+        parts = _split_by_window(table)
+        stored = self._stored_among([key for key, _ in parts])
         self.counters.records += table.num_rows
-        for key, part in _split_by_window(table):
-            self._add(key, part, tp, offset, now)
+        for key, part in parts:
+            self._add(key, part, tp, offset, now, key in stored)
 
     def add_ccl(self, table: pa.Table, tp: TopicPartition, offset: int, now: float) -> None:
         """Route CCL records of profiled windows (``window_id >= 0``) for link diagnosis."""
         table = table.filter(pc.greater_equal(table["window_id"], 0))
-        for key, part in _split_by_window(table):
-            win = self._open(key, part.num_rows, tp, offset, now)
+        parts = _split_by_window(table)
+        stored = self._stored_among([key for key, _ in parts])
+        for key, part in parts:
+            win = self._open(key, part.num_rows, tp, offset, now, key in stored)
             if win is not None:
                 win.ccl_tables.append(part)
 
-    def _open(self, key: WindowKey, n_rows: int, tp: TopicPartition, offset: int, now: float) -> OpenWindow | None:
+    def _stored_among(self, keys: list[WindowKey]) -> set[WindowKey]:
+        """The keys whose windows are stored already, asking ``is_stored`` about keys never seen.
+
+        Asked for all keys of a table before any state changes: when the store cannot
+        answer, the error leaves the tracker as it was and the record can be handled again.
+        """
+        return {k for k in keys if k not in self.open and (k in self._stored or self._is_stored(k))}
+
+    def _open(self, key: WindowKey, n_rows: int, tp: TopicPartition, offset: int, now: float,
+              stored: bool) -> OpenWindow | None:
         """The open window that takes ``n_rows`` records of ``key`` (opened now if new), with its
         bookkeeping done; None when the records are late (counted, to be dropped)."""
         win = self.open.get(key)
         if win is None:
-            if key in self._stored or self._is_stored(key):
+            if stored:
                 self._remember_stored(key)
                 self.counters.late_records += n_rows
                 return None
             win = self.open[key] = OpenWindow(key)
-            self.counters.windows_opened += 1
         elif win.dispatched:
             # Arrived after the window was handed to the analyzer: late.
             self.counters.late_records += n_rows
@@ -141,8 +149,9 @@ class WindowTracker:
         win.last_seen = now
         return win
 
-    def _add(self, key: WindowKey, part: pa.Table, tp: TopicPartition, offset: int, now: float) -> None:
-        win = self._open(key, part.num_rows, tp, offset, now)
+    def _add(self, key: WindowKey, part: pa.Table, tp: TopicPartition, offset: int, now: float,
+             stored: bool) -> None:
+        win = self._open(key, part.num_rows, tp, offset, now, stored)
         if win is None:
             return
         win.tables.append(part)
@@ -172,9 +181,6 @@ class WindowTracker:
                 ops = pa.concat_tables(win.tables) if win.tables else OP_SPAN.empty_table()
                 win.tables = [ops]
                 ccl = pa.concat_tables(win.ccl_tables) if win.ccl_tables else None
-                self.counters.windows_ready += 1
-                if not complete:
-                    self.counters.windows_incomplete += 1
                 out.append(ReadyWindow(key, ops, complete, "" if complete else f"closed on idle timeout: {note}",
                                        ccl))
         return out
@@ -191,12 +197,6 @@ class WindowTracker:
         return True, ""
 
     def mark_stored(self, key: WindowKey) -> None:
-        if self.open.pop(key, None) is not None:
-            self.counters.windows_stored += 1
-        self._remember_stored(key)
-
-    def release(self, key: WindowKey) -> None:
-        """Forget a dispatched window whose analysis failed for good (its records stay committed-past)."""
         self.open.pop(key, None)
         self._remember_stored(key)
 
@@ -219,9 +219,6 @@ class WindowTracker:
 
     def buffered_rows(self) -> int:
         return sum(w.n_rows for w in self.open.values())
-
-    def open_keys(self) -> Iterable[WindowKey]:
-        return list(self.open)
 
 
 def _split_by_window(table: pa.Table) -> list[tuple[WindowKey, pa.Table]]:

@@ -96,3 +96,24 @@ def messages_for(tables: list[pa.Table], partition: int = 0) -> list[Message]:
         offsets[topic] = off + 1
         out.append(Message(topic, partition, off, t.column("job_id")[0].as_py().encode(), S.encode(t)))
     return out
+
+
+class ManualClock:
+    """The shard's ``Clock`` for unit tests: monotonic time is ``t``, set by the test.
+
+    Wall time (the job clock) is ``wall`` when given (a function, for tests that
+    pin it), else it moves with ``t`` from the moment the clock was made.
+    """
+
+    def __init__(self, t: float = 0.0, wall=None):
+        import time
+
+        self.t = t
+        self.wall = wall
+        self._wall0 = time.time_ns()
+
+    def monotonic(self) -> float:
+        return self.t
+
+    def wall_ns(self) -> int:
+        return self.wall() if self.wall is not None else self._wall0 + int(self.t * 1e9)

@@ -16,7 +16,7 @@ import sys
 from ingest import schema as S
 from ray_jobs.shard import ShardWorker
 from stragglerscope.config import Config
-from tests.fakes import FakeSink, FakeSource
+from tests.fakes import FakeSink, FakeSource, ManualClock
 
 POISON = b"SEGFAULT-ON-DECODE"
 
@@ -58,12 +58,12 @@ def main() -> int:
     cfg = Config().replace(pipeline={"idle_timeout_s": 1.0, "commit_interval_s": 0.0, "state_dir": state_dir},
                            alerts={"min_gpus": 1})
     src, sink = FakeSource(messages, batch=2), FileSink(store_path)
-    clock = [0.0]
+    clock = ManualClock()
     w = ShardWorker(0, [0], cfg, "crashing", consumer_factory=lambda: src, sink_factory=lambda: sink,
-                    clock=lambda: clock[0])
+                    clock=clock)
     w.setup()
     for i in range(30):
-        clock[0] = i * 0.5
+        clock.t = i * 0.5
         w.step(poll_timeout_ms=0)
     w.stop()
     return 0

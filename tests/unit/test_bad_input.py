@@ -23,20 +23,12 @@ from ray_jobs.analysis import analyze_window
 from ray_jobs.io import Message
 from ray_jobs.shard import ShardWorker
 from stragglerscope.config import Config
-from tests.fakes import FakeSink, FakeSource
+from tests.fakes import FakeSink, FakeSource, ManualClock
 
 STEPS = 2
 NOW_NS = time.time_ns() // 10**9 * 10**9  # the shard's wall clock (the real one, for the pipeline test)
 T0 = NOW_NS - 3600 * 10**9  # the jobs ran an hour ago
 HOUR_NS = 3600 * 10**9
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def spec(job_id, dp=2, pp=2):
@@ -230,9 +222,9 @@ def run_shard(entries, cfg=None, sink=None):
                                     alerts={"min_gpus": 1})
     src = FakeSource(messages(entries), batch=8)
     sink = sink or FakeSink()
-    clock = Clock()
+    clock = ManualClock(wall=lambda: NOW_NS)
     w = ShardWorker(0, [0], cfg, "bad-input", consumer_factory=lambda: src, sink_factory=lambda: sink,
-                    submit=analyze_window, clock=clock, wall_ns=lambda: NOW_NS)
+                    submit=analyze_window, clock=clock)
     w.setup()
     for i in range(40):
         clock.t = i * 0.5  # past the idle timeout: every window closes
@@ -335,7 +327,7 @@ def test_an_analysis_that_raises_is_a_failed_window_and_the_others_are_stored():
         return analyze_window(ops_, info, key, *rest)
 
     w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: src, sink_factory=lambda: sink, submit=submit,
-                    clock=Clock(), wall_ns=lambda: NOW_NS)
+                    clock=ManualClock(wall=lambda: NOW_NS))
     w.setup()
     for _ in range(10):
         w.step(poll_timeout_ms=0)

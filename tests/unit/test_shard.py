@@ -9,17 +9,9 @@ from ray_jobs.analysis import _tables, _window_row
 from ray_jobs.io import Message
 from ray_jobs.shard import ShardWorker
 from stragglerscope.config import Config
-from tests.fakes import FakeSink, FakeSource, messages_for
+from tests.fakes import FakeSink, FakeSource, ManualClock, messages_for
 
 STEPS = 2
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def fake_analysis(calls):
@@ -43,7 +35,7 @@ def make_worker(messages, sink=None, calls=None, clock=None, **pipeline):
     src = FakeSource(messages)
     sink = sink or FakeSink()
     w = ShardWorker(0, [0], cfg, "src-1", consumer_factory=lambda: src, sink_factory=lambda: sink,
-                    submit=fake_analysis(calls if calls is not None else []), clock=clock or Clock())
+                    submit=fake_analysis(calls if calls is not None else []), clock=clock or ManualClock())
     w.setup()
     return w, src, sink
 
@@ -90,7 +82,7 @@ def test_kept_spans_one_window_per_job_and_interval_plus_each_new_verdict():
 
     def kept(**pipeline):
         w, _, sink = make_worker(messages_for(tables), **pipeline)
-        w._submit = submit
+        w.windows._submit = submit
         run(w)
         assert len(sink.rows["window_result"]) == len(starts)
         return sorted({r["window_id"] for r in sink.rows.get("op_span", [])})
@@ -113,7 +105,7 @@ def test_a_window_missing_a_worker_waits_for_the_idle_timeout():
     a = job("a")
     ops = generate_window(a, 0, STEPS, 0)
     partial = ops.filter(pa.compute.not_equal(ops["dp_rank"], 1))
-    clock = Clock()
+    clock = ManualClock()
     calls = []
     w, _, sink = make_worker(messages_for([a.registration(0, STEPS), partial]), calls=calls, clock=clock)
     run(w)
@@ -171,7 +163,7 @@ def test_restart_replays_without_storing_twice():
     run(w2)
     stored = sorted(r["job_id"] for r in sink.rows["window_result"])
     assert stored == ["a", "b"], "nothing lost, nothing twice"
-    assert w2.tracker.counters.late_records > 0
+    assert w2.stats.late_records > 0
 
 
 def test_backpressure_stops_polling_at_max_inflight():
@@ -236,9 +228,9 @@ def test_heartbeats_of_a_hung_job_become_a_hang_row_and_a_critical_alert():
     cfg = Config().replace(hang={"floor_s": 60.0, "heartbeat_timeout_s": 30.0})
     src = FakeSource(messages_for([inc.ccl, inc.heartbeats]))
     sink = FakeSink()
-    clock = Clock()
+    clock = ManualClock(wall=lambda: inc.now_ns)
     w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: src, sink_factory=lambda: sink,
-                    submit=fake_analysis([]), clock=clock, wall_ns=lambda: inc.now_ns)
+                    submit=fake_analysis([]), clock=clock)
     w.setup()
     for i in range(5):
         clock.t = i * 1.5
@@ -255,12 +247,12 @@ def test_ccl_records_of_a_window_get_link_diagnosis():
     from ray_jobs.analysis import analyze_window
 
     inc = link_incident("source", 32, 2)
-    clock = Clock()
+    clock = ManualClock(wall=lambda: 20 * 10**9)
     cfg = Config().replace(pipeline={"idle_timeout_s": 5.0})
     src = FakeSource(messages_for([inc.ccl]))
     sink = FakeSink()
     w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: src, sink_factory=lambda: sink,
-                    submit=analyze_window, clock=clock, wall_ns=lambda: 20 * 10**9)
+                    submit=analyze_window, clock=clock)
     w.setup()
     run(w, 5)
     clock.t = 6.0
@@ -285,9 +277,8 @@ def test_checkpoints_and_restarts_become_stored_downtime_rows():
     for t in tables:  # one message per job per table: messages carry one job's records
         for job in sorted(set(t.column("job_id").to_pylist())):
             msgs.append(t.filter(pa.compute.equal(t["job_id"], job)))
-    w, _, sink = make_worker(messages_for(msgs))
-    w._wall_ns = lambda: fleet.end_ns + 10**12  # long after the last incident closed
-    clock = w._clock = Clock()
+    clock = ManualClock(wall=lambda: fleet.end_ns + 10**12)  # long after the last incident closed
+    w, _, sink = make_worker(messages_for(msgs), clock=clock)
     for i in range(len(msgs) + 5):
         clock.t = 11.0 * i  # the accountant is asked every 10 s
         w.step(poll_timeout_ms=0)
@@ -308,7 +299,7 @@ def test_offsets_are_stored_at_most_once_per_commit_interval_and_on_stop():
                                          last_op="", last_op_end_ns=i, inflight_op="", inflight_group="",
                                          inflight_seq=-1, inflight_since_ns=-1, clock_offset_ns=0, stack="")])
           for i in range(10)]
-    clock = Clock()
+    clock = ManualClock()
     w, src, sink = make_worker(messages_for([a.registration(0, STEPS)] + hb), clock=clock, commit_interval_s=2.0)
     stores = []
     sink_store = sink.store_offsets
@@ -343,7 +334,7 @@ def test_windows_done_together_are_stored_in_one_flush():
     sink = KindsSink()
     cfg = Config().replace(pipeline={"idle_timeout_s": 10.0, "commit_interval_s": 0.0}, alerts={"min_gpus": 1})
     w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: src, sink_factory=lambda: sink,
-                    submit=fake_analysis([]), clock=Clock())
+                    submit=fake_analysis([]), clock=ManualClock())
     w.setup()
     run(w, 3)
     assert len(sink.rows["window_result"]) == 20 and w.stats.windows_stored == 20
@@ -361,7 +352,7 @@ def test_a_big_poll_is_handled_over_several_iterations_within_the_budget():
                            alerts={"min_gpus": 1})
     sink = FakeSink()
     w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: src, sink_factory=lambda: sink,
-                    submit=fake_analysis([]), clock=Clock())
+                    submit=fake_analysis([]), clock=ManualClock())
     w.setup()
     w.step(poll_timeout_ms=0)
     assert w.stats.messages == 1  # a zero budget still handles one message per iteration

@@ -1,0 +1,187 @@
+"""Windows of op spans to the what-if analysis and back: the shard's window reducer.
+
+Op spans and CCL records are added to the ``WindowTracker``; ``due(now)``
+hands each window that is ready (complete, or idle past the timeout) to the
+analysis (Ray tasks, at most ``max_inflight`` at once: at the limit the shard
+stops polling, which is the backpressure) and emits each finished analysis as
+a unit of result tables. Only when the unit is stored does the window count
+as done (``mark_stored``), which lets the offsets of its records be stored.
+
+A window that cannot be submitted, whose task died after Ray's retries, or
+whose results the store keeps refusing becomes a failed window with the
+reason: visible, and never pinning the offsets.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import pyarrow as pa
+
+from ingest import schema as S
+from ray_jobs.analysis import analyze_window, failed_window
+from ray_jobs.checkpoint import Clock, RetryLater, Unit
+from ray_jobs.windows import JobInfo, ReadyWindow, WindowTracker
+from stragglerscope.config import PipelineConfig
+
+log = logging.getLogger(__name__)
+
+
+class WindowDispatch:
+    consumes = frozenset({"job_registration", "op_span", "ccl_record"})
+
+    def __init__(self, cfg: PipelineConfig, clock: Clock, is_stored: Callable[[tuple], bool],
+                 submit: Callable[..., Any] | None = None, max_world_size: int = 1 << 18, name: str = "shard"):
+        self.cfg = cfg
+        self.clock = clock
+        self._is_stored = is_stored
+        self.tracker = WindowTracker(cfg.idle_timeout_s, is_stored=self._ask_store)
+        self._submit = submit
+        self.max_world_size = max_world_size
+        self.name = name
+        self.inflight: list[tuple[Any, ReadyWindow, float]] = []
+        # (job, attempt) -> (start_ns, verdict) of the last window whose spans were kept.
+        self._spans_kept: dict[tuple[str, int], tuple[int, str]] = {}
+        self.stored = self.failed = self.spans_kept = 0
+        self.analyzer_seconds = self.latency_last_s = 0.0
+
+    # -- input ----------------------------------------------------------------
+    def add(self, kind: str, table: pa.Table, at: tuple[tuple[str, int], int] | None, now: float) -> None:
+        if kind == "job_registration":
+            for row in table.to_pylist():
+                self.tracker.register(JobInfo.from_row(row))
+        elif kind == "op_span":
+            self.tracker.add_ops(table, at[0], at[1], now)
+        elif kind == "ccl_record":
+            self.tracker.add_ccl(table, at[0], at[1], now)
+
+    def _ask_store(self, key: tuple) -> bool:
+        """Whether a window first seen now was stored before (a replay after a restart drops its records)."""
+        try:
+            return self._is_stored(key)
+        except Exception as e:  # the store cannot answer: the record waits, it is not bad input
+            raise RetryLater(f"store: cannot tell whether window {key} is stored: {type(e).__name__}: {e}") from e
+
+    def busy(self) -> bool:
+        """At the in-flight or buffered-rows limit: the shard stops polling until analyses finish."""
+        return (len(self.inflight) >= self.cfg.max_inflight
+                or self.tracker.buffered_rows() >= self.cfg.max_buffered_rows)
+
+    # -- output ---------------------------------------------------------------
+    def due(self, now: float) -> list[Unit]:
+        """Dispatch the ready windows; the finished analyses as units (waiting up to 0.5 s when busy)."""
+        from ray_jobs.io import resolve_ready
+
+        block = self.busy()
+        for win in self.tracker.ready(now):
+            self._dispatch(win)
+        if not self.inflight:
+            return []
+        done, self.inflight = resolve_ready(self.inflight, timeout_s=0.5 if block else 0.0)
+        units = []
+        for (tables, err), win, t0 in done:
+            if tables is None:
+                # The task died after Ray's own retries (worker killed, OOM): store the
+                # failure so the window is visible and its offsets can advance.
+                log.warning("analysis task for %s failed: %s", win.key, err)
+                tables = self._failed(win, f"analysis task failed: {err}")
+            units.append(self._unit(tables, win, t0))
+            spans = self._spans_worth_keeping(tables, win)
+            if spans is not None:
+                units.append(spans)
+        return units
+
+    def snapshot(self) -> dict:
+        c = self.tracker.counters
+        return dict(inflight=len(self.inflight), open_windows=len(self.tracker.open),
+                    buffered_rows=self.tracker.buffered_rows(), windows_stored=self.stored,
+                    windows_failed=self.failed, span_windows_kept=self.spans_kept,
+                    analyzer_seconds=self.analyzer_seconds, window_latency_s_last=self.latency_last_s,
+                    records=c.records, late_records=c.late_records)
+
+    def job(self, job_id: str, attempt: int) -> JobInfo | None:
+        return self.tracker.job(job_id, attempt)
+
+    def committable(self, positions: dict) -> dict:
+        return self.tracker.committable(positions)
+
+    # -- inside -----------------------------------------------------------------
+    def _dispatch(self, win: ReadyWindow) -> None:
+        """Hand a ready window to the analyzer; a window that cannot even be submitted is stored as failed."""
+        t0 = self.clock.monotonic()
+        try:
+            info = self.tracker.job(win.key[0], win.key[1]) or unregistered(win, self.max_world_size)
+            args = (win.ops, info, win.key, win.complete, win.note, win.ccl)
+            handle = self._submit(*args) if self._submit else analyze_window(*args)
+        except Exception as e:
+            log.warning("%s: dispatching %s failed: %s", self.name, win.key, e)
+            handle = self._failed(win, f"dispatch failed: {type(e).__name__}: {e}")
+        self.inflight.append((handle, win, t0))
+
+    def _unit(self, tables: dict[str, pa.Table], win: ReadyWindow, t0: float) -> Unit:
+        def stored():
+            self.tracker.mark_stored(win.key)
+            self.stored += 1
+            took = self.clock.monotonic() - t0
+            self.analyzer_seconds += took
+            self.latency_last_s = took
+
+        def give_up(reason: str) -> Unit:
+            return self._unit(self._failed(win, reason), win, t0)
+        return Unit(f"window {win.key}", tables, on_stored=stored, give_up=give_up)
+
+    def _failed(self, win: ReadyWindow, reason: str) -> dict[str, pa.Table]:
+        """The tables of a window that could not be analysed or stored, with the reason (never raises)."""
+        self.failed += 1
+        try:
+            info = self.tracker.job(win.key[0], win.key[1]) or unregistered(win, self.max_world_size)
+        except Exception:
+            info = JobInfo(job_id=win.key[0], attempt=win.key[1], layout=S.JobLayout(1, 1), profiled_steps=1,
+                           registered=False)
+        return failed_window(win.ops, info, win.key, reason)
+
+    def _spans_worth_keeping(self, tables: dict[str, pa.Table], win: ReadyWindow) -> Unit | None:
+        """Raw spans of a window worth drilling into, for the console's timeline and `advise`.
+
+        Kept: a window with a link fault; a window with a verdict when its job kept none within
+        ``keep_op_spans_every_s`` of its own clock before, or kept one with another verdict. Raw spans
+        are most of what a fleet writes (46M of 48M rows in a soak of 1,000 jobs), and one recent
+        window per job and cause is what a drill-down needs. A best-effort unit: stored after the
+        results so alerts never wait for it, and a failure costs the drill-down, not the window.
+        """
+        if not 0 < win.ops.num_rows <= self.cfg.keep_op_spans_max_rows:
+            return None
+        result = tables["window_result"]
+        verdict = result["verdict"][0].as_py()
+        link = "link_fault" in tables and tables["link_fault"].num_rows > 0
+        if verdict in ("", "none") and not link:
+            return None
+        start = int(result["start_ns"][0].as_py())
+        last = self._spans_kept.get(win.key[:2])
+        every_ns = int(self.cfg.keep_op_spans_every_s * 1e9)
+        if not link and every_ns > 0 and last is not None and last[1] == verdict and 0 <= start - last[0] < every_ns:
+            return None
+        self._spans_kept[win.key[:2]] = (start, verdict)
+
+        def stored():
+            self.spans_kept += 1
+        return Unit(f"op spans of {win.key}", {"op_span": win.ops}, on_stored=stored, best_effort=True)
+
+
+def unregistered(win: ReadyWindow, max_workers: int = 1 << 18) -> JobInfo:
+    """Layout inferred from the ranks seen, for a job whose registration never came.
+
+    Raises ValueError when the ranks imply more than ``max_workers`` workers (the caller
+    stores the window as failed): a grid that large would be allocated by the analyzer.
+    """
+    if win.ops.num_rows == 0:  # CCL records only: no worker layout to infer
+        return JobInfo(job_id=win.key[0], attempt=win.key[1], layout=S.JobLayout(1, 1), profiled_steps=1,
+                       registered=False)
+    dp = int(pa.compute.max(win.ops["dp_rank"]).as_py()) + 1
+    pp = int(pa.compute.max(win.ops["pp_rank"]).as_py()) + 1
+    if dp * pp > max_workers:
+        raise ValueError(f"unregistered job: ranks imply {dp} x {pp} workers, over validation.max_world_size "
+                         f"({max_workers}); register the job")
+    steps = len(set(win.ops["step"].to_pylist()))
+    return JobInfo(job_id=win.key[0], attempt=win.key[1], layout=S.JobLayout(dp, pp), profiled_steps=steps,
+                   registered=False)
