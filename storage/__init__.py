@@ -33,6 +33,8 @@ Store methods (the same behaviour on every backend):
 - ``window_stored((job_id, attempt, window_id))``, ``load_offsets``,
   ``store_offsets`` (latest stored value wins), ``load_jobs`` (latest
   registration per (job_id, attempt)), ``close()``.
+- ``enforce_retention(now_ns)``: drop op-span day partitions older than the
+  retention; returns the dropped days (op-span inserts run it at most hourly).
 
 Tables readers query: jobs, windows, optype_slowdown, worker_slowdown,
 step_slowdown, hangs, link_faults, alerts, dead_letters, op_spans,

@@ -83,6 +83,9 @@ class Store(abc.ABC):
     def load_jobs(self) -> list[dict]: ...
 
     @abc.abstractmethod
+    def enforce_retention(self, now_ns: int | None = None) -> list[str]: ...
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
     def acknowledge(self, alert_ids, by: str = "", note: str = "", acked: bool = True,

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from storage import StoreDaemon, StoreError, open_store
-from storage.daemon import DISCOVERY_FILE, TOKEN_FILE, HttpStore, _encode
+from storage.daemon import DISCOVERY_FILE, TOKEN_FILE, HttpStore
+from storage.daemon.wire import encode
 from tests.storage.conftest import window_rows
 
 pytestmark = pytest.mark.integration
@@ -56,14 +57,14 @@ def test_only_requests_with_the_token_are_served(tmp_path):
 
         store = open_store(daemon.url)
         store.setup()
-        insert = _encode({"kind": "window_result"}, window_rows(2, job="intruder"))
+        insert = encode({"kind": "window_result"}, window_rows(2, job="intruder"))
         for headers, status in (({}, 401), ({"Authorization": "Bearer wrong"}, 403),
                                 ({"Authorization": f"Bearer {token[:-1]}"}, 403),
                                 ({"Authorization": f"Basic {token}"}, 403), ({"Authorization": token}, 403)):
             code, answer = _raw(daemon.port, "insert", insert, headers)
             assert code == status, (headers, code, answer)
             assert "refused" in answer["error"] and token not in json.dumps(answer)
-        code, _ = _raw(daemon.port, "store_offsets", _encode({"source_id": "s", "offsets": [["t", 0, 9]]}))
+        code, _ = _raw(daemon.port, "store_offsets", encode({"source_id": "s", "offsets": [["t", 0, 9]]}))
         assert code == 401
         with pytest.raises(urllib.error.HTTPError) as refused_get:  # GET /ping too
             urllib.request.urlopen(f"http://127.0.0.1:{daemon.port}/ping", timeout=10)
@@ -125,7 +126,7 @@ def test_a_daemon_restarted_on_the_same_port_has_a_new_token_and_clients_follow(
         assert second.url == url
         new = json.loads((path / TOKEN_FILE).read_text())["token"]
         assert new != old
-        code, _ = _raw(port, "window_stored", _encode({"key": ["before", 0, 0]}), {"Authorization": f"Bearer {old}"})
+        code, _ = _raw(port, "window_stored", encode({"key": ["before", 0, 0]}), {"Authorization": f"Bearer {old}"})
         assert code == 403  # the old daemon's token opens nothing
         # The client opened against the first daemon reads the file again once refused, and goes on.
         client.insert("window_result", window_rows(1, job="after"))
@@ -147,7 +148,7 @@ def test_another_local_user_can_neither_read_the_token_nor_write():
             path.chmod(0o755)
             store = open_store(daemon.url)
             store.setup()
-            body = _encode({"kind": "window_result"}, window_rows(1, job="nobody"))
+            body = encode({"kind": "window_result"}, window_rows(1, job="nobody"))
             (base / "body").write_bytes(body)
             (base / "body").chmod(0o644)
             code = textwrap.dedent(f"""
