@@ -105,8 +105,6 @@ class TelemetryProducer:
         self._q: queue.Queue = queue.Queue()
         self._queued_bytes = 0
         self._lock = threading.Lock()
-        self._idle = threading.Event()
-        self._idle.set()
         self._client = None
         self._seq = 0
         self._thread = threading.Thread(target=self._run, name="ss-producer", daemon=True)
@@ -159,7 +157,6 @@ class TelemetryProducer:
                 self.stats.records_dropped += table.num_rows
                 return 0
             self._queued_bytes += size
-            self._idle.clear()
         self._q.put((topic, key.encode(), table, size, self._next_seq(block=_SEQ_BLOCK)))
         return 1
 
@@ -175,9 +172,15 @@ class TelemetryProducer:
             return seq
 
     def flush(self, timeout_s: float = 60.0) -> bool:
-        """Wait until everything queued so far is acknowledged or spooled; True if it was."""
-        self._q.put(("__flush__", None, None, 0, 0))
-        return self._idle.wait(timeout_s)
+        """Wait until everything queued so far is acknowledged or spooled, and the spool was tried once;
+        True if it was."""
+        # Each flush waits on its own event, set when the sender reaches it: a shared "idle" flag
+        # let a flush return at once, set by the end of an earlier flush before this one was seen.
+        done = threading.Event()
+        if not self._thread.is_alive():
+            return self._q.empty()
+        self._q.put(("__flush__", None, done, 0, 0))
+        return done.wait(timeout_s)
 
     def close(self, timeout_s: float = 60.0) -> None:
         self.flush(timeout_s)
@@ -211,8 +214,7 @@ class TelemetryProducer:
                 self._drain(pending)
                 pending = []
                 self._replay()
-                if self._q.empty():
-                    self._idle.set()
+                table.set()  # the flush's own event
                 continue
             with self._lock:
                 self._queued_bytes -= size
@@ -244,7 +246,6 @@ class TelemetryProducer:
                 self._client.close(timeout=5)
             except Exception:
                 pass
-        self._idle.set()
 
     def _reap(self, pending: list) -> list:
         """Settle the sends that finished, in order: count the delivered, spool the failed.

@@ -36,6 +36,16 @@ _METRICS = (
     ("hang_clock_held_back_s", "ss_hang_clock_held_back_seconds", "gauge",
      "how far hang checks judged behind the wall clock, waiting for lagging input"),
     ("loop_seconds_max", "ss_loop_seconds_max", "gauge", "longest shard loop iteration in the last 1-2 minutes"),
+    ("quarantined", "ss_quarantined_total", "counter",
+     "messages dead-lettered by offset because handling them killed the shard repeatedly"),
+    ("clock_corrected_rows", "ss_clock_corrected_rows_total", "counter",
+     "heartbeat and collective rows whose implausible rank clock was corrected"),
+    ("bad_stored_jobs", "ss_bad_stored_jobs", "gauge", "stored registrations skipped at start: they do not validate"),
+    ("jobs_registered", "ss_jobs_registered_total", "counter", "job registrations accepted"),
+    ("hangs", "ss_hangs_total", "counter", "hangs detected"),
+    ("checkpoints", "ss_checkpoints_total", "counter", "checkpoint save and load records seen"),
+    ("downtime_incidents", "ss_downtime_incidents_total", "counter", "downtime incidents stored"),
+    ("commits", "ss_offset_commits_total", "counter", "offset stores, each after the results it covers were stored"),
 )
 
 

@@ -47,3 +47,53 @@ def artifacts() -> Path:
     d = ROOT / "tests" / "artifacts"
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+class UnitTierViolation(AssertionError):
+    """A unit test did what only an integration test may (STYLE.md 8)."""
+
+
+def sleep_guard(real_sleep, test_thread, root: Path):
+    """A ``time.sleep`` that raises when this project's code calls it in the test's own thread."""
+    import threading
+
+    project, venv = str(root), str(root / ".venv")
+
+    def no_sleep(seconds):
+        # Only this project's code is held to it: the standard library's own polling (subprocess
+        # waiting for a child with a timeout) is not a sleep the test chose.
+        caller = sys._getframe(1).f_code.co_filename
+        if (threading.current_thread() is test_thread and caller.startswith(project)
+                and not caller.startswith(venv)):
+            raise UnitTierViolation(f"time.sleep({seconds}) in a unit test: drive an injected clock or "
+                                    "wait on an event, or mark the test integration")
+        real_sleep(seconds)
+
+    return no_sleep
+
+
+@pytest.fixture(autouse=True)
+def unit_tier(request, monkeypatch):
+    """Unit tests run with no Ray and no sleeping in the test's own thread; integration tests may.
+
+    A unit test that waits on the wall clock is slow and flaky on a loaded CI machine: it
+    should drive an injected clock instead (``tests.fakes.ManualClock``) or wait on an event.
+    Background threads of the code under test (a producer's sender) and library code are
+    not the test's sleeps and are left alone. A test marked ``integration`` is not checked.
+    """
+    if request.node.get_closest_marker("integration") is not None:
+        yield
+        return
+    if "ray_local" in request.fixturenames:
+        raise UnitTierViolation(f"{request.node.nodeid} starts Ray: mark it integration")
+    import threading
+    import time
+
+    monkeypatch.setattr(time, "sleep", sleep_guard(time.sleep, threading.current_thread(), ROOT))
+    ray = sys.modules.get("ray")
+    ray_was_up = ray is not None and ray.is_initialized()
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and not ray_was_up and ray.is_initialized():
+        ray.shutdown()
+        raise UnitTierViolation(f"{request.node.nodeid} started Ray: mark it integration")

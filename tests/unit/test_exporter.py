@@ -1,6 +1,5 @@
 """The exporter on CPU: sampling, spans, heartbeats with stacks, never raising into training."""
 import threading
-import time
 
 import pytest
 
@@ -21,18 +20,41 @@ def test_sampling_profiles_k_of_every_n():
         Sampling(profile_steps=11, every=10)
 
 
+class SteppedTime:
+    """Stands in for the exporter's ``time`` module: perf_counter_ns moves only when a test moves it."""
+
+    def __init__(self):
+        import time as real
+
+        self.perf_ns = 10**12
+        self.time_ns = real.time_ns
+
+    def perf_counter_ns(self):
+        return self.perf_ns
+
+    def advance(self, seconds: float) -> None:
+        self.perf_ns += int(seconds * 1e9)
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    fake = SteppedTime()
+    monkeypatch.setattr("ingest.exporter.time", fake)
+    return fake
+
+
 def _exporter(sent, **kw):
     return RankExporter("job", 3, 1, 1, sent.append, sampling=Sampling(2, 4), heartbeat_s=3600, use_cuda=False, **kw)
 
 
-def test_only_sampled_steps_emit_ops_with_seq_ids_and_window():
+def test_only_sampled_steps_emit_ops_with_seq_ids_and_window(clock):
     sent = []
     exp = _exporter(sent)
     for step in range(6):
         with exp.step(step):
             for mb in range(2):
                 with exp.op("forward-compute", mb_id=mb):
-                    time.sleep(0.001)
+                    clock.advance(0.001)
             with exp.op("optimizer"):
                 pass
     exp.close()
@@ -57,18 +79,20 @@ def test_sink_failure_never_reaches_training():
     assert exp.stats.errors == 1
 
 
-def test_heartbeat_reports_the_op_in_flight_and_dumps_stacks_when_stuck():
+def test_heartbeat_reports_the_op_in_flight_and_dumps_stacks_when_stuck(clock):
     sent = []
     exp = _exporter(sent, hang_dump_s=0.05)
-    release = threading.Event()
+    inside, release = threading.Event(), threading.Event()
 
     def training():
         with exp.step(0):
             with exp.op("forward-recv"):
+                inside.set()
                 release.wait(5)
     t = threading.Thread(target=training, name="trainer")
     t.start()
-    time.sleep(0.15)
+    assert inside.wait(5)
+    clock.advance(0.15)  # stuck for three times hang_dump_s
     hb = exp.heartbeat().to_pylist()[0]
     assert hb["inflight_op"] == "forward-recv" and hb["step"] == 0
     assert "trainer" in hb["stack"] and "training" in hb["stack"]
@@ -105,12 +129,12 @@ def test_heartbeats_report_the_last_completed_step_and_close_sends_the_last_one(
     assert len(hbs) == 1 and hbs[0].to_pylist()[0]["step_done"] == 2, "close() sends one last heartbeat"
 
 
-def test_checkpoint_records_and_bad_arguments_never_raise():
+def test_checkpoint_records_and_bad_arguments_never_raise(clock):
     sent = []
     exp = _exporter(sent)
     exp.checkpoint(99, "save", start_ns=10**18, duration_ns=5 * 10**9)
     with exp.checkpointing(99, kind="load"):
-        time.sleep(0.001)
+        clock.advance(0.001)
     with pytest.raises(OSError):
         with exp.checkpointing(199):
             raise OSError("disk full: a failed save is not reported")
