@@ -103,7 +103,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ingest import schema as S
+from core import codec
+from core import schema as S
 
 _NS = 1_000_000_000
 
@@ -353,7 +354,7 @@ class DowntimeAccountant:
             self._ts(r["ts_ns"], job)
 
     def add_checkpoints(self, table: pa.Table) -> None:
-        good, bad, _ = S.validate_checkpoints(table)
+        good, bad, _ = codec.validate_checkpoints(table)
         self.stats.bad_records += bad.num_rows if bad is not None else 0
         for r in good.to_pylist():
             self.stats.records += 1
@@ -690,7 +691,7 @@ def _derive(job: _Job) -> list[_Incident]:
 
 def downtime_table(rows: Iterable[Mapping[str, Any]]) -> pa.Table:
     """DOWNTIME rows as a table for the sink."""
-    return S.from_rows(S.DOWNTIME, rows)
+    return codec.from_rows(S.DOWNTIME, rows)
 
 
 def account_downtime(events: Iterable[pa.Table | tuple[str, pa.Table]], end_ns: int | None = None,

@@ -41,7 +41,7 @@ import numpy as np
 import pyarrow as pa
 
 from analyzers.stacks import merge_stacks
-from ingest.schema import fold_ranks
+from core.layout import fold_ranks
 
 _NS = 1_000_000_000
 
@@ -88,8 +88,8 @@ class Hang:
         return hang_summary(self.row(self.since_ns))
 
     def row(self, now_ns: int) -> dict:
-        """A row of ``ingest.schema.HANG``."""
-        from ingest.schema import dumps
+        """A row of ``core.schema.HANG``."""
+        from core.jsonutil import dumps
 
         return dict(job_id=self.job_id, attempt=self.attempt, hang_id=now_ns, kind=self.kind, group=self.group,
                     seq=self.seq, op=self.op, stuck_ranks=fold_ranks(self.stuck_ranks),

@@ -1,6 +1,6 @@
 """Link diagnosis: a source x destination latency matrix per communication group and window.
 
-Input: CCL records (``ingest.schema.CCL_RECORD``) of one job window. Each
+Input: CCL records (``core.schema.CCL_RECORD``) of one job window. Each
 record contributes directed edges: a receive-type op (``recv``, ``irecv``)
 gives ``peer -> rank`` with its transfer time, bytes and the receiver's wait
 for the first byte; any other op gives ``rank -> peer`` edges with their

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from html import escape
 
-from ingest.schema import fold_ranks
+from core.layout import fold_ranks
 
 
 @dataclasses.dataclass

@@ -21,15 +21,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pyarrow as pa  # noqa: E402
 
-from ingest import schema as S  # noqa: E402
-from ingest.fleetgen import JobSpec, generate_window  # noqa: E402
+from core import (
+    codec,  # noqa: E402
+    topics,
+)
+from core.config import ValidationConfig  # noqa: E402
+from core.layout import JobLayout
+from generators.fleetgen import JobSpec, generate_window  # noqa: E402
 from ray_jobs.boundary import check_op_spans  # noqa: E402
-from stragglerscope.config import ValidationConfig  # noqa: E402
 from tests.unit.test_bad_input import CASES, GOOD, T0, letter_of, raw, run_shard, spec  # noqa: E402
 
 
 def outcomes() -> tuple[list[tuple[str, str]], bool]:
-    entries = list(GOOD) + [(S.TOPIC_JOBS, "skewed", raw(spec("skewed").registration(T0, 2)))]
+    entries = list(GOOD) + [(topics.TOPIC_JOBS, "skewed", raw(spec("skewed").registration(T0, 2)))]
     entries += [(topic, key, payload) for _, topic, key, payload, _ in CASES]
     w, sink = run_shard(entries)
     _, alone = run_shard(GOOD)
@@ -74,16 +78,16 @@ def main() -> None:
             print(f"{name:55s} {what}")
     bad = [n for n, w in rows if w.startswith(("NOT", "NO "))]
     print(f"\n{len(rows)} kinds of bad input, {len(rows) - len(bad)} handled; the good job's S exact: {exact}")
-    t = generate_window(JobSpec("a", S.JobLayout(32, 8), num_microbatches=16), 0, 4, T0)
-    payload = S.encode(t)
+    t = generate_window(JobSpec("a", JobLayout(32, 8), num_microbatches=16), 0, 4, T0)
+    payload = codec.encode(t)
 
     def read_only():
         with pa.ipc.open_stream(pa.py_buffer(payload)) as r:
             r.read_all()
 
     k = t.num_rows / 1000
-    base, full = median_ms(read_only), median_ms(lambda: S.decode(payload))
-    checks = median_ms(lambda: check_op_spans(t, "a", S.JobLayout(32, 8), ValidationConfig()))
+    base, full = median_ms(read_only), median_ms(lambda: codec.decode(payload))
+    checks = median_ms(lambda: check_op_spans(t, "a", JobLayout(32, 8), ValidationConfig()))
     print(f"boundary cost on one {t.num_rows}-row op batch: IPC read {base / k * 1e3:.1f} us/1k rows, "
           f"decode with full validation {full / k * 1e3:.1f} us/1k rows (x{full / base:.2f}), "
           f"semantic checks {checks / k * 1e3:.1f} us/1k rows")

@@ -34,11 +34,15 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
-from ingest import schema as S  # noqa: E402
-from ingest.broker import LocalBroker, ensure_topics  # noqa: E402
+from core import (
+    codec,  # noqa: E402
+    topics,
+)
+from core.kafka_admin import ensure_topics  # noqa: E402
 from ingest.exporter import RankExporter, Sampling  # noqa: E402
 from ingest.producer import TelemetryProducer  # noqa: E402
 from ray_jobs.io import KafkaSource  # noqa: E402
+from services.broker import LocalBroker
 
 MICROBATCHES = 4
 
@@ -85,13 +89,13 @@ def train_steps(exp: RankExporter, first: int, until: float, a: np.ndarray, n: i
 
 
 def consumed_steps(bootstrap: str, job: str, want: int, timeout_s: float = 60.0) -> list[int]:
-    src = KafkaSource(bootstrap, [S.TOPIC_OPS], range(2))
+    src = KafkaSource(bootstrap, [topics.TOPIC_OPS], range(2))
     src.seek({})
     steps: list[int] = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and len(steps) < want:
         for m in src.poll(300):
-            _, t = S.decode(m.value)
+            _, t = codec.decode(m.value)
             if t["job_id"][0].as_py() == job:
                 steps.extend(sorted(set(t["step"].to_pylist())))
     src.close()
@@ -112,7 +116,7 @@ def main(argv=None) -> int:
     port = broker.port
     spool = tempfile.mkdtemp(prefix="ss-outage-spool-")
     try:
-        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 2)
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 2)
         prod = TelemetryProducer(broker.bootstrap, spool_dir=spool, retry_s=1.0, delivery_timeout_s=5.0)
         exp = RankExporter(job, 0, 0, 0, prod.send, sampling=Sampling(1, 1), heartbeat_s=1.0, use_cuda=False)
         phases = {}
@@ -125,7 +129,7 @@ def main(argv=None) -> int:
         phases[f"broker down {args.outage_s:.0f} s"] = train_steps(exp, step, time.monotonic() + args.outage_s, a, n)
         step = phases[f"broker down {args.outage_s:.0f} s"][2]
         broker = LocalBroker(port=port).start()
-        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 2)
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 2)
         print("broker back; training goes on while the spool replays ...", file=sys.stderr)
         phases["broker back (replaying)"] = train_steps(exp, step, time.monotonic() + args.phase_s, a, n)
         step = phases["broker back (replaying)"][2]

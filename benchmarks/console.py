@@ -41,11 +41,12 @@ def main() -> int:
                     help="also time each page in Chromium against a live console on the store daemon")
     args = ap.parse_args()
 
-    from storage import open_store
-    from storage_bench_fleet import Fleet, load  # noqa: F401  (see the import shim below)
-    from tests.ui.conftest import fill_demo_store
     import streamlit as st
+    from storage_bench_fleet import Fleet, load  # noqa: F401  (see the import shim below)
     from streamlit.testing.v1 import AppTest
+
+    from storage import open_store
+    from tests.ui.conftest import fill_demo_store
 
     work = Path(tempfile.mkdtemp(prefix="ss-console-bench-"))
     try:
@@ -118,9 +119,9 @@ def browser_timings(store_url: str, repeat: int) -> None:
 
     from playwright.sync_api import sync_playwright
 
-    from ingest.broker import free_port
-    from storage import StoreDaemon
-    from stragglerscope.config import Config
+    from core.config import Config
+    from services.ports import free_port
+    from services.store_daemon import StoreDaemon
     from stragglerscope.demo import start_console, wait_console
     from ui.data import FLEET_TTL_S
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from analyzers.hang import HangParams, HangTracker  # noqa: E402
 from analyzers.links import diagnose  # noqa: E402
-from ingest.faultgen import HANG_KINDS, LINK_KINDS, hang_incident, link_incident  # noqa: E402
+from generators.faultgen import HANG_KINDS, LINK_KINDS, hang_incident, link_incident  # noqa: E402
 
 
 def sizes(max_ranks: int) -> list[int]:

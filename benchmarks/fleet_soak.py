@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-
 WARMUP_S = 120.0
 """Windows sent in the first two minutes meet a pipeline that is still starting (reported apart at the end)."""
 
@@ -97,10 +96,10 @@ def main() -> int:
 
     import tempfile
 
-    from ingest.fleetgen import generate_window, make_fleet
+    from core.config import Config
+    from core.layout import JobLayout
+    from generators.fleetgen import generate_window, make_fleet
     from ingest.producer import TelemetryProducer
-    from ingest.schema import JobLayout
-    from stragglerscope.config import Config
     from stragglerscope.service import start_services
 
     tmp = tempfile.mkdtemp(prefix="ss-soak-")

@@ -21,14 +21,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pyarrow as pa  # noqa: E402
 
-from ingest import schema as S  # noqa: E402
-from ingest.broker import LocalBroker, ensure_topics  # noqa: E402
-from ingest.fleetgen import JobSpec, generate_window  # noqa: E402
+from core import topics
+from core.kafka_admin import ensure_topics  # noqa: E402
+from core.layout import JobLayout  # noqa: E402
+from generators.fleetgen import JobSpec, generate_window  # noqa: E402
 from ingest.producer import TelemetryProducer, split_for_wire  # noqa: E402
+from services.broker import LocalBroker
 
 
 def batches(n_records: int) -> list[pa.Table]:
-    spec = JobSpec("bench", S.JobLayout(dp_size=32, pp_size=4, tp_size=4), num_microbatches=8)
+    spec = JobSpec("bench", JobLayout(dp_size=32, pp_size=4, tp_size=4), num_microbatches=8)
     one = generate_window(spec, 0, 1, 1_700_000_000_000_000_000)
     out, total = [], 0
     i = 0
@@ -64,7 +66,7 @@ def main() -> int:
           f"{wire / n:.1f} bytes per record on the wire (target <= 40)")
 
     with LocalBroker() as broker:
-        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 8)
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 8)
         runs = []
         for _ in range(args.repeats):
             def send_all():

@@ -22,16 +22,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pyarrow as pa  # noqa: E402
 
-from ingest import schema as S  # noqa: E402
-from ingest.broker import LocalBroker, ensure_topics  # noqa: E402
-from ingest.fleetgen import JobSpec, generate_window  # noqa: E402
+from core import (
+    codec,  # noqa: E402
+    topics,
+)
+from core.kafka_admin import ensure_topics  # noqa: E402
+from core.layout import JobLayout
+from generators.fleetgen import JobSpec, generate_window  # noqa: E402
 from ingest.producer import TelemetryProducer, split_for_wire  # noqa: E402
 from ray_jobs.io import KafkaSource  # noqa: E402
 from ray_jobs.windows import WindowTracker  # noqa: E402
+from services.broker import LocalBroker
 
 
 def make_payloads(n_records: int) -> tuple[list[pa.Table], list[bytes], int]:
-    spec = JobSpec("bench", S.JobLayout(dp_size=32, pp_size=4, tp_size=4), num_microbatches=8)
+    spec = JobSpec("bench", JobLayout(dp_size=32, pp_size=4, tp_size=4), num_microbatches=8)
     one = generate_window(spec, 0, 1, 1_700_000_000_000_000_000)
     tables, total, i = [], 0, 0
     while total < n_records:
@@ -46,9 +51,9 @@ def make_payloads(n_records: int) -> tuple[list[pa.Table], list[bytes], int]:
 def decode_route(payloads: list[bytes]) -> None:
     tr = WindowTracker(idle_timeout_s=1e9)
     for i, p in enumerate(payloads):
-        kind, t = S.decode(p)
-        good, _, _ = S.validate_op_spans(t)
-        tr.add_ops(good, (S.TOPIC_OPS, 0), i, 0.0)
+        kind, t = codec.decode(p)
+        good, _, _ = codec.validate_op_spans(t)
+        tr.add_ops(good, (topics.TOPIC_OPS, 0), i, 0.0)
 
 
 def main() -> int:
@@ -67,22 +72,22 @@ def main() -> int:
           f"(median of {args.repeats}; target >= 1,000,000)")
 
     with LocalBroker() as broker:
-        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 8)
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 8)
         with TelemetryProducer(broker.bootstrap, max_queue_bytes=1 << 30) as p:
             for t in tables:
                 p.send(t)
             assert p.flush(300)
         walls = []
         for _ in range(args.repeats):
-            src = KafkaSource(broker.bootstrap, [S.TOPIC_OPS], range(8), max_poll_records=2000)
+            src = KafkaSource(broker.bootstrap, [topics.TOPIC_OPS], range(8), max_poll_records=2000)
             src.seek({})
             tr = WindowTracker(idle_timeout_s=1e9)
             seen = 0
             w0 = time.perf_counter()
             while seen < n:
                 for m in src.poll(500):
-                    kind, t = S.decode(m.value)
-                    good, _, _ = S.validate_op_spans(t)
+                    kind, t = codec.decode(m.value)
+                    good, _, _ = codec.validate_op_spans(t)
                     tr.add_ops(good, (m.topic, m.partition), m.offset, 0.0)
                     seen += t.num_rows
             walls.append(time.perf_counter() - w0)

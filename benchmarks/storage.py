@@ -29,7 +29,7 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ingest import schema as S  # noqa: E402
+from core import schema as S  # noqa: E402
 from storage import NAMED_QUERIES, open_store  # noqa: E402
 
 YEAR_START_NS = 1_704_067_200 * 10**9  # 2024-01-01T00:00:00Z
@@ -202,7 +202,7 @@ def run_backend(kind: str, args, workdir: Path) -> dict:
     if kind == "chdb":
         url = f"chdb://{workdir / 'chdb'}"
     else:
-        from storage.server_runner import ClickHouseServer, find_server_binary
+        from services.clickhouse_server import ClickHouseServer, find_server_binary
 
         if not find_server_binary():
             return {"skipped": "clickhouse-server is not installed"}

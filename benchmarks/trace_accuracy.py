@@ -17,16 +17,18 @@ import uuid
 
 from traced_runs import read_ops, run
 
-from ingest import schema as S
-from ingest.broker import LocalBroker, ensure_topics
+from core import topics
+from core.kafka_admin import ensure_topics
+from core.layout import JobLayout
+from services.broker import LocalBroker
 
 # framework -> (ranks, layout, zoo arguments, three delays in ms)
 CASES = {
-    "pipelining": (4, S.JobLayout(2, 2), ["--gpu-ms", "10"], (6, 15, 30)),
-    "interleaved": (4, S.JobLayout(2, 2, vpp_size=2), ["--gpu-ms", "10"], (4, 8, 16)),
-    "ddp": (4, S.JobLayout(4, 1), ["--gpu-ms", "40"], (12, 32, 64)),
-    "fsdp": (2, S.JobLayout(2, 1), ["--gpu-ms", "40"], (16, 40, 80)),
-    "plain": (4, S.JobLayout(4, 1), ["--gpu-ms", "40"], (12, 32, 64)),
+    "pipelining": (4, JobLayout(2, 2), ["--gpu-ms", "10"], (6, 15, 30)),
+    "interleaved": (4, JobLayout(2, 2, vpp_size=2), ["--gpu-ms", "10"], (4, 8, 16)),
+    "ddp": (4, JobLayout(4, 1), ["--gpu-ms", "40"], (12, 32, 64)),
+    "fsdp": (2, JobLayout(2, 1), ["--gpu-ms", "40"], (16, 40, 80)),
+    "plain": (4, JobLayout(4, 1), ["--gpu-ms", "40"], (12, 32, 64)),
 }
 
 
@@ -40,7 +42,7 @@ def main() -> None:
     a = p.parse_args()
     rows = []
     with LocalBroker() as b:
-        ensure_topics(b.bootstrap, S.INPUT_TOPICS, 4)
+        ensure_topics(b.bootstrap, topics.INPUT_TOPICS, 4)
 
         def measure(fw, extra):
             ranks, lay, args, _ = CASES[fw]

@@ -18,20 +18,21 @@ import uuid
 
 from traced_runs import run
 
-from ingest import schema as S
-from ingest.broker import LocalBroker, ensure_topics
+from core import topics
+from core.kafka_admin import ensure_topics
+from services.broker import LocalBroker
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pairs", type=int, default=3, help="rounds of bare / 10% / 100%")
+    p.add_argument("--pairs", type=int, default=3, help="rounds of bare / 10%% / 100%%")
     p.add_argument("--steps", type=int, default=80, help="steps per run (the first 10 are dropped)")
     p.add_argument("--gpu-ms", type=float, default=10.0)
     a = p.parse_args()
     args = ["--steps", str(a.steps), "--gpu-ms", str(a.gpu_ms)]
     times: dict[str, list[float]] = {"bare": [], "10%": [], "100%": []}
     with LocalBroker() as b:
-        ensure_topics(b.bootstrap, S.INPUT_TOPICS, 4)
+        ensure_topics(b.bootstrap, topics.INPUT_TOPICS, 4)
         for i in range(a.pairs):
             for name, sample in (("bare", None), ("10%", "10/100"), ("100%", "1/1")):
                 kw = {} if sample is None else dict(bootstrap=b.bootstrap, job_id=f"ovh-{uuid.uuid4().hex[:6]}",

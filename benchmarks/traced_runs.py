@@ -23,7 +23,7 @@ def run(framework: str, ranks: int, args: list[str], *, bootstrap: str | None = 
         sample: str = "10/100", timeout: float = 600) -> dict:
     """One torchrun of the zoo; returns rank 0's {'losses', 'step_times'}. Armed when ``bootstrap`` is given."""
     from ingest.autotrace.session import TraceSettings, parse_sample
-    from ingest.broker import free_port
+    from services.ports import free_port
     from stragglerscope.trace import child_env
 
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as run_dir:
@@ -45,16 +45,16 @@ def read_ops(bootstrap: str, job_id: str, partitions: int = 4):
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from ingest import schema as S
+    from core import codec, topics
     from ray_jobs.io import KafkaSource
 
-    src = KafkaSource(bootstrap, [S.TOPIC_OPS], range(partitions))
+    src = KafkaSource(bootstrap, [topics.TOPIC_OPS], range(partitions))
     src.seek({})
     tables, empty = [], 0
     while empty < 3:
         msgs = src.poll(500)
         empty = 0 if msgs else empty + 1
-        tables += [t for _, t in (S.decode(m.value) for m in msgs)]
+        tables += [t for _, t in (codec.decode(m.value) for m in msgs)]
     src.close()
     ops = pa.concat_tables(tables)
     return ops.filter(pc.equal(ops["job_id"], job_id))

@@ -44,8 +44,9 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from ingest import schema as S
-from ingest.schema import fold_ranks  # noqa: F401  (re-exported: exporters name groups with it)
+from core import codec
+from core import schema as S
+from core.layout import fold_ranks  # noqa: F401  (re-exported: exporters name groups with it)
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +307,7 @@ class RankExporter:
             rows, self._ccl = self._ccl, []
         if rows:
             self.stats.ccl += len(rows)
-            self._send(S.from_rows(S.CCL_RECORD, rows))
+            self._send(codec.from_rows(S.CCL_RECORD, rows))
 
     def _send(self, table: pa.Table) -> None:
         try:
@@ -363,7 +364,7 @@ class RankExporter:
             if step < 0 or duration_ns < 0:
                 raise ValueError(f"checkpoint step and duration must be >= 0, got {step}, {duration_ns}")
             start = self.now_ns() - duration_ns if start_ns is None else int(start_ns)
-            table = S.from_rows(S.CHECKPOINT, [dict(
+            table = codec.from_rows(S.CHECKPOINT, [dict(
                 job_id=self.job_id, attempt=self.attempt, rank=self.rank, step=step, ts_ns=start,
                 duration_ns=duration_ns, kind=kind)])
         except Exception as e:  # telemetry must never take training down
@@ -396,7 +397,7 @@ class RankExporter:
             self._dumped_for = inflight
         op, group, seq, since = inflight or ("", "", -1, -1)
         step_done, step_done_ns = self._step_done
-        return S.from_rows(S.HEARTBEAT, [dict(
+        return codec.from_rows(S.HEARTBEAT, [dict(
             job_id=self.job_id, attempt=self.attempt, rank=self.rank, host=self.host, pid=os.getpid(), ts_ns=now,
             step=self._step, last_op=self._last_op[0], last_op_end_ns=self._last_op[1], inflight_op=op,
             inflight_group=group, inflight_seq=seq, inflight_since_ns=since, clock_offset_ns=self.clock_offset_ns,

@@ -32,7 +32,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ingest import schema as S
+from core import codec, optypes
+from core import schema as S
+from core.layout import JobLayout
 
 FORMATS = ("golden", "kineto", "flight-recorder")
 _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1,
@@ -43,7 +45,7 @@ class ImportFormatError(ValueError):
     """Input an importer cannot read; the message says what and where."""
 
 
-def worker_of(rank: int, layout: S.JobLayout) -> tuple[int, int]:
+def worker_of(rank: int, layout: JobLayout) -> tuple[int, int]:
     """(dp_rank, pp_rank) of a global rank in Megatron's order (TP, CP, DP, PP from fastest)."""
     per_worker = layout.tp_size * layout.cp_size
     w = rank // per_worker
@@ -64,7 +66,7 @@ def _read_json(path: str | Path) -> Any:
         raise ImportFormatError(f"{p}: not readable JSON: {e}") from None
 
 
-def kineto_to_ops(path: str | Path, job_id: str, layout: S.JobLayout, rank: int | None = None,
+def kineto_to_ops(path: str | Path, job_id: str, layout: JobLayout, rank: int | None = None,
                   window_id: int | None = None) -> pa.Table:
     trace = _read_json(path)
     if not isinstance(trace, dict) or "traceEvents" not in trace:
@@ -77,10 +79,10 @@ def kineto_to_ops(path: str | Path, job_id: str, layout: S.JobLayout, rank: int 
     events = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"]
     steps = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), int(m.group(1)))
                    for e in events if (m := re.fullmatch(r"ProfilerStep#(\d+)", str(e.get("name", "")))))
-    ops = [e for e in events if e.get("name") in S.OPTYPES and str(e.get("cat", "")).endswith("user_annotation")]
+    ops = [e for e in events if e.get("name") in optypes.OPTYPES and str(e.get("cat", "")).endswith("user_annotation")]
     if not ops:
         raise ImportFormatError(f"{path}: no record_function annotations named after op types "
-                                f"({', '.join(S.OPTYPES[:3])}, ...)")
+                                f"({', '.join(optypes.OPTYPES[:3])}, ...)")
     rows = []
     seq: dict[tuple[int, str], int] = {}
     for e in sorted(ops, key=lambda e: float(e["ts"])):
@@ -99,7 +101,7 @@ def kineto_to_ops(path: str | Path, job_id: str, layout: S.JobLayout, rank: int 
         ))
     if not rows:
         raise ImportFormatError(f"{path}: annotations found but none inside a ProfilerStep")
-    return S.from_rows(S.OP_SPAN, rows)
+    return codec.from_rows(S.OP_SPAN, rows)
 
 
 # -- flight recorder ----------------------------------------------------------
@@ -167,10 +169,10 @@ def flight_recorder_to_ccl(path: str | Path, job_id: str, rank: int | None = Non
             # No per-peer timing in Flight Recorder: the members are in group_ranks.
             peers=[], peer_transfer_ns=[], peer_bytes=[], recv_wait_ns=0,
         ))
-    return S.from_rows(S.CCL_RECORD, rows)
+    return codec.from_rows(S.CCL_RECORD, rows)
 
 
-def import_paths(fmt: str, paths: list[str], job_id: str | None = None, layout: S.JobLayout | None = None,
+def import_paths(fmt: str, paths: list[str], job_id: str | None = None, layout: JobLayout | None = None,
                  meta: str | None = None, rank: int | None = None) -> list[tuple[str, pa.Table]]:
     """(path, table) for each input path; raises ImportFormatError with a one-line reason."""
     if fmt not in FORMATS:

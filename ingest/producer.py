@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from ingest import schema as S
+from core import codec, topics
+from core import schema as S
 from ingest.spool import Spool
 
 if TYPE_CHECKING:
-    from ingest.kafka_conn import KafkaConn
+    from core.kafka_conn import KafkaConn
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class ProducerStats:
     send_errors: int = 0
 
 
-def split_for_wire(table: pa.Table, max_bytes: int = S.MAX_MESSAGE_BYTES) -> list[bytes]:
+def split_for_wire(table: pa.Table, max_bytes: int = topics.MAX_MESSAGE_BYTES) -> list[bytes]:
     """Encode ``table`` as IPC payloads that each stay under ``max_bytes``.
 
     Row counts per chunk are estimated from a first encoding and halved until
@@ -52,7 +53,7 @@ def split_for_wire(table: pa.Table, max_bytes: int = S.MAX_MESSAGE_BYTES) -> lis
     """
     if table.num_rows == 0:
         return []
-    payload = S.encode(table)
+    payload = codec.encode(table)
     if len(payload) <= max_bytes:
         return [payload]
     rows = max(1, int(table.num_rows * max_bytes / len(payload) * 0.9))
@@ -60,7 +61,7 @@ def split_for_wire(table: pa.Table, max_bytes: int = S.MAX_MESSAGE_BYTES) -> lis
     start = 0
     while start < table.num_rows:
         chunk = table.slice(start, rows)
-        p = S.encode(chunk)
+        p = codec.encode(chunk)
         if len(p) > max_bytes and rows > 1:
             rows //= 2
             continue
@@ -89,7 +90,7 @@ class TelemetryProducer:
     def __init__(self, bootstrap: KafkaConn | str, *, client_id: str = "stragglerscope", max_queue_bytes: int = 64 << 20,
                  kafka_factory=None, linger_ms: int = 20, spool_dir: str | None = None,
                  max_spool_bytes: int = 256 << 20, retry_s: float = 2.0, delivery_timeout_s: float = 10.0):
-        from ingest.kafka_conn import as_conn
+        from core.kafka_conn import as_conn
 
         self.conn = as_conn(bootstrap)
         self.bootstrap = self.conn.bootstrap
@@ -113,7 +114,7 @@ class TelemetryProducer:
     def _default_factory(self):
         from kafka import KafkaProducer
 
-        from ingest.broker import no_auto_create
+        from core.kafka_admin import no_auto_create
 
         timeout_ms = int(self._delivery_timeout_s * 1000)
         # Idempotent: the broker drops a batch the client retries after a lost acknowledgement.
@@ -122,7 +123,7 @@ class TelemetryProducer:
         client = KafkaProducer(
             bootstrap_servers=self.bootstrap, client_id=self.client_id, acks="all", enable_idempotence=True,
             linger_ms=self._linger_ms,
-            max_request_size=max(S.MAX_MESSAGE_BYTES + 65536, 1 << 20), retries=3,
+            max_request_size=max(topics.MAX_MESSAGE_BYTES + 65536, 1 << 20), retries=3,
             request_timeout_ms=min(timeout_ms, 5000), delivery_timeout_ms=max(timeout_ms, 5000 + self._linger_ms),
             max_block_ms=5000, allow_auto_create_topics=False, **self.conn.client_options(),
         )
@@ -140,7 +141,7 @@ class TelemetryProducer:
         Never blocks on the network and never raises for transport problems.
         """
         kind = S.kind_of(table.schema)
-        topic = S.TOPIC_OF_KIND.get(kind)
+        topic = topics.TOPIC_OF_KIND.get(kind)
         if topic is None:
             raise ValueError(f"not an input record kind: {kind!r}")
         if table.num_rows == 0:
@@ -288,7 +289,7 @@ class TelemetryProducer:
             try:
                 self._client = self._factory()
             except Exception as e:  # broker down: the caller spools or drops
-                from stragglerscope.redact import redact
+                from core.redact import redact
 
                 log.warning("producer cannot connect to %s: %s", redact(self.bootstrap), redact(e))
                 return None

@@ -40,8 +40,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from core.layout import fold_ranks
 from ingest.exporter import RankExporter
-from ingest.schema import fold_ranks
 
 log = logging.getLogger(__name__)
 

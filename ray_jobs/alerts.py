@@ -20,9 +20,10 @@ from typing import Callable
 import pyarrow as pa
 
 from analyzers.hang import hang_summary
-from ingest import schema as S
+from core import codec, jsonutil
+from core import schema as S
+from core.config import AlertConfig
 from ray_jobs.checkpoint import Clock, Unit
-from stragglerscope.config import AlertConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class AlertRules:
                     severity=sev,
                     summary=f"{job}: straggling S={s:.2f}{why}, {row['waste_fraction']:.0%} of "
                             f"{row['n_gpus']} GPUs wasted in window {row['window_id']}",
-                    details_json=S.dumps({k: row[k] for k in ("window_id", "slowdown", "waste_fraction",
+                    details_json=jsonutil.dumps({k: row[k] for k in ("window_id", "slowdown", "waste_fraction",
                                                              "wasted_gpu_hours", "verdict", "m_w", "m_s")
                                           if row[k] == row[k]}),
                 ))
@@ -65,20 +66,20 @@ class AlertRules:
                 base, alert_id=f"{job}/{row['attempt']}/fidelity/{row['window_id']}", rule="fidelity",
                 severity="info",
                 summary=f"{job}: simulation fidelity off, launch slowdown {ls:.3f} in window {row['window_id']}",
-                details_json=S.dumps({"launch_slowdown": ls, "window_id": row["window_id"]}),
+                details_json=jsonutil.dumps({"launch_slowdown": ls, "window_id": row["window_id"]}),
             ))
         if row["verdict"] == "analysis_failed" and self._fire(job, "analysis_failed", now):
             alerts.append(dict(
                 base, alert_id=f"{job}/{row['attempt']}/analysis_failed/{row['window_id']}",
                 rule="analysis_failed", severity="info",
                 summary=f"{job}: window {row['window_id']} could not be analysed: {row['note'][:200]}",
-                details_json=S.dumps({"note": row["note"][:2000]}),
+                details_json=jsonutil.dumps({"note": row["note"][:2000]}),
             ))
         return alerts
 
 
     def evaluate_hang(self, row: dict, now: float, now_ns: int) -> list[dict]:
-        """The alert of one HANG row (``ray_jobs.hangs``): critical, cooled down per (job, kind)."""
+        """The alert of one HANG row (``ray_jobs.hang_monitor``): critical, cooled down per (job, kind)."""
         rule = "node_loss" if row["kind"] == "node_loss" else "hang"
         if not self._fire(row["job_id"], rule, now):
             return []
@@ -86,7 +87,7 @@ class AlertRules:
             alert_id=f"{row['job_id']}/{row['attempt']}/{rule}/{row['hang_id']}", job_id=row["job_id"],
             attempt=row["attempt"], ts_ns=now_ns, rule=rule, severity="critical",
             summary=hang_summary(row),
-            details_json=S.dumps({k: row[k] for k in ("kind", "group", "seq", "op", "stuck_ranks", "missing_ranks",
+            details_json=jsonutil.dumps({k: row[k] for k in ("kind", "group", "seq", "op", "stuck_ranks", "missing_ranks",
                                                      "suspect_hosts", "duration_s")}),
         )]
 
@@ -108,7 +109,7 @@ class AlertRules:
             severity="warning" if top["kind"] == "noncomm_slow" else "critical",
             summary=f"{top['job_id']}: slow {where} in group {top['group']} "
                     f"({top['slowdown']:.1f}x, confidence {top['confidence']:.2f}); {len(rows)} finding(s)",
-            details_json=S.dumps({k: top[k] for k in ("group", "kind", "src", "dst", "confidence", "slowdown",
+            details_json=jsonutil.dumps({k: top[k] for k in ("group", "kind", "src", "dst", "confidence", "slowdown",
                                                      "window_id")}),
         )]
 
@@ -155,7 +156,7 @@ class AlertReducer:
             for a in alerts:
                 self.published += 1
                 self._publish(a)
-        return [Unit(f"{len(alerts)} alert(s)", {"alert": S.from_rows(S.ALERT, alerts)}, on_stored=stored)]
+        return [Unit(f"{len(alerts)} alert(s)", {"alert": codec.from_rows(S.ALERT, alerts)}, on_stored=stored)]
 
     def snapshot(self) -> dict:
         return dict(alerts=self.published)

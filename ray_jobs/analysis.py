@@ -17,9 +17,10 @@ import numpy as np
 import pyarrow as pa
 
 from analyzers.accounting import window_mfu
-from ingest import schema as S
+from core import codec, jsonutil
+from core import schema as S
+from core.registration import Registration
 from ray_jobs.boundary import worker_clock_skew
-from ray_jobs.windows import JobInfo
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ def _finite(x: Any, default: float = float("nan")) -> float:
     return v if math.isfinite(v) else default
 
 
-def _window_row(info: JobInfo, key, ops: pa.Table, complete: bool, note: str) -> dict:
+def _window_row(info: Registration, key, ops: pa.Table, complete: bool, note: str) -> dict:
     if "start_ns" in ops.column_names:
         starts = ops["start_ns"].to_numpy()
         ends = starts + ops["duration_ns"].to_numpy()
@@ -58,7 +59,7 @@ def _window_row(info: JobInfo, key, ops: pa.Table, complete: bool, note: str) ->
 _FLOPS_FIELDS = ("flops_per_token", "params", "tokens_per_step", "peak_flops", "gpu_type")
 
 
-def _flops_info(info: JobInfo, n_gpus: int) -> dict:
+def _flops_info(info: Registration, n_gpus: int) -> dict:
     """The registration's FLOPs fields: ``info.registration`` (a JOB_REGISTRATION row) or attributes of
     ``info``; absent ones are 0, which makes the MFU NaN."""
     reg = getattr(info, "registration", None)
@@ -66,7 +67,7 @@ def _flops_info(info: JobInfo, n_gpus: int) -> dict:
     return {**{k: src.get(k, 0) for k in _FLOPS_FIELDS}, "n_gpus": n_gpus}
 
 
-def analyze_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], complete: bool,
+def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int], complete: bool,
                    note: str, ccl: pa.Table | None = None) -> dict[str, pa.Table]:
     """What-if analysis and link diagnosis of one window; returns {result kind: table} for the sink."""
     links = _link_faults(ccl, key)
@@ -121,7 +122,7 @@ def analyze_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], comp
         step_time_ideal=float(np.mean(list(ideal.values()))) if ideal else float("nan"),
         gpu_hours=gpu_hours, wasted_gpu_hours=gpu_hours * waste if waste == waste else 0.0,
         m_w=_finite(res.get("M_W")), m_s=_finite(res.get("M_S")),
-        verdict=_main_verdict(verdicts), verdicts_json=S.dumps(verdicts),
+        verdict=_main_verdict(verdicts), verdicts_json=jsonutil.dumps(verdicts),
         note="; ".join([x for x in [note] + warnings if x])[:4000],
     )
     steps = sorted(actual)
@@ -174,20 +175,20 @@ def _per_step_workers(res: dict, base: dict, out: dict) -> None:
                                                    s_pp=spp, s_w=min(sdp, spp)))
 
 
-def _remedies(ops: pa.Table, info: JobInfo, result, links: pa.Table, key) -> pa.Table | None:
+def _remedies(ops: pa.Table, info: Registration, result, links: pa.Table, key) -> pa.Table | None:
     """REMEDY rows of a window with a verdict or a link fault; never costs the window its result."""
-    from analyzers.remedies import JobInfo as Facts, advise, remedy_table
+    from analyzers.remedies import JobFacts, advise, remedy_table
 
     try:
         reg = info.registration or {}
-        facts = Facts(layout=info.layout, num_layers=int(reg.get("num_layers") or 0) or None)
+        facts = JobFacts(layout=info.layout, num_layers=int(reg.get("num_layers") or 0) or None)
         return remedy_table(key, advise(ops, facts, result, links.to_pylist()), time.time_ns())
     except Exception as e:
         log.warning("remedies of %s failed: %s", key, e)
         return None
 
 
-def failed_window(ops: pa.Table, info: JobInfo, key: tuple[str, int, int], reason: str) -> dict[str, pa.Table]:
+def failed_window(ops: pa.Table, info: Registration, key: tuple[str, int, int], reason: str) -> dict[str, pa.Table]:
     """The tables of a window whose analysis could not run at all."""
     row = _window_row(info, key, ops, False, reason[:2000])
     row["verdict"] = "analysis_failed"
@@ -207,25 +208,25 @@ def _main_verdict(verdicts) -> str:
 def _link_faults(ccl: pa.Table | None, key) -> pa.Table:
     """Link diagnosis of the window's CCL records (LINK_FAULT rows); never raises."""
     if ccl is None or ccl.num_rows == 0:
-        return S.empty(S.LINK_FAULT)
+        return codec.empty(S.LINK_FAULT)
     from analyzers.links import diagnose
 
     try:
         faults = diagnose(ccl)
     except Exception as e:  # bad records must not cost the window its what-if result
         log.warning("link diagnosis of %s failed: %s", key, e)
-        return S.empty(S.LINK_FAULT)
-    return S.from_rows(S.LINK_FAULT, [dict(
+        return codec.empty(S.LINK_FAULT)
+    return codec.from_rows(S.LINK_FAULT, [dict(
         job_id=key[0], attempt=key[1], window_id=key[2], group=f.group, kind=f.kind, src=f.src, dst=f.dst,
-        confidence=f.confidence, slowdown=f.slowdown, evidence_json=S.dumps(f.evidence)) for f in faults])
+        confidence=f.confidence, slowdown=f.slowdown, evidence_json=jsonutil.dumps(f.evidence)) for f in faults])
 
 
 def _tables(row: dict, out: dict, links: pa.Table | None = None) -> dict[str, pa.Table]:
-    tables = {"window_result": S.from_rows(S.WINDOW_RESULT, [row])}
-    tables["link_fault"] = links if links is not None else S.empty(S.LINK_FAULT)
-    tables["optype_slowdown"] = S.from_rows(S.OPTYPE_SLOWDOWN, out["optype_slowdown"])
-    tables["worker_slowdown"] = S.from_rows(S.WORKER_SLOWDOWN, out["worker_slowdown"])
-    tables["step_result"] = S.from_rows(S.STEP_RESULT, out["step_result"])
+    tables = {"window_result": codec.from_rows(S.WINDOW_RESULT, [row])}
+    tables["link_fault"] = links if links is not None else codec.empty(S.LINK_FAULT)
+    tables["optype_slowdown"] = codec.from_rows(S.OPTYPE_SLOWDOWN, out["optype_slowdown"])
+    tables["worker_slowdown"] = codec.from_rows(S.WORKER_SLOWDOWN, out["worker_slowdown"])
+    tables["step_result"] = codec.from_rows(S.STEP_RESULT, out["step_result"])
     if out.get("remedy") is not None and out["remedy"].num_rows:
         tables["remedy"] = out["remedy"]
     return tables

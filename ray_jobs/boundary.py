@@ -1,6 +1,6 @@
 """Semantic checks on decoded input records, at the shard's boundary.
 
-``ingest.schema.decode`` guarantees structure: a known kind and version, the
+``core.schema.decode`` guarantees structure: a known kind and version, the
 columns and types of its schema, valid Arrow buffers. This module guarantees
 meaning, so that no record can turn into an absurd stored result: a record
 belongs to the job its Kafka key names (a job's records must all reach one
@@ -31,8 +31,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ingest.schema import CHECKPOINT_KINDS, JobLayout
-from stragglerscope.config import ValidationConfig
+from core.config import ValidationConfig
+from core.layout import JobLayout
+from core.schema import CHECKPOINT_KINDS
 
 _NS = 1_000_000_000
 JOB_ID_CHARS = "A-Z a-z 0-9 . _ - : / @ + ="
@@ -184,7 +185,7 @@ def check_heartbeats(table: pa.Table, key: str | None, layout: JobLayout | None,
 
 
 def check_registration(row: Mapping[str, Any], key: str | None, limits: ValidationConfig) -> str:
-    """Why a JOB_REGISTRATION row cannot be accepted, or "" (then ``JobInfo.from_row`` cannot fail)."""
+    """Why a JOB_REGISTRATION row cannot be accepted, or "" (then ``Registration.from_row`` cannot fail)."""
     problem = job_id_problem(row.get("job_id"), limits.max_job_id_len)
     if problem:
         return problem

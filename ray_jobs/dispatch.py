@@ -18,11 +18,12 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from ingest import schema as S
+from core.config import PipelineConfig
+from core.layout import JobLayout
+from core.registration import Registration
 from ray_jobs.analysis import analyze_window, failed_window
 from ray_jobs.checkpoint import Clock, RetryLater, Unit
-from ray_jobs.windows import JobInfo, ReadyWindow, WindowTracker
-from stragglerscope.config import PipelineConfig
+from ray_jobs.windows import ReadyWindow, WindowTracker
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class WindowDispatch:
     def add(self, kind: str, table: pa.Table, at: tuple[tuple[str, int], int] | None, now: float) -> None:
         if kind == "job_registration":
             for row in table.to_pylist():
-                self.tracker.register(JobInfo.from_row(row))
+                self.tracker.register(Registration.from_row(row))
         elif kind == "op_span":
             self.tracker.add_ops(table, at[0], at[1], now)
         elif kind == "ccl_record":
@@ -99,7 +100,7 @@ class WindowDispatch:
                     analyzer_seconds=self.analyzer_seconds, window_latency_s_last=self.latency_last_s,
                     records=c.records, late_records=c.late_records)
 
-    def job(self, job_id: str, attempt: int) -> JobInfo | None:
+    def job(self, job_id: str, attempt: int) -> Registration | None:
         return self.tracker.job(job_id, attempt)
 
     def committable(self, positions: dict) -> dict:
@@ -136,7 +137,7 @@ class WindowDispatch:
         try:
             info = self.tracker.job(win.key[0], win.key[1]) or unregistered(win, self.max_world_size)
         except Exception:
-            info = JobInfo(job_id=win.key[0], attempt=win.key[1], layout=S.JobLayout(1, 1), profiled_steps=1,
+            info = Registration(job_id=win.key[0], attempt=win.key[1], layout=JobLayout(1, 1), profiled_steps=1,
                            registered=False)
         return failed_window(win.ops, info, win.key, reason)
 
@@ -168,14 +169,14 @@ class WindowDispatch:
         return Unit(f"op spans of {win.key}", {"op_span": win.ops}, on_stored=stored, best_effort=True)
 
 
-def unregistered(win: ReadyWindow, max_workers: int = 1 << 18) -> JobInfo:
+def unregistered(win: ReadyWindow, max_workers: int = 1 << 18) -> Registration:
     """Layout inferred from the ranks seen, for a job whose registration never came.
 
     Raises ValueError when the ranks imply more than ``max_workers`` workers (the caller
     stores the window as failed): a grid that large would be allocated by the analyzer.
     """
     if win.ops.num_rows == 0:  # CCL records only: no worker layout to infer
-        return JobInfo(job_id=win.key[0], attempt=win.key[1], layout=S.JobLayout(1, 1), profiled_steps=1,
+        return Registration(job_id=win.key[0], attempt=win.key[1], layout=JobLayout(1, 1), profiled_steps=1,
                        registered=False)
     dp = int(pa.compute.max(win.ops["dp_rank"]).as_py()) + 1
     pp = int(pa.compute.max(win.ops["pp_rank"]).as_py()) + 1
@@ -183,5 +184,5 @@ def unregistered(win: ReadyWindow, max_workers: int = 1 << 18) -> JobInfo:
         raise ValueError(f"unregistered job: ranks imply {dp} x {pp} workers, over validation.max_world_size "
                          f"({max_workers}); register the job")
     steps = len(set(win.ops["step"].to_pylist()))
-    return JobInfo(job_id=win.key[0], attempt=win.key[1], layout=S.JobLayout(dp, pp), profiled_steps=steps,
+    return Registration(job_id=win.key[0], attempt=win.key[1], layout=JobLayout(dp, pp), profiled_steps=steps,
                    registered=False)

@@ -18,12 +18,12 @@ import dataclasses
 import json
 import logging
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pyarrow as pa
 
-from ingest import schema as S
-from ingest.kafka_conn import KafkaConn, as_conn
+from core import topics
+from core.kafka_conn import KafkaConn, as_conn
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +86,10 @@ class KafkaSource:
         self._topic_ids: dict[str, Any] = {}
 
     def setup(self) -> None:
-        from kafka import KafkaConsumer, TopicPartition as KTP
+        from kafka import KafkaConsumer
+        from kafka import TopicPartition as KTP
 
-        from ingest.broker import no_auto_create
+        from core.kafka_admin import no_auto_create
 
         self._KTP = KTP
         self._consumer = KafkaConsumer(
@@ -218,7 +219,7 @@ class KafkaSource:
             for r in records:
                 out.append(Message(ktp.topic, ktp.partition, r.offset, r.key, r.value))
         # Registrations first: a window can then see its job's layout in the same batch.
-        out.sort(key=lambda m: m.topic != S.TOPIC_JOBS)
+        out.sort(key=lambda m: m.topic != topics.TOPIC_JOBS)
         return out
 
     def _out_of_range(self, fetched: dict) -> None:
@@ -284,7 +285,7 @@ class KafkaSource:
         if self._producer is None:
             from kafka import KafkaProducer
 
-            from ingest.broker import no_auto_create
+            from core.kafka_admin import no_auto_create
 
             # max_block_ms: a missing topic (the broker lost it) costs the loop seconds, not a minute.
             self._producer = KafkaProducer(bootstrap_servers=self.bootstrap, client_id=self.client_id + "-out",
@@ -297,7 +298,7 @@ class KafkaSource:
         """Forward the rejected bytes to the dead-letter topic with the reason in a header."""
         try:
             self._producer_client().send(
-                S.TOPIC_DEAD_LETTER, key=msg.key, value=msg.value,
+                topics.TOPIC_DEAD_LETTER, key=msg.key, value=msg.value,
                 headers=[("reason", reason.encode()[:1000]), ("source", f"{msg.topic}/{msg.partition}/{msg.offset}".encode())],
             )
         except Exception as e:  # the store keeps the dead letter too; the topic copy is best effort
@@ -306,7 +307,7 @@ class KafkaSource:
     def alert_producer(self):
         def publish(alert: dict) -> None:
             try:
-                self._producer_client().send(S.TOPIC_ALERTS, key=alert["job_id"].encode(),
+                self._producer_client().send(topics.TOPIC_ALERTS, key=alert["job_id"].encode(),
                                              value=json.dumps(alert).encode())
             except Exception as e:
                 log.warning("alert publish failed: %s", e)
@@ -347,16 +348,19 @@ class ResultWriter:
     go straight through: they are small and their order matters.
     """
 
-    def __init__(self, store_url: str, store=None):
+    def __init__(self, store_url: str, open_store: Callable[[str], Any] | None = None, store=None):
+        # ``open_store`` is injected (``storage.open_store`` in production): ray_jobs depends on
+        # the Store API, not on the storage package (README, "Layers").
         self.store_url = store_url
+        self._open_store = open_store
         self._store = store
         self._buf: dict[str, list[pa.Table]] = {}
 
     def setup(self) -> None:
         if self._store is None:
-            from storage import open_store
-
-            self._store = open_store(self.store_url)
+            if self._open_store is None:
+                raise ValueError("ResultWriter needs open_store or an opened store")
+            self._store = self._open_store(self.store_url)
         self._store.setup()
 
     @property

@@ -75,15 +75,15 @@ class MetricsServer:
     def start(self) -> "MetricsServer":
         from prometheus_client import CollectorRegistry, start_http_server
 
-        from ingest.broker import free_port
-
         reg = CollectorRegistry()
         reg.register(self)
-        self.port = self.port or free_port(self.host)
+        # Port 0 binds a free port atomically (no probe-then-bind race); the server says which.
         self._server, _ = start_http_server(self.port, addr=self.host, registry=reg)
+        self.port = self._server.server_port
         return self
 
     def stop(self) -> None:
         if self._server is not None:
             self._server.shutdown()
+            self._server.server_close()  # release the port now, not when the object is collected
             self._server = None

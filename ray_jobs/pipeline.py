@@ -23,10 +23,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Callable
+from typing import Any, Callable
 
+from core.config import Config
 from ray_jobs.shard import ShardWorker
-from stragglerscope.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class PipelineError(RuntimeError):
     """The pipeline cannot start or run: Ray unreachable, shard actors not ready. One line, for the CLI."""
 
     def __init__(self, message: object = "pipeline error") -> None:
-        from stragglerscope.redact import redact
+        from core.redact import redact
 
         super().__init__(redact(" ".join(str(message).split()))[:2000])
 
@@ -120,34 +120,33 @@ def shard_partitions(index: int, shards: int, partitions: int) -> list[int]:
 
 def check_topics(cfg: Config) -> int:
     """Create the missing topics and return the input topics' partition count; BrokerError when it does not fit."""
-    from ingest.broker import prepare_topics
+    from core.kafka_admin import prepare_topics
 
     return prepare_topics(cfg.kafka.conn(), cfg.kafka.partitions, cfg.kafka.replication_factor)
 
 
-def stored_offsets(store_url: str, source_id: str) -> dict[tuple[str, int], int]:
+def stored_offsets(open_store: Callable[[str], Any], store_url: str, source_id: str) -> dict[tuple[str, int], int]:
     """The offsets stored for ``source_id`` (every input topic and partition), as the shards load them."""
-    from ingest import schema as S
-    from storage import open_store
-
+    from core import topics
     store = open_store(store_url)
     try:
         store.setup()
-        return store.load_offsets(source_id, S.INPUT_TOPICS, None)
+        return store.load_offsets(source_id, topics.INPUT_TOPICS, None)
     finally:
         store.close()
 
 
-def check_offsets(cfg: Config, source_id: str, stored: dict[tuple[str, int], int] | None = None) -> None:
+def check_offsets(cfg: Config, source_id: str, open_store: Callable[[str], Any],
+                  stored: dict[tuple[str, int], int] | None = None) -> None:
     """OffsetsAheadError when an offset stored for ``source_id`` is beyond its partition's end.
 
     The shards would otherwise wait at those offsets and skip the records the
     broker gives them next: the broker lost records (restarted empty, topic
     deleted and re-created), and nothing read them. The message names the way out.
     """
-    from ingest.broker import OffsetsAheadError, end_offsets, offsets_ahead
+    from core.kafka_admin import OffsetsAheadError, end_offsets, offsets_ahead
 
-    stored = stored_offsets(cfg.store.url, source_id) if stored is None else stored
+    stored = stored_offsets(open_store, cfg.store.url, source_id) if stored is None else stored
     stored = {tp: off for tp, off in stored.items() if off > 0}
     if not stored:
         return
@@ -187,15 +186,15 @@ def _make_actor_class():
     class ShardActor:
         """Holds one ShardWorker; Ray only hosts it (its logic is tested without Ray)."""
 
-        def __init__(self, index, partitions, cfg, source_id):
-            from stragglerscope import logs
-
-            from stragglerscope.redact import install_log_filter, quiet_libraries
+        def __init__(self, index, partitions, cfg, source_id, open_store):
+            from core import logs
+            from core.redact import install_log_filter, quiet_libraries
 
             logs.configure(cfg.pipeline.log_format, logging.INFO, shard=index, source=source_id)
             install_log_filter()
             quiet_libraries()  # the shard reports what fails itself (status, one warning)
-            self.worker = ShardWorker(index, partitions, cfg, source_id, submit=remote_analyze.remote)
+            self.worker = ShardWorker(index, partitions, cfg, source_id, submit=remote_analyze.remote,
+                                      open_store=open_store)
             self.worker.start()
 
         def status(self) -> dict:
@@ -213,9 +212,12 @@ def _make_actor_class():
 class Pipeline:
     """The running pipeline in this driver process; a context manager."""
 
-    def __init__(self, cfg: Config, source_id: str):
+    def __init__(self, cfg: Config, source_id: str, open_store: Callable[[str], Any]):
+        """``open_store(url)`` opens the result store (``storage.open_store``); the shards call it too,
+        so it must be importable by name in Ray's workers (a module-level function)."""
         self.cfg = cfg
         self.source_id = source_id
+        self.open_store = open_store
         self.actors: list = []
         self.partitions = cfg.kafka.partitions
         """The input topics' actual partition count, once started."""
@@ -233,13 +235,13 @@ class Pipeline:
         if parts > self.cfg.kafka.partitions:
             log.warning("the input topics have %d partitions, more than kafka.partitions = %d: the %d shards "
                         "read all %d", parts, self.cfg.kafka.partitions, n, parts)
-        check_offsets(self.cfg, self.source_id)
+        check_offsets(self.cfg, self.source_id, self.open_store)
         self.partitions = parts
         init_ray(self.cfg)
         actor_cls = _make_actor_class()
         self.actors = [
             actor_cls.options(name=f"ss-shard-{self.source_id}-{i}").remote(
-                i, shard_partitions(i, n, self.partitions), self.cfg, self.source_id)
+                i, shard_partitions(i, n, self.partitions), self.cfg, self.source_id, self.open_store)
             for i in range(n)
         ]
         return self

@@ -33,16 +33,17 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from analyzers.hang import HangParams
-from ingest import schema as S
+from core import codec, topics
+from core import schema as S
+from core.config import Config
+from core.registration import Registration
 from ray_jobs import boundary as B
 from ray_jobs.alerts import AlertReducer, AlertRules, WebhookSender
 from ray_jobs.checkpoint import Checkpoint, Clock, RetryLater, Unit
 from ray_jobs.crashes import CrashJournal, default_path
 from ray_jobs.dispatch import WindowDispatch
 from ray_jobs.downtime import DowntimeReducer
-from ray_jobs.hangs import HangMonitor
-from ray_jobs.windows import JobInfo
-from stragglerscope.config import Config
+from ray_jobs.hang_monitor import HangMonitor
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +126,15 @@ class ShardWorker:
                  consumer_factory: Callable[[], Any] | None = None,
                  sink_factory: Callable[[], Any] | None = None,
                  submit: Callable[..., Any] | None = None,
-                 clock: Clock = Clock()):
+                 clock: Clock = Clock(),
+                 open_store: Callable[[str], Any] | None = None):
         self.index = index
         self.partitions = list(partitions)
         self.cfg = cfg
         self.source_id = source_id
         self._consumer_factory = consumer_factory
         self._sink_factory = sink_factory
+        self._open_store = open_store
         self._submit = submit
         self.clock = clock
         self.stats = ShardStats(shard=index)
@@ -147,10 +150,10 @@ class ShardWorker:
 
         _pay_import_costs()
         cfg, clock = self.cfg, self.clock
-        self.sink = self._sink_factory() if self._sink_factory else ResultWriter(cfg.store.url)
+        self.sink = self._sink_factory() if self._sink_factory else ResultWriter(cfg.store.url, self._open_store)
         self.sink.setup()
         self.source = self._consumer_factory() if self._consumer_factory else KafkaSource(
-            cfg.kafka.conn(), S.INPUT_TOPICS, self.partitions)
+            cfg.kafka.conn(), topics.INPUT_TOPICS, self.partitions)
         self.limits = cfg.validation
         self.clocks = B.ClockGuard(self.limits)
         h = cfg.hang
@@ -164,12 +167,12 @@ class ShardWorker:
         self.reducers = (self.windows, self.hangs, self.alerts, self.downtime)
         self.checkpoint = Checkpoint(
             self.sink, self.source, self.windows.committable, self.source_id, cfg.pipeline.commit_interval_s,
-            clock, probe=lambda: self.sink.load_offsets(self.source_id, S.INPUT_TOPICS, self.partitions),
+            clock, probe=lambda: self.sink.load_offsets(self.source_id, topics.INPUT_TOPICS, self.partitions),
             max_attempts=self.MAX_STORE_ATTEMPTS)
         self.journal = CrashJournal(default_path(self.source_id, self.index, cfg.pipeline.state_dir),
                                     self.limits.max_restarts_per_message)
         self.journal.open()
-        stored = self.sink.load_offsets(self.source_id, S.INPUT_TOPICS, self.partitions)
+        stored = self.sink.load_offsets(self.source_id, topics.INPUT_TOPICS, self.partitions)
         self.source.seek(stored)
         self._load_jobs()
         self.alerts_out = self.source.alert_producer() if hasattr(self.source, "alert_producer") else None
@@ -182,7 +185,7 @@ class ShardWorker:
             why = B.check_registration(row, None, self.limits)
             if not why:
                 try:
-                    self.windows.tracker.register(JobInfo.from_row(row))
+                    self.windows.tracker.register(Registration.from_row(row))
                     continue
                 except Exception as e:
                     why = f"{type(e).__name__}: {e}"
@@ -341,11 +344,11 @@ class ShardWorker:
 
     def _route(self, msg, now: float) -> None:
         try:
-            kind, table = S.decode(msg.value)
-            if S.TOPIC_OF_KIND.get(kind) != msg.topic:
-                raise S.DecodeError(f"{kind} record on topic {msg.topic}")
+            kind, table = codec.decode(msg.value)
+            if topics.TOPIC_OF_KIND.get(kind) != msg.topic:
+                raise codec.DecodeError(f"{kind} record on topic {msg.topic}")
             key = msg.key.decode("utf-8") if msg.key is not None else None
-        except (S.DecodeError, UnicodeDecodeError) as e:
+        except (codec.DecodeError, UnicodeDecodeError) as e:
             self._dead_letter(msg, str(e))
             return
         if kind == "job_registration":
@@ -394,7 +397,7 @@ class ShardWorker:
                                              for r, why in bad[:5]))
         if not good:
             return
-        rows = S.from_rows(S.JOB_REGISTRATION, [r for r, _ in good])
+        rows = codec.from_rows(S.JOB_REGISTRATION, [r for r, _ in good])
         self._feed("job_registration", rows, ((msg.topic, msg.partition), msg.offset), now)
 
         def stored(n=rows.num_rows):
@@ -408,7 +411,7 @@ class ShardWorker:
                    source_offset=msg.offset, key=(msg.key or b"").decode("utf-8", "replace"),
                    reason=reason[:1000], payload=bytes(msg.value[:65536]) if msg.value else b"")
         self.checkpoint.add(Unit(f"dead letter {msg.topic}:{msg.partition}@{msg.offset}",
-                                 {"dead_letter": S.from_rows(S.DEAD_LETTER, [row])}))
+                                 {"dead_letter": codec.from_rows(S.DEAD_LETTER, [row])}))
         try:
             self.source.dead_letter(msg, reason)
         except Exception as e:  # the dead-letter topic is a copy; the stored row is what counts

@@ -23,34 +23,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ingest.schema import OP_SPAN, JobLayout
+from core.registration import Registration
+from core.schema import OP_SPAN
 
 WindowKey = tuple[str, int, int]  # (job_id, attempt, window_id)
 TopicPartition = tuple[str, int]
-
-
-@dataclasses.dataclass
-class JobInfo:
-    """What the registration told us; defaults when a job never registered."""
-
-    job_id: str
-    attempt: int
-    layout: JobLayout
-    profiled_steps: int
-    team: str = ""
-    model: str = ""
-    n_gpus: int = 0
-    registered: bool = True
-    registration: dict | None = None
-    """The whole JOB_REGISTRATION row (FLOPs facts for MFU, layers for remedies)."""
-
-    @classmethod
-    def from_row(cls, row: dict) -> "JobInfo":
-        lay = JobLayout(dp_size=row["dp_size"], pp_size=row["pp_size"], tp_size=row["tp_size"],
-                        cp_size=row["cp_size"], vpp_size=row["vpp_size"])
-        return cls(job_id=row["job_id"], attempt=row["attempt"], layout=lay,
-                   profiled_steps=max(1, row["profiled_steps"]), team=row["team"], model=row["model"],
-                   n_gpus=row["n_gpus"] or lay.world_size, registration=dict(row))
 
 
 @dataclasses.dataclass
@@ -93,14 +70,14 @@ class WindowTracker:
                  max_stored_keys: int = 200_000):
         self.idle_timeout_s = idle_timeout_s
         self._is_stored = is_stored or (lambda key: False)
-        self.jobs: dict[tuple[str, int], JobInfo] = {}
+        self.jobs: dict[tuple[str, int], Registration] = {}
         self.open: dict[WindowKey, OpenWindow] = {}
         self._stored: dict[WindowKey, None] = {}  # insertion-ordered, bounded
         self._max_stored = max_stored_keys
         self.counters = WindowCounters()
 
     # -- input --------------------------------------------------------------
-    def register(self, info: JobInfo) -> None:
+    def register(self, info: Registration) -> None:
         self.jobs[(info.job_id, info.attempt)] = info
 
     def add_ops(self, table: pa.Table, tp: TopicPartition, offset: int, now: float) -> None:
@@ -164,7 +141,7 @@ class WindowTracker:
             win.step_ends.update(zip(dp.tolist(), pp.tolist(), steps[opt].tolist()))
 
     # -- output -------------------------------------------------------------
-    def job(self, job_id: str, attempt: int) -> JobInfo | None:
+    def job(self, job_id: str, attempt: int) -> Registration | None:
         return self.jobs.get((job_id, attempt))
 
     def ready(self, now: float) -> list[ReadyWindow]:
@@ -185,7 +162,7 @@ class WindowTracker:
                                        ccl))
         return out
 
-    def _completeness(self, win: OpenWindow, info: JobInfo | None) -> tuple[bool, str]:
+    def _completeness(self, win: OpenWindow, info: Registration | None) -> tuple[bool, str]:
         if info is None:
             return False, "job never registered"
         want_steps = info.profiled_steps

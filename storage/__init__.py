@@ -1,4 +1,4 @@
-"""Storage: ClickHouse tables derived from ``ingest.schema``, one Store API, the named query library.
+"""Storage: ClickHouse tables derived from ``core.schema``, one Store API, the named query library.
 
     store = open_store("chdb://./.stragglerscope/store")   # embedded chDB
     store = open_store("clickhouse://default:@127.0.0.1:9000/default")  # a server (native protocol)
@@ -6,7 +6,7 @@
     store = open_store("clickhouse://admin@ch:9440/db?password_file=/run/secrets/ch&secure=1&ca_certs=/etc/ca.pem")
     store = open_store("http://127.0.0.1:8123?token_file=/data/store/daemon.token")  # a store daemon (storage.daemon)
     store.setup()                                         # tables, views, forward migrations; idempotent
-    store.insert("window_result", table)                  # a table of ingest.schema.WINDOW_RESULT
+    store.insert("window_result", table)                  # a table of core.schema.WINDOW_RESULT
     store.run_named("fleet_summary", {"team": "llm"})     # -> pyarrow.Table
     store.query("SELECT job_id FROM windows WHERE slowdown > {s:Float64}", {"s": 1.2})
 
@@ -19,7 +19,7 @@ carries a secret itself, so both may travel to other processes and logs.
 Store methods (the same behaviour on every backend):
 
 - ``setup()``: create the database, tables and views; apply forward migrations.
-- ``insert(kind, table)``: ``kind`` is a key of ``ingest.schema.ALL_SCHEMAS``
+- ``insert(kind, table)``: ``kind`` is a key of ``core.schema.ALL_SCHEMAS``
   that has a table (every result kind, ``job_registration``, ``op_span``);
   the table is conformed to the schema (StoreError otherwise). Writing the
   same keys again stores nothing new (see ``storage.store``).
@@ -47,8 +47,7 @@ from storage.store import Store
 
 DEFAULT_URL = "chdb://./.stragglerscope/store"
 
-__all__ = ["open_store", "Store", "StoreError", "NAMED_QUERIES", "NamedQuery", "serve", "StoreDaemon",
-           "DEFAULT_URL"]
+__all__ = ["open_store", "Store", "StoreError", "NAMED_QUERIES", "NamedQuery", "serve", "DEFAULT_URL"]
 
 
 def open_store(url: str = DEFAULT_URL) -> Store:
@@ -75,8 +74,8 @@ def open_store(url: str = DEFAULT_URL) -> Store:
 
         return ChdbStore(path, url)
     if scheme == "clickhouse":
+        from core.redact import redact_url
         from storage.server_backend import ServerStore
-        from stragglerscope.redact import redact_url
 
         store = ServerStore(_server_credentials(url))
         store.url = redact_url(url)  # what messages and repr() show; the connection keeps the password
@@ -92,13 +91,13 @@ def open_store(url: str = DEFAULT_URL) -> Store:
 def _server_credentials(url: str) -> str:
     """``url`` with its password in place: ``?password_file=PATH`` is read now (and dropped from the URL).
 
-    The password, however it came, is registered with ``stragglerscope.redact``
+    The password, however it came, is registered with ``core.redact``
     so that no message shows it. StoreError when the file cannot be read or
     the URL has a password as well.
     """
     from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
 
-    from stragglerscope.redact import add_secret
+    from core.redact import add_secret
 
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
@@ -132,7 +131,7 @@ def __getattr__(name: str):
         from storage import queries
 
         return getattr(queries, name)
-    if name in ("serve", "StoreDaemon", "HttpStore"):
+    if name in ("serve", "HttpStore"):
         from storage import daemon
 
         return getattr(daemon, name)

@@ -1,4 +1,4 @@
-"""ClickHouse tables derived from the record schemas of ``ingest.schema``.
+"""ClickHouse tables derived from the record schemas of ``core.schema``.
 
 One pure function, ``clickhouse_type``, maps an Arrow type to a ClickHouse
 type; every table below is built from the Arrow fields of a schema (plus a few
@@ -28,7 +28,8 @@ import re
 
 import pyarrow as pa
 
-from ingest import schema as S
+from core import schema as S
+from core.schema import ALERT_ACK, OFFSETS, OPTYPE_WASTE
 
 # --------------------------------------------------------------------------
 # Engine capabilities
@@ -185,36 +186,6 @@ LOW_CARDINALITY = frozenset({
     "team", "model", "verdict", "optype", "kind", "rule", "severity", "gpu_type", "source_topic", "topic",
     "op", "group", "algorithm", "host",
 })
-
-OFFSETS = pa.schema([
-    pa.field("source_id", pa.string(), nullable=False, metadata={"unit": "", "doc": "names the Kafka cluster"}),
-    pa.field("topic", pa.string(), nullable=False, metadata={"unit": "", "doc": "Kafka topic"}),
-    pa.field("partition", pa.int32(), nullable=False, metadata={"unit": "", "doc": "Kafka partition"}),
-    pa.field("next_offset", pa.int64(), nullable=False, metadata={"unit": "", "doc": "next offset to read"}),
-])
-
-ALERT_ACK = pa.schema([
-    pa.field("alert_id", pa.string(), nullable=False, metadata={"unit": "", "doc": "the acknowledged alert"}),
-    pa.field("acked_ns", pa.int64(), nullable=False, metadata={"unit": "ns", "doc": "when (0 with acked=0: undone)"}),
-    pa.field("acked", pa.uint8(), nullable=False, metadata={"unit": "", "doc": "1 acknowledged, 0 un-acknowledged"}),
-    pa.field("acked_by", pa.string(), nullable=False, metadata={"unit": "", "doc": "who (free text)"}),
-    pa.field("note", pa.string(), nullable=False, metadata={"unit": "", "doc": "why, or what was done"}),
-])
-"""Acknowledgements from the console: the latest row per alert wins, so an ack can be undone."""
-
-_WR = S.WINDOW_RESULT
-OPTYPE_WASTE = pa.schema(
-    [S.OPTYPE_SLOWDOWN.field(n) for n in ("job_id", "attempt", "window_id", "optype", "slowdown")]
-    + [_WR.field(n) for n in ("analyzed_ns", "team", "model", "n_gpus", "gpu_hours")]
-    + [pa.field("wasted_gpu_hours", pa.float64(), nullable=False,
-                metadata={"unit": "GPU-h", "doc": "gpu_hours x (1 - 1/S_t), at least 0"})]
-)
-"""Derived at write time: op-type S_t of a window joined with the window's GPU-hours and owner.
-
-A join of op-type rows with windows at query time takes seconds at a year of
-fleet; the store writes this table when the second of the two arrives.
-"""
-
 
 @dataclasses.dataclass(frozen=True)
 class TableSpec:

@@ -7,11 +7,11 @@ class StoreError(RuntimeError):
 
     The message is one line fit for a command line (``stragglerscope sql``
     prints it as is), with any password it would show replaced by ``***``
-    (``stragglerscope.redact``); the backend's own exception, if any, is the cause.
+    (``core.redact``); the backend's own exception, if any, is the cause.
     """
 
     def __init__(self, message: str) -> None:
-        from stragglerscope.redact import redact
+        from core.redact import redact
 
         text = " ".join(str(message).split()) if message else "store error"
         super().__init__(redact(text)[:2000])

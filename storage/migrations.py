@@ -4,7 +4,7 @@ The table ``schema_version`` holds one row per applied step (version,
 description, when). ``migrate`` reads the highest version, applies every
 later step of ``MIGRATIONS`` in order and records each, then reconciles:
 any column the schema module has and a data table lacks is added (a field
-added to ``ingest.schema`` reaches the tables without a hand-written step),
+added to ``core.schema`` reaches the tables without a hand-written step),
 and the views readers query are rebuilt from the columns the tables have.
 
 Every step is idempotent (``CREATE ... IF NOT EXISTS``; a column is added

@@ -72,7 +72,7 @@ class SQLLimits:
     @classmethod
     def of(cls, limits: Any = None) -> "SQLLimits":
         """Limits from None (the defaults), SQLLimits, a dict, or any object with the three attributes
-        (``stragglerscope.config.SQLConfig``)."""
+        (``core.config.SQLConfig``)."""
         if limits is None:
             return cls()
         if isinstance(limits, cls):

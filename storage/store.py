@@ -40,7 +40,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ingest import schema as S
+from core import codec
+from core import schema as S
 from storage import ddl
 from storage.errors import StoreError
 from storage.keys import GROWING_KEY, Encoded, HighWater, PendingMarks, first_of_each_key
@@ -225,8 +226,8 @@ class SQLStore(Store):
         if isinstance(table, pa.RecordBatch):
             table = pa.Table.from_batches([table])
         try:
-            table = S.conform(table, spec.schema)
-        except S.DecodeError as e:
+            table = codec.conform(table, spec.schema)
+        except codec.DecodeError as e:
             raise StoreError(f"insert({kind!r}): {e}") from None
         if table.num_rows == 0:
             return

@@ -1,6 +1,6 @@
 """`stragglerscope`: the one command-line entry point.
 
-The configuration is read here, once (``stragglerscope.config.load``), and
+The configuration is read here, once (``core.config.load``), and
 handed down. Bad input of any command (a missing file, a bad flag, an
 unreachable broker or store) ends with one line on stderr and exit code 2,
 never a traceback; a traceback means a bug.
@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from stragglerscope import config as config_mod
+from core import config as config_mod
 
 _EPILOG = """\
 configuration (defaults shown; a TOML file given with --config and
@@ -43,10 +43,10 @@ class CLIError(Exception):
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input or an unreachable service, not a bug."""
     errs: list[type[BaseException]] = [CLIError, config_mod.ConfigError, FileNotFoundError, PermissionError]
-    for mod, name in (("ingest.broker", "BrokerError"), ("ingest.kafka_conn", "KafkaConnError"), ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
+    for mod, name in (("core.kafka_admin", "BrokerError"), ("core.kafka_conn", "KafkaConnError"), ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
                       ("ray_jobs.pipeline", "PipelineError"),
-                      ("stragglerscope.replay", "ReplayError"), ("stragglerscope.advise", "AdviseError"),
-                      ("analyzers.whatif", "WhatIfInputError"), ("ingest.schema", "DecodeError"),
+                      ("stragglerscope.replay", "ReplayError"), ("analyzers.remedies.stored", "AdviseError"),
+                      ("analyzers.whatif", "WhatIfInputError"), ("core.schema", "DecodeError"),
                       ("stragglerscope.trace", "TraceError")):
         try:
             errs.append(getattr(__import__(mod, fromlist=[name]), name))
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    from stragglerscope.redact import redact
+    from core.redact import redact
 
     try:
         return _dispatch(args) or 0
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _guard_logs(verbose: bool) -> None:
     """Passwords redacted in every log line; the client libraries' connection noise only with -v."""
-    from stragglerscope.redact import install_log_filter, quiet_libraries
+    from core.redact import install_log_filter, quiet_libraries
 
     install_log_filter()
     quiet_libraries(verbose)
@@ -266,7 +266,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     cfg = config_mod.load(getattr(args, "config", None))
     if cfg.pipeline.log_format != "text":
-        from stragglerscope import logs
+        from core import logs
 
         logs.configure(cfg.pipeline.log_format, logging.INFO if args.verbose else logging.WARNING)
         _guard_logs(args.verbose)
@@ -336,8 +336,8 @@ def _dispatch(args: argparse.Namespace) -> int:
             if proc.poll() is None:
                 proc.terminate()
     if cmd == "store":
+        from core.redact import redact_url
         from storage import serve
-        from stragglerscope.redact import redact_url
 
         if not cfg.store.url.startswith("chdb://"):
             raise CLIError(f"only a chdb:// store needs serving, got {cfg.store.url}")
@@ -354,8 +354,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _advise(args: argparse.Namespace, cfg) -> int:
     import json
 
+    from analyzers.remedies.stored import AdviseOptions, advise_and_store, format_remedies
     from storage import open_store
-    from stragglerscope.advise import AdviseOptions, advise_and_store, format_remedies
 
     for name in ("gpus_per_node", "fault_tolerance"):
         if getattr(args, name) < (1 if name == "gpus_per_node" else 0):
@@ -380,15 +380,16 @@ def _advise(args: argparse.Namespace, cfg) -> int:
 
 def _offsets(args: argparse.Namespace, cfg) -> int:
     """`stragglerscope offsets show|reset`: stored offsets of a source against the broker's partition ends."""
-    from ingest.broker import check_reachable, end_offsets, offsets_ahead
+    from core.kafka_admin import check_reachable, end_offsets, offsets_ahead
+    from core.redact import redact_url
     from ray_jobs.pipeline import stored_offsets
-    from stragglerscope.redact import redact_url
+    from storage import open_store
 
     if not cfg.kafka.bootstrap and not args.source_id:
         raise CLIError("kafka.bootstrap is empty: the embedded broker's offsets belong to one run (its "
                        "cluster id); give --source-id to look at those")
     source_id = args.source_id or cfg.kafka.source_id or cfg.kafka.bootstrap
-    stored = stored_offsets(cfg.store.url, source_id)
+    stored = stored_offsets(open_store, cfg.store.url, source_id)
     where = f"source {source_id!r} in store {redact_url(cfg.store.url)}"
     if not stored:
         print(f"no offsets stored for {where}", file=sys.stderr)
@@ -439,8 +440,8 @@ def _import(args: argparse.Namespace, cfg) -> int:
     import pyarrow.parquet as pq
     from tqdm import tqdm
 
+    from core.layout import JobLayout
     from ingest.importers import import_paths
-    from ingest.schema import JobLayout
 
     if not args.out and not args.publish:
         raise CLIError("say where the records go: --out FILE.parquet and/or --publish")
@@ -449,7 +450,7 @@ def _import(args: argparse.Namespace, cfg) -> int:
     layout = JobLayout(dp_size=args.dp, pp_size=args.pp, tp_size=args.tp, cp_size=args.cp)
     producer = None
     if args.publish:
-        from ingest.broker import check_reachable, prepare_topics
+        from core.kafka_admin import check_reachable, prepare_topics
         from ingest.producer import TelemetryProducer
 
         check_reachable(cfg.kafka.bootstrap)

@@ -17,10 +17,10 @@ import sys
 import time
 from typing import TYPE_CHECKING, Callable
 
-from stragglerscope.config import Config
+from core.config import Config
 
 if TYPE_CHECKING:
-    from ingest.kafka_conn import KafkaConn
+    from core.kafka_conn import KafkaConn
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def run_tag(now: float | None = None) -> str:
 def produce_fleet(bootstrap: KafkaConn | str, opts: DemoOptions, tag: str,
                   progress: Callable[[int, int], None] | None = None) -> tuple[list[tuple[str, int, int]], int]:
     """Registrations and op spans of a synthetic fleet; returns (window keys, op records)."""
-    from ingest.fleetgen import fleet_windows, make_fleet
+    from generators.fleetgen import fleet_windows, make_fleet
     from ingest.producer import TelemetryProducer
 
     jobs = [dataclasses.replace(j, job_id=f"{tag}-{i:03d}")
@@ -76,8 +76,8 @@ def start_console(store_url: str, cfg: Config, output=None) -> subprocess.Popen:
 
     ``output``: where its stdout and stderr go (default: this process's; tests pass a pipe).
     """
-    from pathlib import Path
     import os
+    from pathlib import Path
 
     app = Path(__file__).resolve().parent.parent / "ui" / "app.py"
     env = dict(os.environ, STRAGGLERSCOPE_STORE=store_url)

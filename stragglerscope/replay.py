@@ -2,7 +2,7 @@
 
 Each PATH is a golden-format trace folder (``trace-*.parquet`` with its
 ``meta-*.yaml``), a golden trace parquet whose meta YAML lies beside it, or an
-op-span parquet (``ingest.schema.OP_SPAN``, as ``stragglerscope import --out``
+op-span parquet (``core.schema.OP_SPAN``, as ``stragglerscope import --out``
 writes). Every trace is registered (its layout from the meta file, or from
 the ranks it contains) and published to Kafka by the same producer the
 exporters use, then the pipeline analyses and stores it like live data; the
@@ -19,8 +19,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ingest import schema as S
-from stragglerscope.config import Config
+from core import codec
+from core import schema as S
+from core.config import Config
+from core.layout import JobLayout
 
 
 class ReplayError(ValueError):
@@ -35,7 +37,7 @@ def _find_meta(trace: Path) -> Path | None:
     return None
 
 
-def load_trace(path: str) -> tuple[pa.Table, S.JobLayout]:
+def load_trace(path: str) -> tuple[pa.Table, JobLayout]:
     """Op spans and layout of one PATH (see the module docstring)."""
     p = Path(path)
     if not p.exists():
@@ -57,15 +59,15 @@ def load_trace(path: str) -> tuple[pa.Table, S.JobLayout]:
 
         return load_golden(str(p), str(meta))
     try:
-        table = S.conform(pq.read_table(p), S.OP_SPAN)
-    except S.DecodeError as e:
+        table = codec.conform(pq.read_table(p), S.OP_SPAN)
+    except codec.DecodeError as e:
         raise ReplayError(f"{p}: neither a golden trace nor op spans: {e}") from None
     dp = int(pc.max(table["dp_rank"]).as_py()) + 1
     pp = int(pc.max(table["pp_rank"]).as_py()) + 1
-    return table, S.JobLayout(dp_size=dp, pp_size=pp)
+    return table, JobLayout(dp_size=dp, pp_size=pp)
 
 
-def registrations(table: pa.Table, layout: S.JobLayout) -> list[pa.Table]:
+def registrations(table: pa.Table, layout: JobLayout) -> list[pa.Table]:
     """One registration per (job, attempt) of the table, from its layout and window length."""
     rows = []
     keys = table.group_by(["job_id", "attempt"]).aggregate([("step", "count_distinct"), ("start_ns", "min"),
@@ -78,7 +80,7 @@ def registrations(table: pa.Table, layout: S.JobLayout) -> list[pa.Table]:
             cp_size=layout.cp_size, vpp_size=layout.vpp_size, num_microbatches=0,
             profiled_steps=max(1, r["step_count_distinct"] // n_windows), gpu_type="", peak_flops=0.0,
             flops_per_token=0.0, tokens_per_step=0))
-    return [S.from_rows(S.JOB_REGISTRATION, rows)]
+    return [codec.from_rows(S.JOB_REGISTRATION, rows)]
 
 
 def run_replay(cfg: Config, paths: list[str], timeout_s: float = 1800.0) -> int:

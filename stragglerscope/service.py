@@ -15,12 +15,12 @@ import signal
 import sys
 import time
 
-from stragglerscope.config import Config
+from core.config import Config
 
 
 def say(msg: str) -> None:
-    """One progress line on stderr, passwords redacted (``stragglerscope.redact``)."""
-    from stragglerscope.redact import redact
+    """One progress line on stderr, passwords redacted (``core.redact``)."""
+    from core.redact import redact
 
     print(redact(msg), file=sys.stderr, flush=True)
 
@@ -34,8 +34,9 @@ class Services:
 
 
 def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
-    from ingest.broker import LocalBroker, check_reachable
+    from core.kafka_admin import check_reachable
     from ray_jobs.pipeline import check_topics
+    from services.broker import LocalBroker
 
     bootstrap = cfg.kafka.bootstrap
     if not bootstrap:
@@ -52,7 +53,8 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
     say(f"topics     {partitions} partitions per input topic")
 
     from ray_jobs.pipeline import Pipeline
-    from storage import StoreDaemon, open_store
+    from services.store_daemon import StoreDaemon
+    from storage import open_store
 
     store_url = cfg.store.url
     if store_url.startswith("chdb://"):
@@ -69,7 +71,7 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
     import ray
 
     stack.callback(lambda: ray.shutdown() if ray.is_initialized() else None)
-    pipeline = stack.enter_context(Pipeline(run_cfg, source_id))
+    pipeline = stack.enter_context(Pipeline(run_cfg, source_id, open_store))
     pipeline.wait_ready(cfg.pipeline.ready_timeout_s)
     say(f"ray        {len(pipeline.actors)} shard actors on {cfg.ray.address or 'a local Ray (127.0.0.1)'}")
     sigterm_as_interrupt()

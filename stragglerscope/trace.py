@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import ingest.autotrace
-from stragglerscope.config import Config
+from core.config import Config
 
 # The children need our sitecustomize, and the folder holding our packages (a source checkout is not on
 # their path otherwise).
@@ -63,8 +63,8 @@ def child_env(settings_env: dict[str, str], base: dict[str, str] | None = None) 
 
 
 def run_trace(cfg: Config, opts: TraceOptions) -> int:
+    from core.redact import redact_url
     from ingest.autotrace.session import SettingsError, TraceSettings, parse_layout, parse_sample
-    from stragglerscope.redact import redact_url
     from stragglerscope.service import say
 
     if not opts.command:
@@ -88,7 +88,7 @@ def run_trace(cfg: Config, opts: TraceOptions) -> int:
             svc = start_services(cfg, stack)
             bootstrap = svc.cfg.kafka.bootstrap
         else:
-            from ingest.broker import check_reachable, prepare_topics
+            from core.kafka_admin import check_reachable, prepare_topics
 
             check_reachable(cfg.kafka.bootstrap)
             # Exporters never create topics by writing to them (a broker would pick the partition count).

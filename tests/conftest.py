@@ -23,7 +23,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 @pytest.fixture(scope="session")
 def broker():
-    from ingest.broker import LocalBroker
+    from services.broker import LocalBroker
 
     with LocalBroker() as b:
         yield b
@@ -34,8 +34,8 @@ def ray_local():
     """A local Ray on 127.0.0.1 shared by the integration tests (about 3 s to start)."""
     import ray
 
+    from core.config import Config
     from ray_jobs.pipeline import init_ray
-    from stragglerscope.config import Config
 
     init_ray(Config())
     yield ray

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from ingest import schema as S
+from core import codec, topics
+from core import schema as S
 from ray_jobs.io import Message
 
 
@@ -91,10 +92,10 @@ def messages_for(tables: list[pa.Table], partition: int = 0) -> list[Message]:
     offsets: dict[str, int] = {}
     out = []
     for t in tables:
-        topic = S.TOPIC_OF_KIND[S.kind_of(t.schema)]
+        topic = topics.TOPIC_OF_KIND[S.kind_of(t.schema)]
         off = offsets.get(topic, 0)
         offsets[topic] = off + 1
-        out.append(Message(topic, partition, off, t.column("job_id")[0].as_py().encode(), S.encode(t)))
+        out.append(Message(topic, partition, off, t.column("job_id")[0].as_py().encode(), codec.encode(t)))
     return out
 
 

@@ -17,7 +17,7 @@ ALERTS_TTL_S = 5
 
 
 def store_url() -> str:
-    from stragglerscope.config import load
+    from core.config import load
 
     return os.environ.get("STRAGGLERSCOPE_STORE") or load().store.url
 
@@ -47,7 +47,7 @@ def named_live(name: str, **params) -> pd.DataFrame:
 
 def free_sql(sql: str) -> pd.DataFrame:
     """Read-only SQL within the ``[sql]`` limits of the configuration (``storage.sandbox``)."""
-    from stragglerscope.config import load
+    from core.config import load
 
     return _store(store_url()).query(sql, limits=load().sql).to_pandas()
 
@@ -71,7 +71,7 @@ def window_timeline(job_id: str, attempt: int, window_id: int, step: int, worker
     import gzip
     import json
 
-    from ui.timeline import layout_of, timeline_frame
+    from ui.timeline_view import layout_of, timeline_frame
 
     store = _store(store_url())
     reg = store.run_named("job_info", {"job_id": job_id, "attempt": attempt}).to_pylist()
@@ -81,7 +81,7 @@ def window_timeline(job_id: str, attempt: int, window_id: int, step: int, worker
     if ops.num_rows == 0:
         kept = store.run_named("job_span_windows", {"job_id": job_id, "attempt": attempt}).column("window_id")
         which = ", ".join(str(k) for k in kept.to_pylist()[-10:]) or "none"
-        from stragglerscope.config import SPANS_KEPT_RULE
+        from core.config import SPANS_KEPT_RULE
 
         return None, f"no raw op spans are kept for this window; this job's windows with spans: {which} ({SPANS_KEPT_RULE})"
     frame, events = timeline_frame(ops, layout_of(reg[0]), step=step, workers=workers)
@@ -91,7 +91,7 @@ def window_timeline(job_id: str, attempt: int, window_id: int, step: int, worker
 
 def advise_window(job_id: str, attempt: int, window_id: int) -> str:
     """Compute and store the remedies of one window; returns a message when there is none to store."""
-    from stragglerscope.advise import AdviseError, AdviseOptions, advise_and_store
+    from analyzers.remedies.stored import AdviseError, AdviseOptions, advise_and_store
 
     try:
         _key, remedies = advise_and_store(_store(store_url()), job_id,

@@ -12,7 +12,7 @@ gain, best first (``priority`` 1).
 
 A remedy needing facts the trace lacks (the layer count for a partition,
 sequence lengths for an exact packing) is skipped or marked as a bound in
-its details; see ``JobInfo``. A remedy whose computation trips on odd input
+its details; see ``JobFacts``. A remedy whose computation trips on odd input
 (a malformed sequence table, say) is skipped; the others still come.
 """
 from __future__ import annotations
@@ -27,11 +27,11 @@ import pyarrow as pa
 
 from analyzers.whatif import analyze
 from analyzers.whatif.result import WhatIfResult
-from ingest.schema import JobLayout
+from core.layout import JobLayout
 
 from .gc_interval import advise_gc
 from .hosts import advise_link, advise_swap
-from .model import JobInfo, Remedy
+from .model import JobFacts, Remedy
 from .packing import advise_repack
 from .partition import advise_repartition, estimate_layer_costs, stage_compute
 from .recovery import PipelineTemplate, plan_recovery
@@ -41,12 +41,12 @@ MIN_GAIN = 0.01
 _ALWAYS = ("drain_link", "recovery_plan")
 
 
-def advise(ops: pa.Table | None, layout: JobLayout | JobInfo, result: WhatIfResult | None = None,
+def advise(ops: pa.Table | None, layout: JobLayout | JobFacts, result: WhatIfResult | None = None,
            link_faults: Sequence[dict[str, Any] | Any] | None = None, *, min_gain: float = MIN_GAIN) -> list[Remedy]:
     """Ranked remedies for one window. ``result`` must come from ``analyze`` in this process (it carries the
     simulation state); without it the ops are analysed here. ``link_faults``: ``analyzers.links`` faults
     (``LinkFault`` or their dicts)."""
-    info = layout if isinstance(layout, JobInfo) else JobInfo(layout=layout)
+    info = layout if isinstance(layout, JobFacts) else JobFacts(layout=layout)
     if result is None or result._internals is None:
         if ops is None:
             raise ValueError("advise needs the op spans or a WhatIfResult from analyze")
@@ -103,7 +103,7 @@ def rank(rs: list[Remedy], min_gain: float = MIN_GAIN) -> list[Remedy]:
     return [dataclasses.replace(r, priority=i + 1) for i, r in enumerate(keep)]
 
 
-def _layer_costs(tc: TraceCells, info: JobInfo) -> tuple[list[float], str]:
+def _layer_costs(tc: TraceCells, info: JobFacts) -> tuple[list[float], str]:
     """Per-layer forward + backward seconds per microbatch for the recovery planner, from the trace."""
     stage_s = stage_compute(tc)
     cur = info.current_partition
@@ -121,8 +121,8 @@ def _layer_costs(tc: TraceCells, info: JobInfo) -> tuple[list[float], str]:
     return [float(x) for x in np.nan_to_num(stage_s)], "stages"
 
 
-def advise_recovery(tc: TraceCells, info: JobInfo, result: WhatIfResult) -> Remedy | None:
-    """A recovery plan when nodes were lost (``JobInfo.nodes_alive`` or workers missing from the trace)."""
+def advise_recovery(tc: TraceCells, info: JobFacts, result: WhatIfResult) -> Remedy | None:
+    """A recovery plan when nodes were lost (``JobFacts.nodes_alive`` or workers missing from the trace)."""
     lay = info.layout
     n_nodes = info.n_nodes
     lost_hosts = sorted({info.host_index(r) for d, x in result.missing_workers for r in info.worker_ranks(d, x)})

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from analyzers.whatif import optypes as T
+from analyzers.whatif import opcodes as T
 
-from .model import JobInfo, Remedy
+from .model import JobFacts, Remedy
 from .resim import Cells, TraceCells, gain
 
 PAUSE_NS = 100_000
@@ -33,7 +33,7 @@ PAUSE_NS = 100_000
 PAUSE_QUANTILE = 0.9
 
 
-def advise_gc(tc: TraceCells, info: JobInfo, verdict: str = "gc", interval: int | None = None) -> Remedy | None:
+def advise_gc(tc: TraceCells, info: JobFacts, verdict: str = "gc", interval: int | None = None) -> Remedy | None:
     lay = tc.layout
     gc = tc.values(lambda c: c.code == T.GC)
     steps = tc.steps()

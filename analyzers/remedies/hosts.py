@@ -13,7 +13,7 @@ How:
   worker's compute durations to its peers' (per op type: the worker's
   durations times peer median / worker median, so per-microbatch variation is
   kept); without any peer the what-if ideal (the mean of the type) stands in. Hosts come from the Megatron rank order
-  (``JobInfo.worker_ranks``) and ``gpus_per_node``.
+  (``JobFacts.worker_ranks``) and ``gpus_per_node``.
 - ``advise_link`` (a fault of ``analyzers.links``): a slow link, source NIC or
   destination names its ranks; the fix gives the communication ops of the
   groups that cross it (the DP collectives of a stage, the point-to-point
@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from analyzers.whatif import optypes as T
+from analyzers.whatif import opcodes as T
 
-from .model import JobInfo, Remedy
+from .model import JobFacts, Remedy
 from .resim import Cells, TraceCells, gain
 
 SLOW_RATIO = 1.05
@@ -72,7 +72,7 @@ def worker_slowness(tc: TraceCells, dp: int, pp: int) -> dict[int, float]:
     return out
 
 
-def _hosts_of(info: JobInfo, workers: list[tuple[int, int]]) -> dict[int, list[int]]:
+def _hosts_of(info: JobFacts, workers: list[tuple[int, int]]) -> dict[int, list[int]]:
     """Host index -> global ranks of the given workers on it."""
     hosts: dict[int, list[int]] = {}
     for d, x in workers:
@@ -81,7 +81,7 @@ def _hosts_of(info: JobInfo, workers: list[tuple[int, int]]) -> dict[int, list[i
     return hosts
 
 
-def _spares(info: JobInfo, n: int) -> list[str]:
+def _spares(info: JobFacts, n: int) -> list[str]:
     return [info.spare_hosts[i] if i < len(info.spare_hosts) else "a spare host" for i in range(n)]
 
 
@@ -106,7 +106,7 @@ def _swap_fix(tc: TraceCells, workers: list[tuple[int, int]], ratios: dict[tuple
     return fix
 
 
-def advise_swap(tc: TraceCells, info: JobInfo, workers: list[tuple[int, int]], verdict: str = "worker",
+def advise_swap(tc: TraceCells, info: JobFacts, workers: list[tuple[int, int]], verdict: str = "worker",
                 reason: dict[tuple[int, int], str] | None = None) -> Remedy | None:
     """Swap the hosts of the given (dp, pp) workers that are measurably slower than their peers."""
     slow, ratios = [], {}
@@ -146,7 +146,7 @@ def advise_swap(tc: TraceCells, info: JobInfo, workers: list[tuple[int, int]], v
                   step_time_before_s=before, step_time_after_s=after, details=details)
 
 
-def _crossing(info: JobInfo, kind: str, src: int, dst: int) -> list[tuple[str, int, int, int]]:
+def _crossing(info: JobFacts, kind: str, src: int, dst: int) -> list[tuple[str, int, int, int]]:
     """Communication groups of the op trace that cross the fault: (what, stage, dp, other stage)."""
     lay = info.layout
     out: list[tuple[str, int, int, int]] = []
@@ -195,7 +195,7 @@ def _link_fix(tc: TraceCells, groups: list[tuple[str, int, int, int]]):
     return fix
 
 
-def advise_link(tc: TraceCells, info: JobInfo, fault: dict[str, Any], verdict: str = "link_fault") -> Remedy | None:
+def advise_link(tc: TraceCells, info: JobFacts, fault: dict[str, Any], verdict: str = "link_fault") -> Remedy | None:
     """A drain (or swap, for a late sender) remedy for one fault of ``analyzers.links.diagnose``."""
     kind = str(fault.get("kind", ""))
     src, dst = int(fault.get("src", -1)), int(fault.get("dst", -1))

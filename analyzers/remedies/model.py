@@ -1,4 +1,4 @@
-"""The advice's data: ``Remedy`` (one action and its predicted gain) and ``JobInfo`` (what the trace cannot tell).
+"""The advice's data: ``Remedy`` (one action and its predicted gain) and ``JobFacts`` (what the trace cannot tell).
 
 A remedy is what an on-call engineer acts on: one line (``action``), the
 verdict it answers, and the gain the what-if simulator predicts on the job's
@@ -6,7 +6,7 @@ own trace with the fix applied (``predicted_gain`` = step time before /
 after - 1). ``details`` holds the plan itself (the new partition, the packing,
 the hosts) as plain JSON types; ``row`` flattens a remedy for storage.
 
-``JobInfo`` carries the facts an op trace does not hold: how many layers the
+``JobFacts`` carries the facts an op trace does not hold: how many layers the
 model has and how they are split, the host size and names, the data loader's
 sequence lengths, and what is left of the fleet after a node loss. Every
 field is optional beyond the layout; a remedy that needs a missing fact is
@@ -21,8 +21,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from ingest import schema as S
-from ingest.schema import JobLayout, json_safe
+from core import codec
+from core import schema as S
+from core.jsonutil import json_safe
+from core.layout import JobLayout
 
 KINDS = ("repartition", "repack", "swap_host", "gc_interval", "drain_link", "recovery_plan")
 
@@ -71,11 +73,11 @@ STORED_INF = 1e30
 
 def remedy_table(key: tuple[str, int, int], remedies, advised_ns: int) -> pa.Table:
     """REMEDY rows of one advice batch (one ``advised_ns``) for window ``key``."""
-    return S.from_rows(S.REMEDY, [dict(r.row(*key), advised_ns=advised_ns) for r in remedies])
+    return codec.from_rows(S.REMEDY, [dict(r.row(*key), advised_ns=advised_ns) for r in remedies])
 
 
 @dataclasses.dataclass(frozen=True)
-class JobInfo:
+class JobFacts:
     """Facts about a job that its op trace does not carry. Only ``layout`` is required."""
 
     layout: JobLayout

@@ -11,7 +11,7 @@ How:
    (backward) durations of microbatches on their sum of squared lengths and
    their token count (non-negative least squares over a fixed overhead, the
    quadratic and the linear term), with the sequences the data loader reports
-   (``JobInfo.sequences``).
+   (``JobFacts.sequences``).
 2. Re-pack: per step, all sequences of the step, longest first (by squared
    length), each to the DP rank with the least attention cost so far, then
    within each rank to its lightest microbatch (LPT twice: within 4/3 of the
@@ -29,9 +29,9 @@ import itertools
 import numpy as np
 import pyarrow as pa
 
-from analyzers.whatif import optypes as T
+from analyzers.whatif import opcodes as T
 
-from .model import JobInfo, Remedy
+from .model import JobFacts, Remedy
 from .resim import Cells, TraceCells, gain
 
 SEQ_COLUMNS = ("step", "dp_rank", "mb_id", "seq_len")
@@ -131,7 +131,7 @@ class _Packing:
         return float(np.mean(s.max(axis=1) / np.maximum(s.mean(axis=1), 1e-12))) if len(s) else float("nan")
 
 
-def advise_repack(tc: TraceCells, info: JobInfo, verdict: str = "sequence_imbalance") -> Remedy | None:
+def advise_repack(tc: TraceCells, info: JobFacts, verdict: str = "sequence_imbalance") -> Remedy | None:
     lay = tc.layout
     m = tc.n_microbatches()
     if m < 1:

@@ -28,9 +28,9 @@ import heapq
 
 import numpy as np
 
-from analyzers.whatif import optypes as T
+from analyzers.whatif import opcodes as T
 
-from .model import JobInfo, Remedy
+from .model import JobFacts, Remedy
 from .resim import TraceCells, gain
 
 
@@ -185,7 +185,7 @@ def _megatron_args(new: tuple[int, ...]) -> str | None:
     return f"--decoder-first-pipeline-num-layers {new[0]} --decoder-last-pipeline-num-layers {new[-1]}"
 
 
-def advise_repartition(tc: TraceCells, info: JobInfo, verdict: str = "last_stage_imbalance",
+def advise_repartition(tc: TraceCells, info: JobFacts, verdict: str = "last_stage_imbalance",
                        min_layers: int = 1) -> Remedy | None:
     """A repartition remedy, or None when the layer count is unknown, VPP is on or nothing improves."""
     lay = tc.layout

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from analyzers.whatif import optypes as T
+from analyzers.whatif import opcodes as T
 from analyzers.whatif.load import PreparedOps, WhatIfInputError
 from analyzers.whatif.result import WhatIfResult
 from analyzers.whatif.simulate import Scenarios, simulate, step_times

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ingest.schema import JobLayout
+from core.layout import JobLayout
 
-from . import optypes as T
+from . import opcodes as T
 from .load import (
     PreparedOps,
     WhatIfInputError,
@@ -99,7 +99,7 @@ def _warnings(p: PreparedOps, r: Run) -> list[str]:
 
 def analyze(ops: pa.Table, layout: JobLayout, *, allow_incomplete: bool = True,
             gpu_hours: float | None = None, chunk_ops: int | None = None) -> WhatIfResult:
-    """What-if analysis of one window of op spans (``ingest.schema.OP_SPAN``)."""
+    """What-if analysis of one window of op spans (``core.schema.OP_SPAN``)."""
     release_memory()  # pages freed since the last call (a previous analysis) would add to this one's peak
     p = prepare_ops(ops, layout, allow_incomplete=allow_incomplete)
     try:

@@ -24,7 +24,7 @@ import dataclasses
 
 import numpy as np
 
-from . import optypes as T
+from . import opcodes as T
 from .levels import levels_of_groups
 from .load import PreparedOps
 

@@ -72,7 +72,7 @@ def _find_cycle(left: np.ndarray, gsrc: np.ndarray, gdst: np.ndarray, level: np.
 
 
 def raise_cycle(groups: list[int], p: PreparedOps, rows: np.ndarray, code: np.ndarray, gid: np.ndarray) -> None:
-    from ingest.schema import OPTYPES
+    from core.optypes import OPTYPES
 
     names = []
     for g in groups[:6]:

@@ -21,9 +21,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from ingest.schema import OP_SPAN, OPTYPES, JobLayout
+from core.layout import JobLayout
+from core.optypes import OPTYPES
+from core.schema import OP_SPAN
 
-from .optypes import CODE, STREAM_OF_CODE
+from .opcodes import CODE, STREAM_OF_CODE
 
 REQUIRED = ("dp_rank", "pp_rank", "step", "optype", "start_ns", "duration_ns")
 """Columns ``analyze`` cannot do without; the rest of OP_SPAN has defaults."""

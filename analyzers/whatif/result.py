@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ingest.schema import json_safe
+from core.jsonutil import json_safe
 
 
 @dataclasses.dataclass(frozen=True)

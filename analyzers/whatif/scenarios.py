@@ -21,9 +21,9 @@ import math
 
 import numpy as np
 
-from ingest.schema import OPTYPES
+from core.optypes import OPTYPES
 
-from . import optypes as T
+from . import opcodes as T
 from .graph import Graph, build_graph
 from .load import PreparedOps
 from .simulate import (

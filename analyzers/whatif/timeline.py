@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from ingest.schema import OPTYPES
+from core.optypes import OPTYPES
 
-from . import optypes as T
+from . import opcodes as T
 from .simulate import Scenarios, simulate
 
 MAX_OPS = 500_000
@@ -135,7 +135,7 @@ def simulated_table(result_or_inputs: Any, scenario: str = "ideal") -> pa.Table:
     (each step starts where the actual step started); identity columns are
     the input's. Sends and recvs the model drops as no-ops are left out.
     """
-    from ingest.schema import OP_SPAN
+    from core.schema import OP_SPAN
 
     p, run = _inputs(result_or_inputs)
     inv = {"ideal": True, "simulated": False}[scenario]

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from . import optypes as T
+from . import opcodes as T
 from .load import PreparedOps
 
 MIN_SLOWDOWN = 1.05

@@ -24,9 +24,9 @@ import sys
 import threading
 from pathlib import Path
 
+from core.kafka_conn import KafkaConn
+from core.layout import JobLayout
 from ingest.exporter import Sampling
-from ingest.kafka_conn import KafkaConn
-from ingest.schema import JobLayout
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def instrument(job_id: str, bootstrap: str | KafkaConn, *, layout: str | dict | 
     forward and backward per microbatch, pipeline transfers, collectives,
     optimizer, GC pauses and checkpoints are then recorded as
     ``stragglerscope trace`` records them, and exported to ``bootstrap`` (a
-    host:port list, or an ``ingest.kafka_conn.KafkaConn`` for TLS/SASL).
+    host:port list, or an ``core.kafka_conn.KafkaConn`` for TLS/SASL).
     """
     transport = bootstrap.to_json() if isinstance(bootstrap, KafkaConn) else ""
     lay = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})

@@ -139,7 +139,7 @@ class Tracer:
             return
         import pyarrow as pa
 
-        from ingest import schema as S
+        from core import schema as S
 
         lay = self.session.layout
         st = self.session.settings

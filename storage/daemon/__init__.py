@@ -12,15 +12,15 @@ becomes one whenever ``PATH/daemon.json`` names a live daemon.
 - ``files``: ``daemon.json`` (discovery) and ``daemon.token`` (mode 0600);
 - ``server``: ``serve``, the HTTP server: token check, dispatch;
 - ``client``: ``HttpStore``;
-- ``process``: ``StoreDaemon``, the daemon as a child process;
 - ``__main__``: ``python -m storage.daemon``.
+
+The daemon as a child process (``StoreDaemon``) is a launcher: ``services/store_daemon.py``.
 """
 from __future__ import annotations
 
 from storage.daemon.client import HttpStore
 from storage.daemon.files import DISCOVERY_FILE, TOKEN_FILE, daemon_url, discover, read_token, token_path
-from storage.daemon.process import StoreDaemon
 from storage.daemon.server import serve
 
-__all__ = ["HttpStore", "StoreDaemon", "serve", "discover", "daemon_url", "token_path", "read_token",
+__all__ = ["HttpStore", "serve", "discover", "daemon_url", "token_path", "read_token",
            "DISCOVERY_FILE", "TOKEN_FILE"]

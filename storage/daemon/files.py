@@ -96,7 +96,7 @@ def write_token(file: Path, address: str) -> str:
     finally:
         os.close(fd)
     os.replace(tmp, file)
-    from stragglerscope.redact import add_secret
+    from core.redact import add_secret
 
     add_secret(token)
     return token
@@ -125,7 +125,7 @@ def read_token(path: str, address: str) -> str:
     if written_for != address:
         raise StoreError(f"the token file {path} is for the store daemon at {written_for}, not {address}: the "
                          "daemon moved; open the store by its chdb:// path (that finds the daemon and its token)")
-    from stragglerscope.redact import add_secret
+    from core.redact import add_secret
 
     add_secret(token)
     return token

@@ -1,4 +1,4 @@
-"""Small synthetic traces for the what-if tests: what ``ingest.fleetgen`` does not make.
+"""Small synthetic traces for the what-if tests: what ``generators.fleetgen`` does not make.
 
 ``vpp_window`` builds an interleaved (VPP) pipeline job with a GPipe-style
 order per stage (all forwards chunk by chunk, then all backwards in reverse
@@ -16,7 +16,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from ingest.schema import OP_SPAN, JobLayout
+from core.layout import JobLayout
+from core.schema import OP_SPAN
 
 MS = 1_000_000
 GAP = 20_000

@@ -8,10 +8,18 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from analyzers.accounting import (DowntimeAccountant, account_downtime, downtime_table, flops_per_step,
-                                  peak_flops, window_mfu)
-from ingest import schema as S
-from ingest.downtimegen import generate_downtime_fleet
+from analyzers.accounting import (
+    DowntimeAccountant,
+    account_downtime,
+    downtime_table,
+    flops_per_step,
+    peak_flops,
+    window_mfu,
+)
+from core import codec, jsonutil
+from core import schema as S
+from core.layout import JobLayout
+from generators.downtimegen import generate_downtime_fleet
 
 NS = 1_000_000_000
 CATS = ("detect", "diagnose", "isolate", "lost_progress", "reinit", "total")
@@ -58,14 +66,14 @@ def test_flops_and_peak_from_the_registration(change, fps, peak):
 
 
 def test_analyzed_window_carries_mfu_at_actual_and_ideal_step_times():
-    from ingest.fleetgen import JobSpec, generate_window
+    from core.registration import Registration
+    from generators.fleetgen import JobSpec, generate_window
     from ray_jobs.analysis import analyze_window
-    from ray_jobs.windows import JobInfo
 
-    spec = JobSpec("mfu-job", S.JobLayout(dp_size=2, pp_size=2), num_microbatches=4, cause="slow_worker", cause_dp=1,
+    spec = JobSpec("mfu-job", JobLayout(dp_size=2, pp_size=2), num_microbatches=4, cause="slow_worker", cause_dp=1,
                    cause_pp=0, cause_factor=1.5)
     ops = generate_window(spec, 0, 3, 10**18)
-    info = JobInfo("mfu-job", 0, spec.layout, 3, n_gpus=4)
+    info = Registration("mfu-job", 0, spec.layout, 3, n_gpus=4)
     row = analyze_window(ops, info, ("mfu-job", 0, 0), True, "")["window_result"].to_pylist()[0]
     assert math.isnan(row["mfu"]) and math.isnan(row["mfu_ideal"])  # no FLOPs info: NaN, not a made-up figure
     info.registration = dict(REG, n_gpus=4)
@@ -152,7 +160,7 @@ def _same(a: list[dict], b: list[dict]) -> bool:
 def test_downtime_rows_round_trip_the_schema(accounted):
     t = downtime_table(accounted)
     assert t.num_rows == len(accounted)
-    kind, back = S.decode(S.encode(t))
+    kind, back = codec.decode(codec.encode(t))
     assert kind == "downtime" and back.equals(t)
 
 
@@ -167,13 +175,13 @@ class Timeline:
         self.tables: list[pa.Table] = []
 
     def register(self, attempt, ts):
-        self.tables.append(S.from_rows(S.JOB_REGISTRATION, [dict(
+        self.tables.append(codec.from_rows(S.JOB_REGISTRATION, [dict(
             job_id=self.job, attempt=attempt, ts_ns=ts * NS, team="t", model="m", n_gpus=self.n_gpus, dp_size=2,
             pp_size=8, tp_size=1, cp_size=1, vpp_size=1, num_microbatches=4, profiled_steps=10, gpu_type="H100",
             peak_flops=989e12, flops_per_token=0.0, tokens_per_step=0)]))
 
     def ckpt(self, attempt, step, ts, dur, kind="save", rank=0):
-        self.tables.append(S.from_rows(S.CHECKPOINT, [dict(job_id=self.job, attempt=attempt, rank=rank, step=step,
+        self.tables.append(codec.from_rows(S.CHECKPOINT, [dict(job_id=self.job, attempt=attempt, rank=rank, step=step,
                                                            ts_ns=ts * NS, duration_ns=dur * NS, kind=kind)]))
 
     def run(self, attempt, ends: dict[int, float], hb_from, hb_to):
@@ -188,17 +196,17 @@ class Timeline:
                      inflight_group="", inflight_seq=-1, inflight_since_ns=-1, clock_offset_ns=0, stack="",
                      **({} if self.legacy else dict(step_done=int(d), step_done_ns=int(dn))))
                 for t, d, dn in zip(ts, done, done_ns)]
-        self.tables.append(S.from_rows(S.HEARTBEAT, rows))
+        self.tables.append(codec.from_rows(S.HEARTBEAT, rows))
 
     def hang(self, attempt, ts, kind="comm_hang", missing="3", stuck="0-2,4-15", hosts="h0"):
-        self.tables.append(S.from_rows(S.HANG, [dict(
+        self.tables.append(codec.from_rows(S.HANG, [dict(
             job_id=self.job, attempt=attempt, hang_id=ts * NS, kind=kind, group="", seq=-1, op="", stuck_ranks=stuck,
             missing_ranks=missing, suspect_hosts=hosts, since_ns=0, duration_s=0.0, evidence_json="{}")]))
 
     def alert(self, attempt, ts, rule="hang", **details):
-        self.tables.append(S.from_rows(S.ALERT, [dict(
+        self.tables.append(codec.from_rows(S.ALERT, [dict(
             alert_id=f"{self.job}/{attempt}/{rule}/{ts}", job_id=self.job, attempt=attempt, ts_ns=ts * NS, rule=rule,
-            severity="critical", summary="", details_json=S.dumps(details))]))
+            severity="critical", summary="", details_json=jsonutil.dumps(details))]))
 
 
 def first_attempt(tl: Timeline, last_step=14, hb_to=990):
@@ -346,7 +354,7 @@ def test_evidence_after_an_emitted_incident_is_late_and_counted():
 
 
 def test_bad_checkpoint_records_are_counted_not_used():
-    t = S.from_rows(S.CHECKPOINT, [dict(job_id="j", attempt=0, rank=0, step=-4, ts_ns=1, duration_ns=1, kind="save"),
+    t = codec.from_rows(S.CHECKPOINT, [dict(job_id="j", attempt=0, rank=0, step=-4, ts_ns=1, duration_ns=1, kind="save"),
                                    dict(job_id="j", attempt=0, rank=0, step=3, ts_ns=1, duration_ns=1, kind="copy")])
     acc = DowntimeAccountant()
     acc.add(t)

@@ -18,14 +18,14 @@ import pyarrow.compute as pc
 import pytest
 
 from analyzers.links import diagnose
-from analyzers.remedies import JobInfo, Remedy, advise, rank
+from analyzers.remedies import JobFacts, Remedy, advise, rank
 from analyzers.remedies.packing import pack_by_attention
 from analyzers.remedies.partition import LayerCosts, candidate_partitions, layer_moves
 from analyzers.whatif import analyze
-from ingest import fleetgen
-from ingest.faultgen import link_incident
-from ingest.fleetgen import JobSpec, generate_window, sequence_table
-from ingest.schema import JobLayout
+from core.layout import JobLayout
+from generators import fleetgen
+from generators.faultgen import link_incident
+from generators.fleetgen import JobSpec, generate_window, sequence_table
 
 T0 = 10**12
 
@@ -43,7 +43,7 @@ def mean_step_time(t: pa.Table) -> float:
     return float(np.mean(hi - lo)) / 1e9
 
 
-def apply_fix(spec: JobSpec, info: JobInfo, r: Remedy) -> JobSpec:
+def apply_fix(spec: JobSpec, info: JobFacts, r: Remedy) -> JobSpec:
     """The generator's version of what the on-call engineer does with the remedy."""
     d = r.details
     if r.kind == "repartition":
@@ -67,7 +67,7 @@ def apply_fix(spec: JobSpec, info: JobInfo, r: Remedy) -> JobSpec:
 @dataclasses.dataclass
 class Case:
     spec: JobSpec
-    info: JobInfo
+    info: JobFacts
     kind: str
     verdict: str
     steps: int = 4
@@ -88,13 +88,13 @@ def cases() -> dict[str, Case]:
     gc = JobSpec(job_id="r-gc", layout=a, num_microbatches=8, cause="gc", cause_factor=6.0)
     nic = JobSpec(job_id="r-nic", layout=c, num_microbatches=4, nic_factor=4.0)
     return {
-        "heavy_last_stage": Case(heavy, JobInfo(a, num_layers=32), "repartition", "last_stage_imbalance"),
-        "heavy_last_stage_pp8": Case(heavy8, JobInfo(heavy8.layout, num_layers=48), "repartition",
+        "heavy_last_stage": Case(heavy, JobFacts(a, num_layers=32), "repartition", "last_stage_imbalance"),
+        "heavy_last_stage_pp8": Case(heavy8, JobFacts(heavy8.layout, num_layers=48), "repartition",
                                      "last_stage_imbalance"),
-        "slow_worker": Case(worker, JobInfo(b, spare_hosts=("spare-07",)), "swap_host", "worker"),
-        "seq_imbalance": Case(seq, JobInfo(a), "repack", "sequence_imbalance"),
-        "gc": Case(gc, JobInfo(a), "gc_interval", "gc", steps=8),
-        "slow_nic": Case(nic, JobInfo(c, gpus_per_node=2), "drain_link", "communication", link="source"),
+        "slow_worker": Case(worker, JobFacts(b, spare_hosts=("spare-07",)), "swap_host", "worker"),
+        "seq_imbalance": Case(seq, JobFacts(a), "repack", "sequence_imbalance"),
+        "gc": Case(gc, JobFacts(a), "gc_interval", "gc", steps=8),
+        "slow_nic": Case(nic, JobFacts(c, gpus_per_node=2), "drain_link", "communication", link="source"),
     }
 
 
@@ -142,7 +142,7 @@ def test_healthy_job_gets_no_remedy():
         spec = JobSpec(job_id=f"r-ok{seed}", layout=lay, num_microbatches=8, seed=seed)
         t = generate_window(spec, 0, 4, T0)
         res = analyze(t, lay)
-        assert advise(t, JobInfo(lay, num_layers=32), res) == []
+        assert advise(t, JobFacts(lay, num_layers=32), res) == []
         assert advise(t, lay, res, min_gain=0.0) == []
 
 
@@ -169,7 +169,7 @@ def test_repack_without_sequences_is_a_bound():
     case = cases()["seq_imbalance"]
     t = generate_window(case.spec, 0, 4, T0)
     res = analyze(t, case.spec.layout)
-    exact = advise(t, JobInfo(case.spec.layout, sequences=sequence_table(case.spec, 0, 4)), res)[0]
+    exact = advise(t, JobFacts(case.spec.layout, sequences=sequence_table(case.spec, 0, 4)), res)[0]
     bound = advise(t, case.spec.layout, res)[0]
     assert bound.kind == exact.kind == "repack"
     assert bound.details["bound"] and not exact.details["bound"] and "upper bound" in bound.action
@@ -196,7 +196,7 @@ def test_recovery_plan_after_node_loss():
     spec = JobSpec(job_id="r-loss", layout=lay, num_microbatches=8)
     t = generate_window(spec, 0, 3, T0)
     res = analyze(t, lay)
-    (r,) = advise(t, JobInfo(lay, num_layers=32, nodes_alive=5), res)
+    (r,) = advise(t, JobFacts(lay, num_layers=32, nodes_alive=5), res)
     assert r.kind == "recovery_plan" and r.verdict == "node_loss"
     plan = r.details["plan"]
     assert plan["feasible"] and len(plan["pipelines"]) >= 2
@@ -207,14 +207,14 @@ def test_recovery_plan_after_node_loss():
     # The same from a trace that lost a host: its workers are missing.
     lost = pa.array(list(range(40, 48)), t["rank"].type)
     t2 = t.filter(pc.invert(pc.is_in(t["rank"], value_set=lost)))
-    (r2,) = advise(t2, JobInfo(lay, num_layers=32), analyze(t2, lay))
+    (r2,) = advise(t2, JobFacts(lay, num_layers=32), analyze(t2, lay))
     assert r2.kind == "recovery_plan" and r2.details["lost_hosts"] == ["node-0005"]
     assert r2.details["nodes_alive"] == 5
     # Too few nodes for f + 1 pipelines: one whole copy still runs, without the tolerance; none: wait.
-    (r3,) = advise(t, JobInfo(lay, num_layers=32, nodes_alive=3, fault_tolerance=1), res)
+    (r3,) = advise(t, JobFacts(lay, num_layers=32, nodes_alive=3, fault_tolerance=1), res)
     assert not r3.details["plan"]["feasible"] and r3.predicted_gain == 0.0
     assert r3.action.startswith("restart 1 whole copy ") and "f + 1 = 2 pipelines" in r3.action
-    (r4,) = advise(t, JobInfo(lay, num_layers=32, nodes_alive=1), res)
+    (r4,) = advise(t, JobFacts(lay, num_layers=32, nodes_alive=1), res)
     assert r4.action.startswith("cannot re-plan") and r4.step_time_after_s == math.inf
 
 
@@ -304,7 +304,7 @@ def test_resimulation_reproduces_the_analysis(chunk_ops, irregular):
     # Compute at the what-if ideal everywhere and communication as traced: no slower than T, no faster than T_ideal.
     ideal = tc.step_times(lambda c: np.where(c.compute, np.mean(tc.values(lambda x: x.compute)), c.dur))
     assert np.all(ideal <= run.sim + 1e-9)
-    (r,) = advise(t, JobInfo(lay, num_layers=16), res)
+    (r,) = advise(t, JobFacts(lay, num_layers=16), res)
     assert r.kind == "repartition" and r.predicted_gain > 0.05
 
 
@@ -315,7 +315,7 @@ def test_swap_with_one_dp_rank_compares_with_the_other_stages():
     t = generate_window(spec, 0, 4, T0)
     (r,) = advise(t, lay, analyze(t, lay))
     assert r.kind == "swap_host" and "rank 1: dp0/pp1 compute 1.6" in r.action
-    fixed = apply_fix(spec, JobInfo(lay), r)
+    fixed = apply_fix(spec, JobFacts(lay), r)
     realised = mean_step_time(t) / mean_step_time(generate_window(fixed, 0, 4, T0)) - 1
     assert realised >= 0.8 * r.predicted_gain > 0.01
 
@@ -325,10 +325,10 @@ def test_odd_input_costs_only_the_remedy_it_feeds():
     spec = JobSpec(job_id="r-odd", layout=lay, num_microbatches=8, cause="heavy_last_stage", cause_factor=1.5)
     t = generate_window(spec, 0, 2, T0)
     res = analyze(t, lay)
-    assert advise(t, JobInfo(lay, num_layers=3), res) == []  # fewer layers than stages: no partition
+    assert advise(t, JobFacts(lay, num_layers=3), res) == []  # fewer layers than stages: no partition
     bad_seqs = pa.table({"step": [0], "dp_rank": ["a"], "mb_id": [0], "seq_len": [3]})
     faults = [{"kind": "source", "src": 999}, {"kind": "link"}, {"kind": "link", "src": 0, "dst": 1, "slowdown": 3.0}]
-    rs = advise(t, JobInfo(lay, num_layers=16, sequences=bad_seqs), res, link_faults=faults)
+    rs = advise(t, JobFacts(lay, num_layers=16, sequences=bad_seqs), res, link_faults=faults)
     assert sorted(r.kind for r in rs) == ["drain_link", "repartition"]  # foreign and incomplete faults dropped
     drain = next(r for r in rs if r.kind == "drain_link")
     assert drain.action.startswith("drain node-0000: its intra-node link rank 0 -> rank 1")  # one host of 8 GPUs

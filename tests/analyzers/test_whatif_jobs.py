@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from analyzers.whatif import WhatIfInputError, analyze, load_golden, run_cli
-from ingest.fleetgen import JobSpec, generate_window
-from ingest.schema import OP_SPAN, JobLayout
+from core.layout import JobLayout
+from core.schema import OP_SPAN
+from generators.fleetgen import JobSpec, generate_window
 
 from .synth import overlap_dp, vpp_window, with_noop_sends
 
@@ -181,7 +182,7 @@ def test_missing_columns_and_bad_files(tmp_path):
 @given(st.data())
 def test_garbage_never_crashes(data):
     """Random rows: the analyzer returns a result or raises WhatIfInputError, nothing else."""
-    from ingest.schema import OPTYPES
+    from core.optypes import OPTYPES
 
     n = data.draw(st.integers(0, 60))
     ints = lambda lo, hi: st.lists(st.integers(lo, hi), min_size=n, max_size=n)

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from analyzers.whatif import analyze
 from analyzers.whatif.simulate import Scenarios, simulate, step_times
 from analyzers.whatif.timeline import simulated_table
-from ingest.fleetgen import CAUSES, JobSpec, generate_window
-from ingest.schema import JobLayout
+from core.layout import JobLayout
+from generators.fleetgen import CAUSES, JobSpec, generate_window
 
 from .synth import vpp_window
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from analyzers.whatif import analyze
-from ingest.fleetgen import JobSpec, generate_window, make_fleet
-from ingest.schema import JobLayout
+from core.layout import JobLayout
+from generators.fleetgen import JobSpec, generate_window, make_fleet
 
 EXPECTED = {"slow_worker": "worker", "heavy_last_stage": "last_stage_imbalance",
             "seq_imbalance": "sequence_imbalance", "gc": "gc", "none": ""}

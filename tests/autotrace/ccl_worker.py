@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 def worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
-    from ingest import schema as S
+    from core import schema as S
     from ingest.exporter import RankExporter, Sampling
     from ingest.torch_ccl import instrument_distributed
 

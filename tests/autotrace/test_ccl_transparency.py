@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def facts(tmp_path_factory):
     pytest.importorskip("torch")
-    from ingest.broker import free_port
+    from services.ports import free_port
 
     out = tmp_path_factory.mktemp("ccl")
     r = subprocess.run([sys.executable, str(ROOT / "tests" / "autotrace" / "ccl_worker.py"), str(free_port()),

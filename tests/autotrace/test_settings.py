@@ -6,10 +6,9 @@ import types
 
 import pytest
 
-from ingest.autotrace.session import (SettingsError, TraceSettings, coords_of, parse_layout, parse_sample,
-                                      resolve_layout)
+from core.layout import JobLayout
+from ingest.autotrace.session import SettingsError, TraceSettings, coords_of, parse_layout, parse_sample, resolve_layout
 from ingest.exporter import Sampling
-from ingest.schema import JobLayout
 from stragglerscope.trace import BOOT_DIR, child_env, default_job_id
 
 
@@ -50,7 +49,7 @@ def test_settings_travel_to_children_through_the_environment():
 
 
 def test_kafka_transport_travels_to_children_without_the_password(tmp_path):
-    from ingest.kafka_conn import KafkaConn
+    from core.kafka_conn import KafkaConn
 
     pw = tmp_path / "pw"
     pw.write_text("hunter2")

@@ -51,7 +51,7 @@ FRAMEWORKS = {
 
 
 def torchrun(ranks: int) -> list[str]:
-    from ingest.broker import free_port
+    from services.ports import free_port
 
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
             "127.0.0.1", "--master-port", str(free_port())]

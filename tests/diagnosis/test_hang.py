@@ -3,7 +3,7 @@ import pytest
 
 from analyzers.hang import HangParams, HangTracker, _Rank
 from analyzers.stacks import merge_stacks
-from ingest.faultgen import hang_incident
+from generators.faultgen import hang_incident
 
 PARAMS = HangParams(floor_s=60, k_steps=10, heartbeat_timeout_s=30)
 
@@ -106,7 +106,8 @@ def test_a_silent_process_on_a_live_host_is_a_hung_rank_not_node_loss():
 def test_the_chain_is_followed_to_the_rank_that_waits_for_nobody():
     """Rank 2 has waited longest, on rank 0; but rank 0 waits inside a collective for rank 1 (stopped)."""
 
-    from ingest import schema as S
+    from core import codec
+    from core import schema as S
 
     now = 1_000 * 10**9
     s = 10**9
@@ -120,9 +121,9 @@ def test_the_chain_is_followed_to_the_rank_that_waits_for_nobody():
             hb(2, now, "p2p:0>2", 40, now - 199 * s),
             hb(3, now, "p2p:1>3", 40, now - 198 * s)]
     t = HangTracker("j", params=PARAMS)
-    t.add_heartbeats(S.from_rows(S.HEARTBEAT, rows))
+    t.add_heartbeats(codec.from_rows(S.HEARTBEAT, rows))
     # Rank 0 sent 39 messages to rank 2 and rank 1 completed all-reduce 11.
-    t.add_ccl(S.from_rows(S.CCL_RECORD, [
+    t.add_ccl(codec.from_rows(S.CCL_RECORD, [
         dict(job_id="j", attempt=0, rank=0, window_id=-1, step=5, group="p2p:0>2", group_ranks=[0, 2], seq=39,
              op="send", algorithm="", nbytes=1, enter_ns=now - 201 * s, exit_ns=now - 200 * s, peers=[],
              peer_transfer_ns=[], peer_bytes=[], recv_wait_ns=0),
@@ -137,7 +138,7 @@ def test_the_chain_is_followed_to_the_rank_that_waits_for_nobody():
 
 def test_a_lagging_input_is_judged_as_of_its_newest_heartbeat():
     """A backlog (records older than the wall clock) must not read as every job being hung."""
-    from ray_jobs.hangs import HangMonitor
+    from ray_jobs.hang_monitor import HangMonitor
 
     inc = hang_incident("healthy", 8, 0, job_id="lagging")
     mon = HangMonitor(HangParams(floor_s=60), every_s=0.0)
@@ -149,7 +150,8 @@ def test_a_lagging_input_is_judged_as_of_its_newest_heartbeat():
 
 def test_a_starting_job_gets_the_startup_threshold_not_the_floor():
     """Before the first step (heartbeats say step -1), ranks that wait for slower starters are not hung."""
-    from ingest import schema as S
+    from core import codec
+    from core import schema as S
 
     s = 10**9
     params = HangParams(floor_s=4, k_steps=10, heartbeat_timeout_s=3, startup_s=30)
@@ -160,10 +162,10 @@ def test_a_starting_job_gets_the_startup_threshold_not_the_floor():
                     clock_offset_ns=0, stack="")
 
     t = HangTracker("j", params=params)
-    t.add_heartbeats(S.from_rows(S.HEARTBEAT, [hb(0, r * s // 2, -1) for r in range(63)]))
+    t.add_heartbeats(codec.from_rows(S.HEARTBEAT, [hb(0, r * s // 2, -1) for r in range(63)]))
     assert t.threshold_s() == 30
     assert t.evaluate(10 * s, input_alive=True) is None  # 10 s of start-up: past the floor, not a hang
     hang = t.evaluate(31 * s, input_alive=True)
     assert hang is not None and hang.kind == "noncomm_hang"  # stuck in start-up for longer than startup_s
-    t.add_heartbeats(S.from_rows(S.HEARTBEAT, [hb(0, 32 * s, 0)]))
+    t.add_heartbeats(codec.from_rows(S.HEARTBEAT, [hb(0, 32 * s, 0)]))
     assert t.threshold_s() == 4  # training began: the floor (and the step time) rule again

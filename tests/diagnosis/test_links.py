@@ -2,7 +2,7 @@
 import pytest
 
 from analyzers.links import diagnose, edges_from_ccl
-from ingest.faultgen import link_incident
+from generators.faultgen import link_incident
 
 
 @pytest.mark.parametrize("n", [8, 64, 512])

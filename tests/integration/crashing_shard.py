@@ -13,9 +13,9 @@ import os
 import pickle
 import sys
 
-from ingest import schema as S
+from core import codec
+from core.config import Config
 from ray_jobs.shard import ShardWorker
-from stragglerscope.config import Config
 from tests.fakes import FakeSink, FakeSource, ManualClock
 
 POISON = b"SEGFAULT-ON-DECODE"
@@ -47,14 +47,14 @@ def main() -> int:
     messages_path, store_path, state_dir = sys.argv[1:4]
     with open(messages_path, "rb") as f:
         messages = pickle.load(f)
-    real_decode = S.decode
+    real_decode = codec.decode
 
     def decode(payload: bytes):
         if payload.startswith(POISON):
             ctypes.string_at(0)  # a read of address 0: SIGSEGV, as a native bug would
         return real_decode(payload)
 
-    S.decode = decode
+    codec.decode = decode
     cfg = Config().replace(pipeline={"idle_timeout_s": 1.0, "commit_interval_s": 0.0, "state_dir": state_dir},
                            alerts={"min_gpus": 1})
     src, sink = FakeSource(messages, batch=2), FileSink(store_path)

@@ -24,7 +24,7 @@ def store_url(tmp_path_factory):
 def _job_with(cause):
     """The first job of the fixture's fleet with ``cause`` running plain 1F1B (the repartition remedy
     models 1F1B stage partitions; it offers nothing for interleaved jobs)."""
-    from ingest.fleetgen import make_fleet
+    from generators.fleetgen import make_fleet
 
     return next(f"ui-{i:03d}" for i, j in enumerate(make_fleet(8, 3, 8, 256))
                 if j.cause == cause and j.layout.vpp_size == 1)

@@ -14,10 +14,11 @@ import uuid
 
 import pytest
 
-from ingest import schema as S
-from ingest.broker import LocalBroker, ensure_topics
+from core import topics
+from core.kafka_admin import ensure_topics
+from core.registration import Registration
 from ray_jobs.analysis import analyze_window
-from ray_jobs.windows import JobInfo
+from services.broker import LocalBroker
 from tests.unit.test_bad_input import CASES, GOOD, T0, letter_of, ops, raw, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -36,25 +37,26 @@ def _produce(bootstrap: str, entries) -> None:
 
 
 def test_the_campaign_through_a_real_pipeline(ray_local, tmp_path):
+    from core.config import Config
     from ray_jobs.pipeline import Pipeline
-    from storage import StoreDaemon, open_store
-    from stragglerscope.config import Config
+    from services.store_daemon import StoreDaemon
+    from storage import open_store
 
-    entries = list(GOOD) + [(S.TOPIC_JOBS, "skewed", raw(spec("skewed").registration(T0, 2)))]
+    entries = list(GOOD) + [(topics.TOPIC_JOBS, "skewed", raw(spec("skewed").registration(T0, 2)))]
     entries += [(topic, key, payload) for _, topic, key, payload, _ in CASES]
     with LocalBroker() as broker, StoreDaemon(f"chdb://{tmp_path / 'store'}") as daemon:
-        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 4)
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 4)
         store = open_store(daemon.url)
         store.setup()
         cfg = Config().replace(kafka={"bootstrap": broker.bootstrap, "partitions": 4},
                                store={"url": daemon.url},
                                pipeline={"shards": 2, "idle_timeout_s": 3.0, "state_dir": str(tmp_path / "state")})
-        pipe = Pipeline(cfg, source_id=f"bad-{uuid.uuid4().hex[:6]}").start()
+        pipe = Pipeline(cfg, f"bad-{uuid.uuid4().hex[:6]}", open_store).start()
         try:
             pipe.wait_ready()
             # Registrations first, as a job registers before it trains: ops of an unregistered job
             # are analysed on an inferred layout, which is another test's subject.
-            regs = [e for e in entries if e[0] == S.TOPIC_JOBS and e[1] in ("good", "skewed")]
+            regs = [e for e in entries if e[0] == topics.TOPIC_JOBS and e[1] in ("good", "skewed")]
             _produce(broker.bootstrap, regs)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and store.query("SELECT count() AS n FROM jobs").column(
@@ -84,7 +86,7 @@ def test_the_campaign_through_a_real_pipeline(ray_local, tmp_path):
         elif want[0] == "window":
             assert want[1] in windows[key]["verdict"], (name, windows[key])
             assert windows[key]["gpu_hours"] == 0 and math.isnan(windows[key]["slowdown"])
-    alone = analyze_window(ops("good"), JobInfo.from_row(spec("good").registration(T0, 2).to_pylist()[0]),
+    alone = analyze_window(ops("good"), Registration.from_row(spec("good").registration(T0, 2).to_pylist()[0]),
                            ("good", 0, 0), True, "")["window_result"].to_pylist()[0]
     assert windows["good"]["slowdown"] == pytest.approx(alone["slowdown"], rel=1e-12), str((windows["good"], alone))
     assert windows["good"]["n_ops"] == alone["n_ops"] and windows["good"]["complete"]

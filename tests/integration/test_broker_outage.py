@@ -11,11 +11,13 @@ import uuid
 import pyarrow as pa
 import pytest
 
-from ingest import schema as S
-from ingest.broker import LocalBroker, ensure_topics
-from ingest.fleetgen import JobSpec, generate_window
+from core import codec, topics
+from core.kafka_admin import ensure_topics
+from core.layout import JobLayout
+from generators.fleetgen import JobSpec, generate_window
 from ingest.producer import TelemetryProducer
 from ray_jobs.io import KafkaSource
+from services.broker import LocalBroker
 
 pytestmark = pytest.mark.integration
 
@@ -23,18 +25,18 @@ OUTAGE_S = 8.0  # the benchmark-sized minute is too long for CI; the path is the
 
 
 def _batch(job, i):
-    t = generate_window(JobSpec(job, S.JobLayout(2, 2), 4), 0, 1, 0)
+    t = generate_window(JobSpec(job, JobLayout(2, 2), 4), 0, 1, 0)
     return t.set_column(t.schema.get_field_index("step"), "step", pa.array([i] * t.num_rows, pa.int64()))
 
 
 def _consume(bootstrap, job, want, timeout_s=30):
-    src = KafkaSource(bootstrap, [S.TOPIC_OPS], range(2))
+    src = KafkaSource(bootstrap, [topics.TOPIC_OPS], range(2))
     src.seek({})
     steps = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and len(steps) < want:
         for m in src.poll(300):
-            _, t = S.decode(m.value)
+            _, t = codec.decode(m.value)
             if t["job_id"][0].as_py() == job:
                 steps.append(t["step"][0].as_py())
     src.close()
@@ -46,7 +48,7 @@ def test_outage_is_spooled_and_replayed_exactly_once(tmp_path):
     broker = LocalBroker().start()
     port = broker.port
     try:
-        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 2)
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 2)
         prod = TelemetryProducer(broker.bootstrap, spool_dir=str(tmp_path / "spool"), retry_s=0.5,
                                  delivery_timeout_s=3.0)
         for i in range(5):
@@ -67,7 +69,7 @@ def test_outage_is_spooled_and_replayed_exactly_once(tmp_path):
         sent_during_outage = list(range(5, i))
 
         broker = LocalBroker(port=port).start()
-        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 2)
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 2)
         deadline = time.monotonic() + 60
         while (prod.spooled or prod.stats.batches_sent < i) and time.monotonic() < deadline:
             time.sleep(0.2)

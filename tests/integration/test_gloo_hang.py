@@ -14,9 +14,9 @@ import uuid
 import pytest
 
 from analyzers.hang import HangParams
-from ingest import schema as S
-from ingest.broker import ensure_topics
-from ray_jobs.hangs import HangMonitor
+from core import codec, topics
+from core.kafka_admin import ensure_topics
+from ray_jobs.hang_monitor import HangMonitor
 from ray_jobs.io import KafkaSource
 
 pytestmark = pytest.mark.integration
@@ -24,24 +24,24 @@ pytestmark = pytest.mark.integration
 
 def test_sigstopped_rank_is_the_missing_rank_of_a_comm_hang(broker):
     pytest.importorskip("torch")
-    ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 4)
+    ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 4)
     job = f"gloo-hang-{uuid.uuid4().hex[:6]}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ingest.train_gloo", "--bootstrap", broker.bootstrap, "--job-id", job,
+        [sys.executable, "-m", "examples.train_gloo", "--bootstrap", broker.bootstrap, "--job-id", job,
          "--steps", "8", "--stop-rank", "1", "--stop-at-step", "3", "--heartbeat-s", "0.5",
          "--hang-dump-s", "2", "--dist-timeout", "90"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     # Margins for a loaded 2-core CI machine: a heartbeat thread can be starved for seconds there, and a
     # rank silent for heartbeat_timeout_s no longer tells where it waits.
     monitor = HangMonitor(HangParams(floor_s=8.0, k_steps=10.0, heartbeat_timeout_s=6.0), every_s=0.5)
-    src = KafkaSource(broker.bootstrap, [S.TOPIC_HEARTBEATS, S.TOPIC_CCL], range(4))
+    src = KafkaSource(broker.bootstrap, [topics.TOPIC_HEARTBEATS, topics.TOPIC_CCL], range(4))
     src.seek({})
     hangs = []
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and not hangs:
             for m in src.poll(300):
-                kind, t = S.decode(m.value)
+                kind, t = codec.decode(m.value)
                 t = t.filter(__import__("pyarrow.compute").compute.equal(t["job_id"], job))
                 if not t.num_rows:
                     continue

@@ -1,6 +1,6 @@
 """A real training client end to end: gloo DP2 x PP2 on CPU -> exporter -> Kafka -> what-if.
 
-Seven real runs of ``ingest.train_gloo`` (4 processes each): normal; rank 0
+Seven real runs of ``examples.train_gloo`` (4 processes each): normal; rank 0
 slowed by a delay d inside every forward and backward compute at three levels;
 and for each level a control where every one of the W = 4 workers carries d/W,
 which is what the what-if ideal executes (WHATIF.md section 7). Op spans reach
@@ -22,8 +22,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from ingest import schema as S
-from ingest.broker import ensure_topics
+from core import codec, topics
+from core.kafka_admin import ensure_topics
+from core.layout import JobLayout
 from ray_jobs.io import KafkaSource
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -34,7 +35,7 @@ LEVELS_MS = (11, 28, 56)  # aimed at about 1.2x, 1.5x and 2x the normal step
 
 def _run(broker, tmp_path, job, extra):
     report = tmp_path / f"{job}.json"
-    r = subprocess.run([sys.executable, "-m", "ingest.train_gloo", "--bootstrap", broker.bootstrap, "--job-id", job,
+    r = subprocess.run([sys.executable, "-m", "examples.train_gloo", "--bootstrap", broker.bootstrap, "--job-id", job,
                         "--report", str(report), *BASE, *extra], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(report.read_text())
@@ -43,13 +44,13 @@ def _run(broker, tmp_path, job, extra):
 
 
 def _ops_of(broker, jobs):
-    src = KafkaSource(broker.bootstrap, [S.TOPIC_OPS], range(4))
+    src = KafkaSource(broker.bootstrap, [topics.TOPIC_OPS], range(4))
     src.seek({})
     tables, empty = [], 0
     while empty < 3:
         msgs = src.poll(500)
         empty = 0 if msgs else empty + 1
-        tables += [t for _, t in (S.decode(m.value) for m in msgs) if t["job_id"][0].as_py() in jobs]
+        tables += [t for _, t in (codec.decode(m.value) for m in msgs) if t["job_id"][0].as_py() in jobs]
     src.close()
     ops = pa.concat_tables(tables)
     return {j: ops.filter(pc.equal(ops["job_id"], j)) for j in jobs}
@@ -59,8 +60,8 @@ def test_real_gloo_job_slowdown_matches_its_controls(broker, tmp_path, artifacts
     pytest.importorskip("torch")
     from analyzers.whatif import analyze
 
-    ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 4)
-    lay = S.JobLayout(dp_size=2, pp_size=2)
+    ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 4)
+    lay = JobLayout(dp_size=2, pp_size=2)
 
     def measure(name, extra, attempt):
         job = f"{uuid.uuid4().hex[:6]}-{name}-{attempt}"

@@ -7,7 +7,9 @@ import textwrap
 import pytest
 
 from analyzers.hang import HangParams, HangTracker
-from ingest import schema as S
+from core import codec
+from core import schema as S
+from core.layout import JobLayout
 from ingest.importers import ImportFormatError, flight_recorder_to_ccl, import_paths, kineto_to_ops, worker_of
 
 pytestmark = pytest.mark.integration
@@ -31,14 +33,14 @@ def test_kineto_trace_of_a_real_profiler_run(tmp_path):
             with record_function("optimizer"):
                 pass
             prof.step()
-    lay = S.JobLayout(dp_size=2, pp_size=2)
+    lay = JobLayout(dp_size=2, pp_size=2)
     ops = kineto_to_ops(path, "kin", lay, rank=3)
     assert set(ops["optype"].to_pylist()) == {"forward-compute", "backward-compute", "optimizer"}
     assert sorted(set(ops["step"].to_pylist())) == [1, 2, 3]
     assert ops.filter(__import__("pyarrow").compute.equal(ops["optype"], "forward-compute")).num_rows == 6
     assert set(ops["dp_rank"].to_pylist()) == {1} and set(ops["pp_rank"].to_pylist()) == {1}
     assert min(ops["duration_ns"].to_pylist()) >= 0
-    assert S.conform(ops, S.OP_SPAN).num_rows == ops.num_rows
+    assert codec.conform(ops, S.OP_SPAN).num_rows == ops.num_rows
 
 
 def test_flight_recorder_dumps_of_a_stuck_gloo_job_name_the_missing_rank(tmp_path):
@@ -76,13 +78,13 @@ def test_flight_recorder_dumps_of_a_stuck_gloo_job_name_the_missing_rank(tmp_pat
 
 
 def _port():
-    from ingest.broker import free_port
+    from services.ports import free_port
 
     return free_port()
 
 
 def test_worker_of_follows_megatron_order():
-    lay = S.JobLayout(dp_size=2, pp_size=2, tp_size=4)
+    lay = JobLayout(dp_size=2, pp_size=2, tp_size=4)
     assert [worker_of(r, lay) for r in (0, 3, 4, 8, 15)] == [(0, 0), (0, 0), (1, 0), (0, 1), (1, 1)]
 
 
@@ -90,10 +92,10 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text("{not json")
     with pytest.raises(ImportFormatError, match="not readable JSON"):
-        kineto_to_ops(bad, "j", S.JobLayout(1, 1), rank=0)
+        kineto_to_ops(bad, "j", JobLayout(1, 1), rank=0)
     bad.write_text('{"a": 1}')
     with pytest.raises(ImportFormatError, match="no traceEvents"):
-        kineto_to_ops(bad, "j", S.JobLayout(1, 1), rank=0)
+        kineto_to_ops(bad, "j", JobLayout(1, 1), rank=0)
     evil = tmp_path / "evil_0.pkl"
     import pickle
     evil.write_bytes(pickle.dumps(ImportFormatError("x")))
@@ -102,4 +104,4 @@ def test_bad_inputs_are_one_line_errors(tmp_path):
     with pytest.raises(ImportFormatError, match="unknown format"):
         import_paths("csv", [str(bad)])
     with pytest.raises(FileNotFoundError):
-        import_paths("kineto", [str(tmp_path / "nope.json")], layout=S.JobLayout(1, 1))
+        import_paths("kineto", [str(tmp_path / "nope.json")], layout=JobLayout(1, 1))

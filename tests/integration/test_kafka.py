@@ -3,9 +3,10 @@ import uuid
 
 import pytest
 
-from ingest import schema as S
-from ingest.broker import BrokerError, check_reachable, ensure_topics
-from ingest.fleetgen import JobSpec, generate_window
+from core import codec, topics
+from core.kafka_admin import BrokerError, check_reachable, ensure_topics
+from core.layout import JobLayout
+from generators.fleetgen import JobSpec, generate_window
 from ingest.producer import TelemetryProducer
 from ray_jobs.io import KafkaSource
 
@@ -13,8 +14,8 @@ pytestmark = pytest.mark.integration
 
 
 def test_produce_consume_and_resume(broker):
-    ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 4)
-    specs = [JobSpec(f"kafka-{uuid.uuid4().hex[:6]}-{i}", S.JobLayout(2, 2), 4) for i in range(6)]
+    ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 4)
+    specs = [JobSpec(f"kafka-{uuid.uuid4().hex[:6]}-{i}", JobLayout(2, 2), 4) for i in range(6)]
     tables = [generate_window(s, 0, 2, 0) for s in specs]
     with TelemetryProducer(broker.bootstrap) as p:
         for t in tables:
@@ -23,13 +24,13 @@ def test_produce_consume_and_resume(broker):
     assert p.stats.records_sent == sum(t.num_rows for t in tables)
     assert p.stats.records_dropped == 0
 
-    src = KafkaSource(broker.bootstrap, [S.TOPIC_OPS], range(4))
+    src = KafkaSource(broker.bootstrap, [topics.TOPIC_OPS], range(4))
     src.setup()
     src.seek({})
     seen = {}
     for _ in range(50):
         for m in src.poll(500):
-            kind, t = S.decode(m.value)
+            kind, t = codec.decode(m.value)
             job = t["job_id"][0].as_py()
             seen.setdefault(job, set()).add(m.partition)
             src.advance((m.topic, m.partition), m.offset + 1)
@@ -41,7 +42,7 @@ def test_produce_consume_and_resume(broker):
     src.close()
 
     # Resume from the stored positions: nothing already handled comes again.
-    src2 = KafkaSource(broker.bootstrap, [S.TOPIC_OPS], range(4))
+    src2 = KafkaSource(broker.bootstrap, [topics.TOPIC_OPS], range(4))
     src2.seek(positions)
     assert src2.poll(1000) == []
     src2.close()

@@ -19,9 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from ingest import schema as S
-from ingest.broker import BrokerError, LocalBroker, free_port, prepare_topics
-from ingest.kafka_conn import KafkaConn, KafkaConnError
+from core import codec, topics
+from core.kafka_admin import BrokerError, prepare_topics
+from core.kafka_conn import KafkaConn, KafkaConnError
+from core.layout import JobLayout
+from services.broker import LocalBroker
+from services.ports import free_port
 from tests.tls import TLSTerminator, make_certs
 
 pytestmark = pytest.mark.integration
@@ -95,24 +98,24 @@ def test_replay_through_mutual_tls_stores_the_published_slowdown(mtls_broker, ce
 
 def test_tls_producer_and_shard_source_round_trip(tls_broker, certs):
     """Producer and shard source over server-authenticated TLS: what goes in comes out."""
-    from ingest.fleetgen import JobSpec, generate_window
+    from generators.fleetgen import JobSpec, generate_window
     from ingest.producer import TelemetryProducer
     from ray_jobs.io import KafkaSource
 
     conn = KafkaConn(f"127.0.0.1:{tls_broker.port}", security_protocol="SSL", ssl_cafile=str(certs.ca))
     prepare_topics(conn, 2, outputs=False)
-    spec = JobSpec("tls-roundtrip", S.JobLayout(2, 2), 4)
+    spec = JobSpec("tls-roundtrip", JobLayout(2, 2), 4)
     table = generate_window(spec, 0, 2, 0)
     with TelemetryProducer(conn) as p:
         p.send(table)
         assert p.flush(30)
     assert p.stats.records_sent == table.num_rows and p.stats.records_dropped == 0
-    src = KafkaSource(conn, [S.TOPIC_OPS], range(2))
+    src = KafkaSource(conn, [topics.TOPIC_OPS], range(2))
     src.seek({})
     rows = 0
     for _ in range(40):
         for m in src.poll(500):
-            rows += S.decode(m.value)[1].num_rows
+            rows += codec.decode(m.value)[1].num_rows
         if rows >= table.num_rows:
             break
     src.close()
@@ -146,7 +149,7 @@ def test_sasl_without_credentials_the_broker_knows_is_refused(sasl_broker):
 
 
 def test_bad_transport_settings_are_config_errors(tmp_path, certs):
-    from stragglerscope.config import ConfigError, load
+    from core.config import ConfigError, load
 
     base = {"STRAGGLERSCOPE_KAFKA_BOOTSTRAP": "127.0.0.1:9"}
     cases = [

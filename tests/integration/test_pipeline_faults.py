@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 
-from ingest import schema as S
-from ingest.broker import ensure_topics
-from ingest.fleetgen import fleet_windows, make_fleet
+from core import topics
+from core.kafka_admin import ensure_topics
+from generators.fleetgen import fleet_windows, make_fleet
 from ingest.producer import TelemetryProducer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -46,16 +46,17 @@ def _results(store, tag):
 
 def _run(broker, ray_local, tmp_path, tag, keys, kill: bool):
     """One pipeline over the topics from their beginning, into a store of its own."""
+    from core.config import Config
     from ray_jobs.pipeline import Pipeline
-    from storage import StoreDaemon, open_store
-    from stragglerscope.config import Config
+    from services.store_daemon import StoreDaemon
+    from storage import open_store
 
     with StoreDaemon(f"chdb://{tmp_path / ('killed' if kill else 'calm')}") as daemon:
         store = open_store(daemon.url)
         store.setup()
         cfg = Config().replace(kafka={"bootstrap": broker.bootstrap, "partitions": PARTITIONS},
                                store={"url": daemon.url}, pipeline={"shards": 2, "idle_timeout_s": 30.0})
-        pipe = Pipeline(cfg, source_id=f"src-{uuid.uuid4().hex[:6]}").start()
+        pipe = Pipeline(cfg, f"src-{uuid.uuid4().hex[:6]}", open_store).start()
         pipe.wait_ready()  # the job must not start before its shard listens
         kills = 0
         kill_at = [0.1, 0.35, 0.6] if kill else []  # shares of the windows stored: kill mid-stream
@@ -87,7 +88,7 @@ def _run(broker, ray_local, tmp_path, tag, keys, kill: bool):
 
 def test_kill9_shards_mid_stream_loses_nothing_and_stores_nothing_twice(broker, ray_local, tmp_path):
     tag = f"fault-{uuid.uuid4().hex[:6]}"
-    ensure_topics(broker.bootstrap, S.INPUT_TOPICS, PARTITIONS)
+    ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, PARTITIONS)
     keys = _produce(broker.bootstrap, tag)
     calm, _ = _run(broker, ray_local, tmp_path, tag, keys, kill=False)
     killed, kills = _run(broker, ray_local, tmp_path, tag, keys, kill=True)

@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from ingest import schema as S
-from ingest.broker import ensure_topics
+from core import topics
+from core.kafka_admin import ensure_topics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -32,17 +32,18 @@ HEALTH = ("messages", "heartbeats", "heartbeat_age_s", "heartbeat_silence_s", "h
 
 def test_hang_alert_is_stored_within_threshold_plus_5s(ray_local, tmp_path, artifacts):
     pytest.importorskip("torch")
-    from ingest.broker import LocalBroker
+    from core.config import Config
     from ray_jobs.pipeline import Pipeline
-    from storage import StoreDaemon, open_store
-    from stragglerscope.config import Config
+    from services.broker import LocalBroker
+    from services.store_daemon import StoreDaemon
+    from storage import open_store
 
     # A broker of its own: the session's broker holds every earlier test's records, and a new
     # pipeline reads them from the start. That backlog (about 1,400 messages, then the idle-timeout
     # analyses of dozens of dead jobs) delayed detection to 14.6 s in CI. This test measures the
     # detection latency of a caught-up pipeline; catching up is test_topics_and_offsets' business.
     with LocalBroker() as broker, StoreDaemon(f"chdb://{tmp_path / 'store'}") as daemon:
-        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 4)
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 4)
         job = f"pipe-hang-{uuid.uuid4().hex[:6]}"
         store = open_store(daemon.url)
         store.setup()
@@ -50,12 +51,12 @@ def test_hang_alert_is_stored_within_threshold_plus_5s(ray_local, tmp_path, arti
             kafka={"bootstrap": broker.bootstrap, "partitions": 4}, store={"url": daemon.url},
             pipeline={"shards": 2, "idle_timeout_s": 60.0},
             hang={"floor_s": FLOOR_S, "k_steps": 1.0, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S})
-        pipe = Pipeline(cfg, source_id=f"src-{uuid.uuid4().hex[:6]}").start()
+        pipe = Pipeline(cfg, f"src-{uuid.uuid4().hex[:6]}", open_store).start()
         pipe.wait_ready()  # the job must not start before its shard listens
         # Answering status is not polling: wait for a measured lag of 0 (Pipeline.caught_up).
         assert pipe.wait(Pipeline.caught_up, timeout_s=120), ("the shards never caught up", pipe.status())
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ingest.train_gloo", "--bootstrap", broker.bootstrap, "--job-id", job,
+            [sys.executable, "-m", "examples.train_gloo", "--bootstrap", broker.bootstrap, "--job-id", job,
              "--steps", "30", "--stop-rank", "1", "--stop-at-step", "6", "--heartbeat-s", "0.5",
              "--hang-dump-s", "2", "--dist-timeout", "120"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -13,8 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ingest import schema as S
-from ingest.fleetgen import JobSpec, generate_window
+from core import codec, topics
+from core.layout import JobLayout
+from generators.fleetgen import JobSpec, generate_window
 from ray_jobs.io import Message
 from tests.integration.crashing_shard import POISON
 
@@ -22,11 +23,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _messages() -> list[Message]:
-    jobs = [JobSpec(j, S.JobLayout(2, 2), num_microbatches=4) for j in ("before", "after")]
-    regs = [Message(S.TOPIC_JOBS, 0, i, j.job_id.encode(), S.encode(j.registration(0, 2))) for i, j in enumerate(jobs)]
-    ops = [Message(S.TOPIC_OPS, 0, 0, b"before", S.encode(generate_window(jobs[0], 0, 2, 0))),
-           Message(S.TOPIC_OPS, 0, 1, b"poison", POISON + b" the rest does not matter"),
-           Message(S.TOPIC_OPS, 0, 2, b"after", S.encode(generate_window(jobs[1], 0, 2, 0)))]
+    jobs = [JobSpec(j, JobLayout(2, 2), num_microbatches=4) for j in ("before", "after")]
+    regs = [Message(topics.TOPIC_JOBS, 0, i, j.job_id.encode(), codec.encode(j.registration(0, 2))) for i, j in enumerate(jobs)]
+    ops = [Message(topics.TOPIC_OPS, 0, 0, b"before", codec.encode(generate_window(jobs[0], 0, 2, 0))),
+           Message(topics.TOPIC_OPS, 0, 1, b"poison", POISON + b" the rest does not matter"),
+           Message(topics.TOPIC_OPS, 0, 2, b"after", codec.encode(generate_window(jobs[1], 0, 2, 0)))]
     return regs + ops
 
 
@@ -44,7 +45,7 @@ def test_a_message_that_segfaults_the_shard_is_quarantined_after_three_deaths(tm
     assert codes == [-signal.SIGSEGV] * 3 + [0], (codes, proc.stderr[-2000:])
     rows, offsets = pickle.loads(store.read_bytes())
     (dead,) = [r for r in rows["dead_letter"] if r["source_offset"] == 1]
-    assert dead["source_topic"] == S.TOPIC_OPS and "quarantined" in dead["reason"] and "3 times" in dead["reason"]
+    assert dead["source_topic"] == topics.TOPIC_OPS and "quarantined" in dead["reason"] and "3 times" in dead["reason"]
     stored = sorted(r["job_id"] for r in rows["window_result"])
     assert stored == ["after", "before"], "the messages on both sides of the poison are analysed"
-    assert offsets["crashing"][(S.TOPIC_OPS, 0)] == 3, "the partition moved past the poison"
+    assert offsets["crashing"][(topics.TOPIC_OPS, 0)] == 3, "the partition moved past the poison"

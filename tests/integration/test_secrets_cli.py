@@ -105,7 +105,7 @@ def test_unreachable_ray_fails_fast_in_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def secured_server():
-    from storage.server_runner import ClickHouseServer, find_server_binary
+    from services.clickhouse_server import ClickHouseServer, find_server_binary
 
     if not find_server_binary():
         pytest.skip("clickhouse-server is not installed")

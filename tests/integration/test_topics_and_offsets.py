@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from ingest import schema as S
-from ingest.broker import BrokerError, LocalBroker, OffsetsAheadError, ensure_topics, topic_partitions
-from ingest.fleetgen import fleet_windows, make_fleet
+from core import topics
+from core.kafka_admin import BrokerError, OffsetsAheadError, ensure_topics, topic_partitions
+from generators.fleetgen import fleet_windows, make_fleet
 from ingest.producer import TelemetryProducer
+from services.broker import LocalBroker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -52,7 +53,7 @@ def _produce(bootstrap: str, jobs) -> list[tuple[str, int, int]]:
 
 
 def _config(bootstrap: str, store_url: str, partitions: int, shards: int, source_id: str):
-    from stragglerscope.config import Config
+    from core.config import Config
 
     return Config().replace(kafka={"bootstrap": bootstrap, "partitions": partitions, "source_id": source_id},
                             store={"url": store_url}, pipeline={"shards": shards, "idle_timeout_s": 5.0})
@@ -81,11 +82,12 @@ def _toml(path: Path, bootstrap: str, store_url: str, partitions: int, source_id
 
 def test_fewer_partitions_than_configured_is_a_one_line_error(tmp_path):
     from ray_jobs.pipeline import Pipeline
+    from storage import open_store
 
     with LocalBroker() as broker:
-        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 2)
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 2)
         with pytest.raises(BrokerError, match=r"topic ss\.\w+ has 2 partitions, fewer than kafka.partitions = 4"):
-            Pipeline(_config(broker.bootstrap, "chdb://unused", 4, 2, "few"), "few").start()
+            Pipeline(_config(broker.bootstrap, "chdb://unused", 4, 2, "few"), "few", open_store).start()
         r = _cli("run", "--config", _toml(tmp_path / "c.toml", broker.bootstrap, f"chdb://{tmp_path / 's'}", 4, "few"))
         assert r.returncode == 2, r.stderr
         err = r.stderr.strip().splitlines()
@@ -99,14 +101,14 @@ def test_clients_never_create_topics():
     from ray_jobs.io import KafkaSource
 
     with LocalBroker() as broker:
-        src = KafkaSource(broker.bootstrap, [S.TOPIC_OPS], range(2))
+        src = KafkaSource(broker.bootstrap, [topics.TOPIC_OPS], range(2))
         src.seek({})
         src.poll(300)
         src.lag()
         with TelemetryProducer(broker.bootstrap, delivery_timeout_s=2.0) as p:
             p.send(make_fleet(1, 0, 8, 8)[0].registration(0, 2))
             p.flush(15)
-        assert topic_partitions(broker.bootstrap, S.INPUT_TOPICS) == {}, "no client created a topic"
+        assert topic_partitions(broker.bootstrap, topics.INPUT_TOPICS) == {}, "no client created a topic"
         assert src.problems and all("does not exist" in line for line in src.problems)
         src.close()
 
@@ -114,15 +116,16 @@ def test_clients_never_create_topics():
 def test_records_on_partitions_beyond_the_configured_count_are_analysed(ray_local, tmp_path):
     """Topics with 6 partitions, kafka.partitions = 4: the jobs on partitions 4 and 5 are analysed too."""
     from ray_jobs.pipeline import Pipeline
-    from storage import StoreDaemon, open_store
+    from services.store_daemon import StoreDaemon
+    from storage import open_store
 
     with LocalBroker() as broker, StoreDaemon(f"chdb://{tmp_path / 'store'}") as daemon:
-        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 6)
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 6)
         jobs = _jobs_on([4, 5, 1], 6, f"more-{uuid.uuid4().hex[:4]}")
         keys = _produce(broker.bootstrap, jobs)
         store = open_store(daemon.url)
         store.setup()
-        pipe = Pipeline(_config(broker.bootstrap, daemon.url, 4, 2, "more"), "more").start()
+        pipe = Pipeline(_config(broker.bootstrap, daemon.url, 4, 2, "more"), "more", open_store).start()
         try:
             assert pipe.partitions == 6
             pipe.wait_ready()
@@ -134,7 +137,8 @@ def test_records_on_partitions_beyond_the_configured_count_are_analysed(ray_loca
 
 def test_a_broker_restarted_empty_stops_the_next_start_until_offsets_are_reset(ray_local, tmp_path):
     from ray_jobs.pipeline import Pipeline, stored_offsets
-    from storage import StoreDaemon, open_store
+    from services.store_daemon import StoreDaemon
+    from storage import open_store
 
     source = f"restart-{uuid.uuid4().hex[:6]}"
     broker = LocalBroker().start()
@@ -146,20 +150,20 @@ def test_a_broker_restarted_empty_stops_the_next_start_until_offsets_are_reset(r
             cfg = _config(broker.bootstrap, daemon.url, 2, 1, source)
             toml = _toml(tmp_path / "c.toml", broker.bootstrap, daemon.url, 2, source)
 
-            ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 2)
+            ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 2)
             first = _produce(broker.bootstrap, _jobs_on([0, 1], 2, "before"))
-            pipe = Pipeline(cfg, source).start()
+            pipe = Pipeline(cfg, source, open_store).start()
             try:
                 _wait_stored(store, first, pipe)
             finally:
                 pipe.stop()  # stores the final offsets
-            assert any(off > 0 for off in stored_offsets(daemon.url, source).values())
+            assert any(off > 0 for off in stored_offsets(open_store, daemon.url, source).values())
 
             broker.stop()
             broker = LocalBroker(port=port).start()  # same address, empty
 
             with pytest.raises(OffsetsAheadError, match="stragglerscope offsets reset") as e:
-                Pipeline(cfg, source).start()
+                Pipeline(cfg, source, open_store).start()
             assert e.value.ahead and all(end == 0 for _, end in e.value.ahead.values())
             r = _cli("run", "--config", toml)
             assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
@@ -171,10 +175,10 @@ def test_a_broker_restarted_empty_stops_the_next_start_until_offsets_are_reset(r
             assert r.returncode == 2 and "add --yes" in r.stderr, r.stderr
             r = _cli("offsets", "reset", "--config", toml, "--yes")
             assert r.returncode == 0, r.stderr
-            assert not any(stored_offsets(daemon.url, source).values())
+            assert not any(stored_offsets(open_store, daemon.url, source).values())
 
             second = _produce(broker.bootstrap, _jobs_on([0, 1], 2, "after"))
-            pipe = Pipeline(cfg, source).start()
+            pipe = Pipeline(cfg, source, open_store).start()
             try:
                 _wait_stored(store, second, pipe)
             finally:
@@ -192,9 +196,9 @@ def test_a_running_source_reports_a_topic_created_again_under_it():
     broker = LocalBroker().start()
     port = broker.port
     try:
-        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 2)
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 2)
         _produce(broker.bootstrap, _jobs_on([0, 1], 2, "a"))
-        src = KafkaSource(broker.bootstrap, [S.TOPIC_OPS], range(2), check_interval_s=0.0)
+        src = KafkaSource(broker.bootstrap, [topics.TOPIC_OPS], range(2), check_interval_s=0.0)
         src.seek({})
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not all(src.positions().values()):
@@ -204,7 +208,7 @@ def test_a_running_source_reports_a_topic_created_again_under_it():
 
         broker.stop()
         broker = LocalBroker(port=port).start()
-        ensure_topics(broker.bootstrap, S.INPUT_TOPICS, 2)
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 2)
         for _ in range(3):
             _produce(broker.bootstrap, _jobs_on([0, 1], 2, f"b{_}"))
         deadline = time.monotonic() + 60

@@ -2,7 +2,7 @@
 
 ``store`` is parametrised over the backends, so one test function runs
 against both. The server is started once per session by
-``storage.server_runner.ClickHouseServer`` on 127.0.0.1; each test gets a
+``services.clickhouse_server.ClickHouseServer`` on 127.0.0.1; each test gets a
 database of its own. The server variant is skipped only when
 ``clickhouse-server`` is not installed.
 """
@@ -13,7 +13,8 @@ import uuid
 import pyarrow as pa
 import pytest
 
-from ingest import schema as S
+from core import codec
+from core import schema as S
 
 BASE_NS = 1_700_000_000_000_000_000  # 2023-11-14T22:13:20Z
 DAY_NS = 86_400 * 1_000_000_000
@@ -21,7 +22,7 @@ DAY_NS = 86_400 * 1_000_000_000
 
 @pytest.fixture(scope="session")
 def ch_server():
-    from storage.server_runner import ClickHouseServer, find_server_binary
+    from services.clickhouse_server import ClickHouseServer, find_server_binary
 
     if not find_server_binary():
         yield None
@@ -84,17 +85,17 @@ def window_rows(n: int = 4, *, job: str = "job-a", attempt: int = 0, first_windo
             launch_slowdown=1.02, waste_fraction=1 - 1 / s, step_time_actual=1.02 * s, step_time_sim=s,
             step_time_ideal=1.0, gpu_hours=gpu_hours, wasted_gpu_hours=gpu_hours * (1 - 1 / s), m_w=0.5, m_s=0.1,
             verdict=verdict, verdicts_json='[{"kind": "worker"}]', complete=True, note="", n_ops=1000))
-    return S.from_rows(S.WINDOW_RESULT, rows)
+    return codec.from_rows(S.WINDOW_RESULT, rows)
 
 
 def optype_rows(job: str, window_ids, attempt: int = 0, types=(("forward-compute", 1.1), ("gc", 1.3))) -> pa.Table:
-    return S.from_rows(S.OPTYPE_SLOWDOWN, [
+    return codec.from_rows(S.OPTYPE_SLOWDOWN, [
         dict(job_id=job, attempt=attempt, window_id=w, step=st, optype=t, slowdown=s)
         for w in window_ids for t, s in types for st in (-1, w)])
 
 
 def registration(job: str, attempt: int = 0, ts_ns: int = 1, team: str = "llm", n_gpus: int = 64) -> pa.Table:
-    return S.from_rows(S.JOB_REGISTRATION, [dict(
+    return codec.from_rows(S.JOB_REGISTRATION, [dict(
         job_id=job, attempt=attempt, ts_ns=ts_ns, team=team, model="gpt-7b", n_gpus=n_gpus, dp_size=n_gpus // 8,
         pp_size=8, tp_size=1, cp_size=1, vpp_size=1, num_microbatches=8, profiled_steps=10, gpu_type="H100",
         peak_flops=9.9e14, flops_per_token=6e9, tokens_per_step=1 << 20)])

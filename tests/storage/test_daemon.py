@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from storage import StoreDaemon, StoreError, open_store
+from services.store_daemon import StoreDaemon
+from storage import StoreError, open_store
 from storage.daemon import DISCOVERY_FILE, HttpStore, discover
 from tests.storage.conftest import window_rows
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from storage import StoreDaemon, StoreError, open_store
+from services.store_daemon import StoreDaemon
+from storage import StoreError, open_store
 from storage.daemon import DISCOVERY_FILE, TOKEN_FILE, HttpStore
 from storage.daemon.wire import encode
 from tests.storage.conftest import window_rows

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
-from ingest import schema as S
+from core import schema as S
 from storage import ddl
 from storage.ddl import LEGACY, MODERN, Capabilities, arrow_type, clickhouse_type
 

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from storage import NAMED_QUERIES, StoreDaemon, StoreError, open_store
+from services.store_daemon import StoreDaemon
+from storage import NAMED_QUERIES, StoreError, open_store
 from storage.params import bind
 from storage.sandbox import _PAREN_KEYWORDS, PROJECT_TABLES, SQLLimits, check_free_sql, tokens
 from storage.sqlfuncs import FUNCTIONS, is_allowed_function
@@ -256,7 +257,7 @@ def test_time_limit(sbx):
 
 
 def test_limits_default_to_the_store_and_then_the_config(sbx):
-    from stragglerscope.config import SQLConfig
+    from core.config import SQLConfig
 
     assert SQLLimits.of(SQLConfig()) == SQLLimits() == SQLLimits.of(None)
     assert sbx.sql_limits == SQLLimits()

@@ -6,7 +6,8 @@ import math
 import pyarrow as pa
 import pytest
 
-from ingest import schema as S
+from core import codec
+from core import schema as S
 from storage import NAMED_QUERIES, StoreError, ddl, open_store
 from storage.migrations import LATEST
 from tests.storage.conftest import BASE_NS, DAY_NS, optype_rows, registration, window_rows
@@ -123,13 +124,13 @@ def test_job_drilldown_queries(store):
     rows = store.run_named("job_windows", {"job_id": "a"}).to_pylist()
     assert [r["window_id"] for r in rows] == [0, 10, 20, 30]
     assert rows[0]["complete"] == 1 and rows[0]["verdicts_json"] == '[{"kind": "worker"}]'
-    cells = S.from_rows(S.WORKER_SLOWDOWN, [
+    cells = codec.from_rows(S.WORKER_SLOWDOWN, [
         dict(job_id="a", attempt=0, window_id=10, step=-1, dp_rank=d, pp_rank=p, s_dp=1.0 + d, s_pp=1.0 + p,
              s_w=1.0 + min(d, p)) for d in range(4) for p in range(2)])
     store.insert("worker_slowdown", cells)
     got = store.run_named("job_workers", {"job_id": "a", "window_id": 10}).to_pylist()
     assert len(got) == 8 and got[0]["dp_rank"] == 0 and got[-1]["s_w"] == 2.0
-    steps = S.from_rows(S.STEP_RESULT, [dict(job_id="a", attempt=0, window_id=10, step=st, actual_s=1.1, sim_s=1.0,
+    steps = codec.from_rows(S.STEP_RESULT, [dict(job_id="a", attempt=0, window_id=10, step=st, actual_s=1.1, sim_s=1.0,
                                              ideal_s=0.8, slowdown=1.25) for st in range(10, 20)])
     store.insert("step_result", steps)
     trend = store.run_named("job_step_trend", {"job_id": "a"})
@@ -201,7 +202,7 @@ def test_an_insert_that_failed_part_way_is_replayed_without_duplicates(store, mo
 
 
 def test_alerts(store):
-    alerts = S.from_rows(S.ALERT, [
+    alerts = codec.from_rows(S.ALERT, [
         dict(alert_id=f"a:{i}", job_id="a" if i % 2 else "b", attempt=0, ts_ns=BASE_NS + i, rule="slowdown",
              severity="critical" if i == 3 else "warning", summary=f"alert {i}", details_json="{}")
         for i in range(5)])
@@ -215,7 +216,7 @@ def test_alerts(store):
 
 
 def test_acknowledgements_are_stored_and_can_be_undone(store):
-    store.insert("alert", S.from_rows(S.ALERT, [
+    store.insert("alert", codec.from_rows(S.ALERT, [
         dict(alert_id=f"a:{i}", job_id="a", attempt=0, ts_ns=BASE_NS + i, rule="hang", severity="critical",
              summary=f"alert {i}", details_json="{}") for i in range(3)]))
     assert store.run_named("alert_history", {"acked": 0}).num_rows == 3
@@ -294,15 +295,15 @@ def test_errors_are_one_line_store_errors(store):
 
 
 def test_every_kind_round_trips(store):
-    dead = S.from_rows(S.DEAD_LETTER, [dict(ts_ns=BASE_NS, source_topic="ss.ops", source_partition=1,
+    dead = codec.from_rows(S.DEAD_LETTER, [dict(ts_ns=BASE_NS, source_topic="ss.ops", source_partition=1,
                                             source_offset=7, key="a", reason="bad", payload=b"\x00\xffxy")])
-    hang = S.from_rows(S.HANG, [dict(job_id="a", attempt=0, hang_id=BASE_NS, kind="comm_hang", group="dp:pp=0",
+    hang = codec.from_rows(S.HANG, [dict(job_id="a", attempt=0, hang_id=BASE_NS, kind="comm_hang", group="dp:pp=0",
                                      seq=3, op="all_reduce", stuck_ranks="0-3", missing_ranks="5",
                                      suspect_hosts="h5", since_ns=BASE_NS - 10, duration_s=30.0,
                                      evidence_json="{}")])
-    link = S.from_rows(S.LINK_FAULT, [dict(job_id="a", attempt=0, window_id=0, group="dp:pp=0", kind="link", src=1,
+    link = codec.from_rows(S.LINK_FAULT, [dict(job_id="a", attempt=0, window_id=0, group="dp:pp=0", kind="link", src=1,
                                            dst=2, confidence=0.9, slowdown=3.0, evidence_json="{}")])
-    span = S.from_rows(S.OP_SPAN, [dict(job_id="a", attempt=0, rank=r, dp_rank=r, pp_rank=0, window_id=0, step=1,
+    span = codec.from_rows(S.OP_SPAN, [dict(job_id="a", attempt=0, rank=r, dp_rank=r, pp_rank=0, window_id=0, step=1,
                                         optype="forward-compute", start_ns=BASE_NS, duration_ns=5, seq_id=0, mc=0,
                                         gmc=0, mb_id=0) for r in range(4)])
     for kind, table, view in (("dead_letter", dead, "dead_letters"), ("hang", hang, "hangs"),
@@ -319,7 +320,7 @@ def test_every_kind_round_trips(store):
 
 
 def test_op_span_retention(store):
-    span = S.from_rows(S.OP_SPAN, [dict(job_id="a", attempt=0, rank=0, dp_rank=0, pp_rank=0, window_id=0, step=1,
+    span = codec.from_rows(S.OP_SPAN, [dict(job_id="a", attempt=0, rank=0, dp_rank=0, pp_rank=0, window_id=0, step=1,
                                         optype="gc", start_ns=BASE_NS, duration_ns=5, seq_id=0, mc=0, gmc=0,
                                         mb_id=-1)])
     store.insert("op_span", span)
@@ -335,9 +336,9 @@ def test_windows_with_kept_spans(store):
         return dict(job_id="a", attempt=attempt, rank=rank, dp_rank=rank, pp_rank=0, window_id=window_id, step=1,
                     optype="forward-compute", start_ns=BASE_NS, duration_ns=5, seq_id=0, mc=0, gmc=0, mb_id=0)
 
-    store.insert("op_span", S.from_rows(S.OP_SPAN, [span(a, w, r) for a, w in ((0, 30), (0, 10), (1, 50))
+    store.insert("op_span", codec.from_rows(S.OP_SPAN, [span(a, w, r) for a, w in ((0, 30), (0, 10), (1, 50))
                                                     for r in range(3)]))
-    store.insert("op_span", S.from_rows(S.OP_SPAN, [dict(span(0, 70, 0), job_id="b")]))
+    store.insert("op_span", codec.from_rows(S.OP_SPAN, [dict(span(0, 70, 0), job_id="b")]))
     got = store.run_named("job_span_windows", {"job_id": "a"}).to_pylist()
     assert got == [{"attempt": 0, "window_id": 10}, {"attempt": 0, "window_id": 30}, {"attempt": 1, "window_id": 50}]
     assert store.run_named("job_span_windows", {"job_id": "a", "attempt": 1}).column("window_id").to_pylist() == [50]
@@ -398,7 +399,7 @@ def test_same_results_on_both_backends(tmp_path, server_store):
             st.setup()
             _fleet(st)
             st.insert("optype_slowdown", optype_rows("a", [0, 10]))
-            st.insert("worker_slowdown", S.from_rows(S.WORKER_SLOWDOWN, [
+            st.insert("worker_slowdown", codec.from_rows(S.WORKER_SLOWDOWN, [
                 dict(job_id="a", attempt=0, window_id=0, step=-1, dp_rank=d, pp_rank=0, s_dp=1.0, s_pp=1.0, s_w=1.0)
                 for d in range(3)]))
         for name, q in sorted(NAMED_QUERIES.items()):
@@ -425,7 +426,7 @@ def test_bad_urls_and_unreachable_servers():
                      ("http://127.0.0.1", "needs a port")):
         with pytest.raises(StoreError, match=msg):
             open_store(url)
-    from storage.server_runner import free_port
+    from services.clickhouse_server import free_port
 
     port = free_port()
     with pytest.raises(StoreError, match=f"127.0.0.1:{port} is unreachable"):
@@ -448,7 +449,7 @@ def test_one_chdb_path_per_process(tmp_path):
 def test_where_the_gpu_hours_went_stragglers_and_faults_together(store):
     """One query answers the week's bill: straggler waste and every C4 downtime category, matching truth."""
     from analyzers.accounting import account_downtime, downtime_table
-    from ingest.downtimegen import generate_downtime_fleet
+    from generators.downtimegen import generate_downtime_fleet
 
     fleet = generate_downtime_fleet(n_jobs=4, days=3.0, seed=2)
     rows = account_downtime(fleet.tables())

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from services.clickhouse_server import ClickHouseServer, find_server_binary
 from storage import StoreError, open_store
-from storage.server_runner import ClickHouseServer, find_server_binary
 from tests.storage.conftest import window_rows
 from tests.tls import Certs, make_certs
 

@@ -12,24 +12,25 @@ import time
 import pyarrow as pa
 import pytest
 
-from ingest import schema as S
+from core import codec
+from core import schema as S
 
 
 def cause_of(n_jobs: int = 12, seed: int = 3) -> dict[str, str]:
     """Injected cause of each demo job (the ground truth of the console tests)."""
-    from ingest.fleetgen import make_fleet
+    from generators.fleetgen import make_fleet
 
     return {f"ui-{i:03d}": j.cause for i, j in enumerate(make_fleet(n_jobs, seed, 8, 256))}
 
 
 def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) -> list[str]:
-    from analyzers.hang import HangTracker, HangParams
-    from ingest.faultgen import hang_incident, link_incident
-    from ingest.fleetgen import fleet_windows, make_fleet
+    from analyzers.hang import HangParams, HangTracker
+    from core.config import AlertConfig
+    from core.registration import Registration
+    from generators.faultgen import hang_incident, link_incident
+    from generators.fleetgen import fleet_windows, make_fleet
     from ray_jobs.alerts import AlertRules
     from ray_jobs.analysis import analyze_window
-    from ray_jobs.windows import JobInfo
-    from stragglerscope.config import AlertConfig
 
     now = time.time_ns()
     jobs = [dataclasses.replace(j, job_id=f"ui-{i:03d}") for i, j in enumerate(make_fleet(n_jobs, seed, 8, 256))]
@@ -37,7 +38,7 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
     rules = AlertRules(AlertConfig(min_gpus=1, cooldown_s=0))
     by_kind: dict[str, list[pa.Table]] = {}
     for spec, wid, ops in fleet_windows(jobs, windows, 3, now - 3600 * 10**9):
-        info = JobInfo.from_row(spec.registration(now, 3).to_pylist()[0])
+        info = Registration.from_row(spec.registration(now, 3).to_pylist()[0])
         ccl = link_incident("link", 16, wid, job_id=spec.job_id) if spec.job_id == "ui-001" else None
         if ccl is not None:
             c = ccl.ccl
@@ -48,7 +49,7 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
         alerts = rules.evaluate_window(row, 0.0, now)
         if tables["link_fault"].num_rows:
             alerts += rules.evaluate_links(tables["link_fault"].to_pylist(), 0.0, now)
-        tables["alert"] = S.from_rows(S.ALERT, alerts)
+        tables["alert"] = codec.from_rows(S.ALERT, alerts)
         tables["op_span"] = ops  # the pipeline keeps small windows' raw spans (timeline drill-down)
         for kind, t in tables.items():
             by_kind.setdefault(kind, []).append(t)
@@ -58,11 +59,11 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
     tr.add_heartbeats(inc.heartbeats)
     hang = tr.evaluate(inc.now_ns, input_alive=True)
     row = hang.row(now)
-    by_kind.setdefault("hang", []).append(S.from_rows(S.HANG, [row]))
+    by_kind.setdefault("hang", []).append(codec.from_rows(S.HANG, [row]))
     row["summary"] = hang.summary()
-    by_kind["alert"].append(S.from_rows(S.ALERT, rules.evaluate_hang(row, 0.0, now)))
+    by_kind["alert"].append(codec.from_rows(S.ALERT, rules.evaluate_hang(row, 0.0, now)))
     from analyzers.accounting import account_downtime, downtime_table
-    from ingest.downtimegen import generate_downtime_fleet
+    from generators.downtimegen import generate_downtime_fleet
 
     faults = generate_downtime_fleet(n_jobs=3, days=2.0, seed=1)
     by_kind["downtime"] = [downtime_table(account_downtime(faults.tables()))]

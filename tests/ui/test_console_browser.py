@@ -20,9 +20,10 @@ PAGES = [("fleet", None, "Jobs analysed"), ("alerts", "Alerts", "refreshed every
 
 @pytest.fixture(scope="module")
 def console(tmp_path_factory):
-    from ingest.broker import free_port
-    from storage import StoreDaemon, open_store
-    from stragglerscope.config import Config
+    from core.config import Config
+    from services.ports import free_port
+    from services.store_daemon import StoreDaemon
+    from storage import open_store
     from stragglerscope.demo import start_console, wait_console
     from tests.ui.conftest import fill_demo_store
 

@@ -1,8 +1,8 @@
 """Alert rules: thresholds, job size, cool-down per (job, rule)."""
 import pytest
 
+from core.config import AlertConfig
 from ray_jobs.alerts import AlertRules
-from stragglerscope.config import AlertConfig
 
 
 def row(**kw):

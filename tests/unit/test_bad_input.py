@@ -17,12 +17,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from ingest import schema as S
-from ingest.fleetgen import JobSpec, generate_window
+from core import codec, topics
+from core import schema as S
+from core.config import Config
+from core.layout import JobLayout
+from generators.fleetgen import JobSpec, generate_window
 from ray_jobs.analysis import analyze_window
 from ray_jobs.io import Message
 from ray_jobs.shard import ShardWorker
-from stragglerscope.config import Config
 from tests.fakes import FakeSink, FakeSource, ManualClock
 
 STEPS = 2
@@ -32,7 +34,7 @@ HOUR_NS = 3600 * 10**9
 
 
 def spec(job_id, dp=2, pp=2):
-    return JobSpec(job_id, S.JobLayout(dp_size=dp, pp_size=pp), num_microbatches=4)
+    return JobSpec(job_id, JobLayout(dp_size=dp, pp_size=pp), num_microbatches=4)
 
 
 def ops(job_id="bad", window=0, **layout):
@@ -58,11 +60,11 @@ def first_row(t: pa.Table, name: str, value) -> pa.Table:
 
 
 def raw(t: pa.Table, compression=None) -> bytes:
-    return S.encode(t, compression=compression)
+    return codec.encode(t, compression=compression)
 
 
 def with_metadata(t: pa.Table, **md: bytes) -> bytes:
-    schema = S.wire_schema(t.schema)
+    schema = codec.wire_schema(t.schema)
     meta = dict(schema.metadata)
     meta.update({f"stragglerscope.{k}".encode(): v for k, v in md.items()})
     sink = io.BytesIO()
@@ -89,7 +91,7 @@ def bad_utf8(t: pa.Table) -> bytes:
 
 
 def ccl(job_id="bad", enter_ns=T0, exit_ns=T0 + 10**6, rank=0) -> pa.Table:
-    return S.from_rows(S.CCL_RECORD, [dict(
+    return codec.from_rows(S.CCL_RECORD, [dict(
         job_id=job_id, attempt=0, rank=rank, host="h0", window_id=-1, step=1, group="dp:pp=0", group_ranks=[0, 1],
         seq=1, op="all_reduce", algorithm="ring", nbytes=1024, enter_ns=enter_ns, exit_ns=exit_ns, peers=[1],
         peer_transfer_ns=[1000], peer_bytes=[1024], recv_wait_ns=0)])
@@ -100,13 +102,13 @@ def heartbeat(job_id="bad", ts_ns=NOW_NS, rank=0, **changes) -> pa.Table:
                last_op_end_ns=ts_ns - 10**9, inflight_op="", inflight_group="", inflight_seq=-1,
                inflight_since_ns=-1, clock_offset_ns=0, stack="", step_done=2, step_done_ns=ts_ns - 10**9)
     row.update(changes)
-    return S.from_rows(S.HEARTBEAT, [row])
+    return codec.from_rows(S.HEARTBEAT, [row])
 
 
 def checkpoint(job_id="bad", **changes) -> pa.Table:
     row = dict(job_id=job_id, attempt=0, rank=0, step=1, ts_ns=T0, duration_ns=10**9, kind="save")
     row.update(changes)
-    return S.from_rows(S.CHECKPOINT, [row])
+    return codec.from_rows(S.CHECKPOINT, [row])
 
 
 def clock_skewed_window(job_id="skewed") -> pa.Table:
@@ -125,7 +127,7 @@ def foreign_optimizers() -> pa.Table:
 
 # (case, topic, key, payload, expected outcome). Outcome: a substring of the dead letter's reason, or
 # ("window", verdict substring) for a stored, flagged window of that job, or ("corrected", None).
-OPS, JOBS, HB, CCL, CKPT = S.TOPIC_OPS, S.TOPIC_JOBS, S.TOPIC_HEARTBEATS, S.TOPIC_CCL, S.TOPIC_CHECKPOINTS
+OPS, JOBS, HB, CCL, CKPT = topics.TOPIC_OPS, topics.TOPIC_JOBS, topics.TOPIC_HEARTBEATS, topics.TOPIC_CCL, topics.TOPIC_CHECKPOINTS
 CASES = [
     ("garbage", OPS, "bad", b"not arrow at all", "not an Arrow IPC stream"),
     ("empty payload", OPS, "bad", b"", "not an Arrow IPC stream"),

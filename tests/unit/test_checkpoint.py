@@ -4,12 +4,12 @@ import dataclasses
 import pyarrow as pa
 import pytest
 
-from ingest import schema as S
-from ingest.faultgen import hang_incident
-from ingest.fleetgen import JobSpec, generate_window
+from core.config import Config
+from core.layout import JobLayout
+from generators.faultgen import hang_incident
+from generators.fleetgen import JobSpec, generate_window
 from ray_jobs.checkpoint import Checkpoint, Unit
 from ray_jobs.shard import ShardStats, ShardWorker
-from stragglerscope.config import Config
 from tests.fakes import FakeSink, FakeSource, ManualClock, messages_for
 from tests.unit.test_shard import fake_analysis
 
@@ -144,7 +144,7 @@ def test_a_shard_loses_nothing_to_a_store_outage():
     """Hangs, their alerts, registrations and windows found while the store is away are all stored once
     it returns (the old loop dropped a flush's rows on failure), and no offset moved meanwhile."""
     inc = hang_incident("comm_hang", 8, 1)
-    a = JobSpec("a", S.JobLayout(dp_size=2, pp_size=2), num_microbatches=4)
+    a = JobSpec("a", JobLayout(dp_size=2, pp_size=2), num_microbatches=4)
     msgs = messages_for([a.registration(0, 2), generate_window(a, 0, 2, 0), inc.ccl, inc.heartbeats])
     sink = Journal()
     clock = ManualClock(wall=lambda: inc.now_ns)

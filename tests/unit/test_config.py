@@ -1,7 +1,7 @@
 """Configuration: defaults, TOML, environment, and errors that name the key."""
 import pytest
 
-from stragglerscope import config as C
+from core import config as C
 
 
 def test_defaults_are_the_embedded_local_setup():

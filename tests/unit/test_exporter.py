@@ -3,9 +3,10 @@ import threading
 
 import pytest
 
-from ingest import schema as S
+from core import codec
+from core import schema as S
+from core.layout import fold_ranks
 from ingest.exporter import RankExporter, Sampling, folded_stacks
-from ingest.schema import fold_ranks
 
 
 @pytest.mark.parametrize("ranks, folded", [([0, 1, 2, 3, 5], "0-3,5"), ([7], "7"), ([], ""), ([3, 1, 2, 9, 8], "1-3,8-9")])
@@ -146,5 +147,5 @@ def test_checkpoint_records_and_bad_arguments_never_raise(clock):
     assert rows[0]["ts_ns"] == 10**18 and rows[0]["duration_ns"] == 5 * 10**9
     assert rows[1]["duration_ns"] >= 1_000_000
     assert exp.stats.checkpoints == 2 and exp.stats.errors == 2
-    kind, back = S.decode(S.encode(sent[-1]))
+    kind, back = codec.decode(codec.encode(sent[-1]))
     assert kind == "checkpoint" and back.num_rows == 1

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from analyzers.whatif import analyze
-from ingest.fleetgen import JobSpec, _stage_order, generate_window, make_fleet
-from ingest.schema import JobLayout
+from core.layout import JobLayout
+from generators.fleetgen import JobSpec, _stage_order, generate_window, make_fleet
 
 
 def test_interleaved_order_is_megatrons():

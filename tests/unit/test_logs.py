@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from stragglerscope import config, logs
+from core import config, logs
 
 
 @pytest.fixture(autouse=True)

@@ -5,8 +5,10 @@ import time
 import pyarrow as pa
 import pytest
 
-from ingest import schema as S
-from ingest.fleetgen import JobSpec, generate_window
+from core import codec, topics
+from core import schema as S
+from core.layout import JobLayout
+from generators.fleetgen import JobSpec, generate_window
 from ingest.producer import TelemetryProducer
 
 
@@ -40,15 +42,15 @@ class FakeKafka:
 
 
 def _ops():
-    return generate_window(JobSpec("j", S.JobLayout(2, 2), 4), 0, 2, 0)
+    return generate_window(JobSpec("j", JobLayout(2, 2), 4), 0, 2, 0)
 
 
 def test_sends_to_the_topic_of_the_kind_keyed_by_job():
     kafka = FakeKafka()
     with TelemetryProducer("x", kafka_factory=lambda: kafka) as p:
         p.send(_ops())
-        p.send(JobSpec("j", S.JobLayout(2, 2), 4).registration(0, 2))
-    assert [(t, k) for t, k, _ in kafka.sent] == [(S.TOPIC_OPS, b"j"), (S.TOPIC_JOBS, b"j")]
+        p.send(JobSpec("j", JobLayout(2, 2), 4).registration(0, 2))
+    assert [(t, k) for t, k, _ in kafka.sent] == [(topics.TOPIC_OPS, b"j"), (topics.TOPIC_JOBS, b"j")]
     assert p.stats.records_sent == _ops().num_rows + 1
     assert p.stats.records_dropped == 0
 
@@ -88,7 +90,7 @@ def test_failed_delivery_is_counted():
 def test_rejects_what_is_not_an_input_record():
     p = TelemetryProducer("x", kafka_factory=FakeKafka)
     with pytest.raises(ValueError, match="not an input record kind"):
-        p.send(S.empty(S.WINDOW_RESULT))
+        p.send(codec.empty(S.WINDOW_RESULT))
     p.close(5)
 
 
@@ -124,7 +126,7 @@ def test_outage_spools_and_replays_oldest_first_without_loss(tmp_path):
     assert p.flush(5) and p.spooled == 0, "a flush replays the spool once the broker is back"
     p.send(_numbered(6))
     p.close(5)
-    steps = [S.decode(v)[1]["step"][0].as_py() for _, _, v in kafka.sent]
+    steps = [codec.decode(v)[1]["step"][0].as_py() for _, _, v in kafka.sent]
     assert steps == list(range(7)), "nothing lost, nothing twice, in order"
     assert p.stats.batches_replayed == 5
 
@@ -132,7 +134,7 @@ def test_outage_spools_and_replays_oldest_first_without_loss(tmp_path):
 def test_spool_is_bounded_and_survives_restart(tmp_path):
     kafka = FlakyKafka()
     kafka.down.set()
-    one = len(S.encode(_numbered(0)))
+    one = len(codec.encode(_numbered(0)))
     spool = str(tmp_path / "spool")
     p = TelemetryProducer("x", kafka_factory=lambda: kafka, spool_dir=spool, max_spool_bytes=3 * (one + 200),
                           retry_s=10)
@@ -145,4 +147,4 @@ def test_spool_is_bounded_and_survives_restart(tmp_path):
     kafka.down.clear()
     p2 = TelemetryProducer("x", kafka_factory=lambda: kafka, spool_dir=spool, retry_s=0.05)
     p2.close(5)
-    assert [S.decode(v)[1]["step"][0].as_py() for _, _, v in kafka.sent] == [0, 1, 2]
+    assert [codec.decode(v)[1]["step"][0].as_py() for _, _, v in kafka.sent] == [0, 1, 2]

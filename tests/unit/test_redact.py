@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from stragglerscope import config as C
-from stragglerscope.redact import RedactingFilter, add_secret, redact
+from core import config as C
+from core.redact import RedactingFilter, add_secret, redact
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "SuperSecret42"
@@ -53,7 +53,7 @@ def test_registered_secrets_are_masked_anywhere():
 
 
 def test_errors_redact_their_message():
-    from ingest.broker import BrokerError
+    from core.kafka_admin import BrokerError
     from ray_jobs.pipeline import PipelineError
     from storage import StoreError
 
@@ -71,7 +71,7 @@ def _record_with_traceback() -> logging.LogRecord:
 
 
 def test_log_filter_redacts_messages_and_tracebacks_for_text_and_json():
-    from stragglerscope.logs import JsonFormatter
+    from core.logs import JsonFormatter
 
     for fmt in (logging.Formatter("%(levelname)s %(message)s"), JsonFormatter()):
         out = io.StringIO()

@@ -2,13 +2,15 @@
 import pyarrow as pa
 import pytest
 
-from ingest import schema as S
-from ingest.fleetgen import JobSpec, generate_window
+from core import codec, topics
+from core import schema as S
+from core.layout import JobLayout
+from generators.fleetgen import JobSpec, generate_window
 from ingest.producer import split_for_wire
 
 
 def _spans(n_steps=2):
-    spec = JobSpec("job-a", S.JobLayout(dp_size=2, pp_size=2), num_microbatches=4)
+    spec = JobSpec("job-a", JobLayout(dp_size=2, pp_size=2), num_microbatches=4)
     return generate_window(spec, 0, n_steps, 1_000_000_000)
 
 
@@ -29,14 +31,14 @@ def test_time_fields_are_nanoseconds(name):
 
 def test_round_trip_op_spans():
     t = _spans()
-    kind, back = S.decode(S.encode(t))
+    kind, back = codec.decode(codec.encode(t))
     assert kind == "op_span"
     assert back.equals(t)
 
 
 def test_wire_payload_is_compact():
     t = _spans(4)
-    assert len(S.encode(t)) / t.num_rows < 40  # bytes per op record after zstd
+    assert len(codec.encode(t)) / t.num_rows < 40  # bytes per op record after zstd
 
 
 @pytest.mark.parametrize(
@@ -47,40 +49,40 @@ def test_wire_payload_is_compact():
     ],
 )
 def test_garbage_is_a_decode_error_with_reason(payload, reason):
-    with pytest.raises(S.DecodeError, match=reason):
-        S.decode(payload)
+    with pytest.raises(codec.DecodeError, match=reason):
+        codec.decode(payload)
 
 
 def test_unknown_kind_and_version_are_rejected():
     t = pa.table({"x": [1]})
-    with pytest.raises(S.DecodeError, match="unknown record kind"):
-        S.decode(S.encode(t))
+    with pytest.raises(codec.DecodeError, match="unknown record kind"):
+        codec.decode(codec.encode(t))
     future = _spans().replace_schema_metadata({b"stragglerscope.kind": b"op_span", b"stragglerscope.version": b"99"})
-    with pytest.raises(S.DecodeError, match="unsupported schema version '99'"):
-        S.decode(S.encode(future))
+    with pytest.raises(codec.DecodeError, match="unsupported schema version '99'"):
+        codec.decode(codec.encode(future))
 
 
 def test_missing_and_mistyped_columns_name_the_column():
     t = _spans()
-    with pytest.raises(S.DecodeError, match="missing column 'seq_id'"):
-        S.conform(t.drop_columns(["seq_id"]), S.OP_SPAN)
+    with pytest.raises(codec.DecodeError, match="missing column 'seq_id'"):
+        codec.conform(t.drop_columns(["seq_id"]), S.OP_SPAN)
     bad = t.set_column(t.schema.get_field_index("step"), "step", pa.array(["x"] * t.num_rows))
-    with pytest.raises(S.DecodeError, match="column 'step'"):
-        S.conform(bad, S.OP_SPAN)
+    with pytest.raises(codec.DecodeError, match="column 'step'"):
+        codec.conform(bad, S.OP_SPAN)
 
 
 def test_nulls_in_required_columns_are_rejected():
     t = _spans()
     col = pa.array([None] + t["duration_ns"].to_pylist()[1:], pa.int64())
-    with pytest.raises(S.DecodeError, match="'duration_ns' has 1 nulls"):
-        S.conform(t.set_column(t.schema.get_field_index("duration_ns"), "duration_ns", col), S.OP_SPAN)
+    with pytest.raises(codec.DecodeError, match="'duration_ns' has 1 nulls"):
+        codec.conform(t.set_column(t.schema.get_field_index("duration_ns"), "duration_ns", col), S.OP_SPAN)
 
 
 def test_safe_casts_are_applied():
     t = _spans()
     i = t.schema.get_field_index("dp_rank")
     widened = t.set_column(i, "dp_rank", t["dp_rank"].cast(pa.int64()))
-    assert S.conform(widened, S.OP_SPAN).schema.field("dp_rank").type == pa.int32()
+    assert codec.conform(widened, S.OP_SPAN).schema.field("dp_rank").type == pa.int32()
 
 
 def test_validate_op_spans_splits_bad_rows_with_reason():
@@ -88,7 +90,7 @@ def test_validate_op_spans_splits_bad_rows_with_reason():
     d = t["duration_ns"].to_pylist()
     d[3] = -5
     t = t.set_column(t.schema.get_field_index("duration_ns"), "duration_ns", pa.array(d, pa.int64()))
-    good, bad, reason = S.validate_op_spans(t)
+    good, bad, reason = codec.validate_op_spans(t)
     assert bad.num_rows == 1 and good.num_rows == t.num_rows - 1
     assert "negative" in reason
 
@@ -98,16 +100,16 @@ def test_split_for_wire_respects_the_message_limit():
     parts = split_for_wire(t, max_bytes=20_000)
     assert len(parts) > 1
     assert all(len(p) <= 20_000 for p in parts)
-    assert sum(S.decode(p)[1].num_rows for p in parts) == t.num_rows
+    assert sum(codec.decode(p)[1].num_rows for p in parts) == t.num_rows
 
 
 def test_layout_from_golden_meta():
-    lay = S.JobLayout.from_meta({"dp_size": 4, "pp_size": 4, "tp_size": 4, "dsp_size": 2, "vpp_size": 1})
+    lay = JobLayout.from_meta({"dp_size": 4, "pp_size": 4, "tp_size": 4, "dsp_size": 2, "vpp_size": 1})
     assert (lay.world_size, lay.n_workers, lay.cp_size) == (128, 16, 2)
     with pytest.raises(ValueError, match="pp_size"):
-        S.JobLayout.from_meta({"dp_size": 4})
+        JobLayout.from_meta({"dp_size": 4})
     with pytest.raises(ValueError, match="dp_size must be a positive integer"):
-        S.JobLayout(dp_size=0, pp_size=1)
+        JobLayout(dp_size=0, pp_size=1)
 
 
 # --------------------------------------------------------------------------
@@ -119,10 +121,10 @@ def _ckpt_rows():
 
 
 def test_checkpoint_round_trip_on_its_topic():
-    t = S.from_rows(S.CHECKPOINT, _ckpt_rows())
-    kind, back = S.decode(S.encode(t))
+    t = codec.from_rows(S.CHECKPOINT, _ckpt_rows())
+    kind, back = codec.decode(codec.encode(t))
     assert kind == "checkpoint" and back.equals(t)
-    assert S.TOPIC_OF_KIND["checkpoint"] == S.TOPIC_CHECKPOINTS and S.TOPIC_CHECKPOINTS in S.INPUT_TOPICS
+    assert topics.TOPIC_OF_KIND["checkpoint"] == topics.TOPIC_CHECKPOINTS and topics.TOPIC_CHECKPOINTS in topics.INPUT_TOPICS
     assert S.unit_of(S.CHECKPOINT, "duration_ns") == "ns" and S.unit_of(S.CHECKPOINT, "ts_ns") == "ns"
 
 
@@ -130,9 +132,9 @@ def test_validate_checkpoints_splits_bad_rows_with_reason():
     rows = _ckpt_rows()
     rows[1]["kind"] = "copy"
     rows[2]["duration_ns"] = -1
-    good, bad, reason = S.validate_checkpoints(S.from_rows(S.CHECKPOINT, rows))
+    good, bad, reason = codec.validate_checkpoints(codec.from_rows(S.CHECKPOINT, rows))
     assert (good.num_rows, bad.num_rows) == (2, 2) and "unknown kind" in reason
-    assert S.validate_checkpoints(S.from_rows(S.CHECKPOINT, _ckpt_rows()))[1] is None
+    assert codec.validate_checkpoints(codec.from_rows(S.CHECKPOINT, _ckpt_rows()))[1] is None
 
 
 @pytest.mark.parametrize("schema", list(S.ALL_SCHEMAS.values()), ids=list(S.ALL_SCHEMAS))
@@ -154,34 +156,34 @@ def _as_version_1(table: pa.Table, schema: pa.Schema) -> pa.Table:
 def test_version_1_records_still_decode_with_defaults():
     import math
 
-    from ingest.fleetgen import JobSpec
+    from generators.fleetgen import JobSpec
 
-    reg = JobSpec("job-a", S.JobLayout(dp_size=2, pp_size=2), num_microbatches=4).registration(5, 2)
-    kind, back = S.decode(S.encode(_as_version_1(reg, S.JOB_REGISTRATION)))
+    reg = JobSpec("job-a", JobLayout(dp_size=2, pp_size=2), num_microbatches=4).registration(5, 2)
+    kind, back = codec.decode(codec.encode(_as_version_1(reg, S.JOB_REGISTRATION)))
     assert kind == "job_registration" and back.column("params").to_pylist() == [0]
     assert back.column("seq_len").to_pylist() == [0] and back.column("n_gpus").to_pylist() == [4]
 
-    win = S.from_rows(S.WINDOW_RESULT, [dict(
+    win = codec.from_rows(S.WINDOW_RESULT, [dict(
         job_id="j", attempt=0, window_id=0, first_step=0, last_step=1, n_steps=2, start_ns=0, end_ns=1,
         analyzed_ns=2, team="", model="", n_gpus=8, dp_size=8, pp_size=1, slowdown=1.2, launch_slowdown=1.0,
         waste_fraction=0.1, step_time_actual=1.0, step_time_sim=1.0, step_time_ideal=0.8, gpu_hours=1.0,
         wasted_gpu_hours=0.1, m_w=0.5, m_s=0.1, verdict="", verdicts_json="[]", complete=True, note="", n_ops=1)])
     assert math.isnan(win.column("mfu")[0].as_py())  # from_rows fills what a row leaves out
-    kind, back = S.decode(S.encode(_as_version_1(win, S.WINDOW_RESULT)))
+    kind, back = codec.decode(codec.encode(_as_version_1(win, S.WINDOW_RESULT)))
     assert kind == "window_result" and math.isnan(back.column("mfu_ideal")[0].as_py())
 
-    hb = S.from_rows(S.HEARTBEAT, [dict(job_id="j", attempt=0, rank=0, host="h", pid=1, ts_ns=1, step=3,
+    hb = codec.from_rows(S.HEARTBEAT, [dict(job_id="j", attempt=0, rank=0, host="h", pid=1, ts_ns=1, step=3,
                                         last_op="", last_op_end_ns=0, inflight_op="", inflight_group="",
                                         inflight_seq=-1, inflight_since_ns=-1, clock_offset_ns=0, stack="")])
-    back = S.conform(_as_version_1(hb, S.HEARTBEAT), S.HEARTBEAT)
+    back = codec.conform(_as_version_1(hb, S.HEARTBEAT), S.HEARTBEAT)
     assert back.column("step_done").to_pylist() == [-1] and back.column("step_done_ns").to_pylist() == [-1]
 
 
 def test_versions_outside_the_readable_range_are_rejected():
     for v in (b"0", b"3", b"x"):
         t = _spans().replace_schema_metadata({b"stragglerscope.kind": b"op_span", b"stragglerscope.version": v})
-        with pytest.raises(S.DecodeError, match="unsupported schema version"):
-            S.decode(S.encode(t))
+        with pytest.raises(codec.DecodeError, match="unsupported schema version"):
+            codec.decode(codec.encode(t))
 
 
 def test_a_new_field_still_needs_a_default():

@@ -3,12 +3,14 @@
 import pyarrow as pa
 import pytest
 
-from ingest import schema as S
-from ingest.fleetgen import JobSpec, generate_window
+from core import codec, topics
+from core import schema as S
+from core.config import Config
+from core.layout import JobLayout
+from generators.fleetgen import JobSpec, generate_window
 from ray_jobs.analysis import _tables, _window_row
 from ray_jobs.io import Message
 from ray_jobs.shard import ShardWorker
-from stragglerscope.config import Config
 from tests.fakes import FakeSink, FakeSource, ManualClock, messages_for
 
 STEPS = 2
@@ -24,7 +26,7 @@ def fake_analysis(calls):
 
 
 def job(job_id, dp=2, pp=2):
-    return JobSpec(job_id, S.JobLayout(dp_size=dp, pp_size=pp), num_microbatches=4)
+    return JobSpec(job_id, JobLayout(dp_size=dp, pp_size=pp), num_microbatches=4)
 
 
 def make_worker(messages, sink=None, calls=None, clock=None, **pipeline):
@@ -58,8 +60,8 @@ def test_complete_windows_are_analysed_stored_and_committed():
     stored = sorted((r["job_id"], r["window_id"]) for r in sink.rows["window_result"])
     assert stored == [("a", 0), ("a", 100), ("b", 0)]
     # Every message is covered by stored results: the offsets reach the end of each topic.
-    assert sink.offsets["src-1"][(S.TOPIC_OPS, 0)] == 3
-    assert sink.offsets["src-1"][(S.TOPIC_JOBS, 0)] == 2
+    assert sink.offsets["src-1"][(topics.TOPIC_OPS, 0)] == 3
+    assert sink.offsets["src-1"][(topics.TOPIC_JOBS, 0)] == 2
     assert len(sink.rows["job_registration"]) == 2
     assert w.stats.windows_stored == 3
     assert [a["rule"] for a in sink.rows["alert"]] == ["slowdown", "slowdown"]  # a is cooled down once
@@ -111,20 +113,20 @@ def test_a_window_missing_a_worker_waits_for_the_idle_timeout():
     run(w)
     assert calls == []
     # Open window: its ops message is not committable yet.
-    assert sink.offsets["src-1"].get((S.TOPIC_OPS, 0), 0) == 0
+    assert sink.offsets["src-1"].get((topics.TOPIC_OPS, 0), 0) == 0
     clock.t = 11.0
     run(w, 3)
     assert len(calls) == 1 and calls[0][1] is False
     row = sink.rows["window_result"][0]
     assert row["complete"] is False and "worker-steps did not finish" in row["note"]
-    assert sink.offsets["src-1"][(S.TOPIC_OPS, 0)] == 1
+    assert sink.offsets["src-1"][(topics.TOPIC_OPS, 0)] == 1
 
 
 def test_garbage_goes_to_dead_letters_and_the_loop_goes_on():
     a = job("a")
     msgs = messages_for([a.registration(0, STEPS), generate_window(a, 0, STEPS, 0)])
-    garbage = Message(S.TOPIC_OPS, 0, 1, b"a", b"not arrow at all")
-    wrong_topic = Message(S.TOPIC_HEARTBEATS, 0, 0, b"a", S.encode(generate_window(a, 100, STEPS, 0)))
+    garbage = Message(topics.TOPIC_OPS, 0, 1, b"a", b"not arrow at all")
+    wrong_topic = Message(topics.TOPIC_HEARTBEATS, 0, 0, b"a", codec.encode(generate_window(a, 100, STEPS, 0)))
     w, src, sink = make_worker(msgs + [garbage, wrong_topic])
     run(w)
     reasons = [r["reason"] for r in sink.rows["dead_letter"]]
@@ -132,7 +134,7 @@ def test_garbage_goes_to_dead_letters_and_the_loop_goes_on():
     assert any("op_span record on topic" in r for r in reasons)
     assert len(src.dead) == 2
     assert w.stats.windows_stored == 1
-    assert sink.offsets["src-1"][(S.TOPIC_OPS, 0)] == 2
+    assert sink.offsets["src-1"][(topics.TOPIC_OPS, 0)] == 2
 
 
 def test_bad_rows_are_dead_lettered_and_good_rows_kept():
@@ -158,7 +160,7 @@ def test_restart_replays_without_storing_twice():
     run(w)
     assert w.stats.windows_stored == 1
     # Forget the offsets of the ops topic to force a replay of a stored window as well.
-    sink.offsets["src-1"][(S.TOPIC_OPS, 0)] = 0
+    sink.offsets["src-1"][(topics.TOPIC_OPS, 0)] = 0
     w2, _, _ = make_worker(msgs, sink=sink)
     run(w2)
     stored = sorted(r["job_id"] for r in sink.rows["window_result"])
@@ -218,11 +220,11 @@ def test_a_failed_store_write_is_retried_with_the_same_alerts():
     assert sink.failed
     assert [r["job_id"] for r in sink.rows["window_result"]] == ["a"]
     assert [r["rule"] for r in sink.rows["alert"]] == ["slowdown"], "the alert survived the retry"
-    assert sink.offsets["src-1"][(S.TOPIC_OPS, 0)] == 1
+    assert sink.offsets["src-1"][(topics.TOPIC_OPS, 0)] == 1
 
 
 def test_heartbeats_of_a_hung_job_become_a_hang_row_and_a_critical_alert():
-    from ingest.faultgen import hang_incident
+    from generators.faultgen import hang_incident
 
     inc = hang_incident("comm_hang", 16, 1)
     cfg = Config().replace(hang={"floor_s": 60.0, "heartbeat_timeout_s": 30.0})
@@ -243,7 +245,7 @@ def test_heartbeats_of_a_hung_job_become_a_hang_row_and_a_critical_alert():
 
 
 def test_ccl_records_of_a_window_get_link_diagnosis():
-    from ingest.faultgen import link_incident
+    from generators.faultgen import link_incident
     from ray_jobs.analysis import analyze_window
 
     inc = link_incident("source", 32, 2)
@@ -267,7 +269,7 @@ def test_ccl_records_of_a_window_get_link_diagnosis():
 def test_checkpoints_and_restarts_become_stored_downtime_rows():
     """The shard feeds registrations, heartbeats and checkpoints to the downtime accountant and stores
     the incidents it closes; lost progress since the last checkpoint matches the generator's truth."""
-    from ingest.downtimegen import generate_downtime_fleet
+    from generators.downtimegen import generate_downtime_fleet
 
     fleet = generate_downtime_fleet(n_jobs=2, days=1.0, seed=4, heartbeat_s=60.0)
     tables = []
@@ -295,7 +297,7 @@ def test_checkpoints_and_restarts_become_stored_downtime_rows():
 
 def test_offsets_are_stored_at_most_once_per_commit_interval_and_on_stop():
     a = job("a")
-    hb = [S.from_rows(S.HEARTBEAT, [dict(job_id="a", attempt=0, rank=0, host="h", pid=1, ts_ns=i, step=i,
+    hb = [codec.from_rows(S.HEARTBEAT, [dict(job_id="a", attempt=0, rank=0, host="h", pid=1, ts_ns=i, step=i,
                                          last_op="", last_op_end_ns=i, inflight_op="", inflight_group="",
                                          inflight_seq=-1, inflight_since_ns=-1, clock_offset_ns=0, stack="")])
           for i in range(10)]
@@ -308,10 +310,10 @@ def test_offsets_are_stored_at_most_once_per_commit_interval_and_on_stop():
         clock.t = 0.5 * i
         w.step(poll_timeout_ms=0)
     assert 2 <= len(stores) <= 3, stores  # at 0 s, 2 s, 4 s: not ten inserts
-    before_stop = sink.offsets["src-1"].get((S.TOPIC_HEARTBEATS, 0), 0)
+    before_stop = sink.offsets["src-1"].get((topics.TOPIC_HEARTBEATS, 0), 0)
     w.stop()
-    assert sink.offsets["src-1"][(S.TOPIC_HEARTBEATS, 0)] >= before_stop
-    assert sink.offsets["src-1"][(S.TOPIC_HEARTBEATS, 0)] == src.positions()[(S.TOPIC_HEARTBEATS, 0)]
+    assert sink.offsets["src-1"][(topics.TOPIC_HEARTBEATS, 0)] >= before_stop
+    assert sink.offsets["src-1"][(topics.TOPIC_HEARTBEATS, 0)] == src.positions()[(topics.TOPIC_HEARTBEATS, 0)]
 
 
 def test_windows_done_together_are_stored_in_one_flush():
@@ -357,11 +359,11 @@ def test_a_big_poll_is_handled_over_several_iterations_within_the_budget():
     w.step(poll_timeout_ms=0)
     assert w.stats.messages == 1  # a zero budget still handles one message per iteration
     assert w.stats.lag == len(tables) - 1  # the rest is held, counted as lag, offsets not advanced
-    assert sink.offsets["s"].get((S.TOPIC_OPS, 0), 0) == 0
+    assert sink.offsets["s"].get((topics.TOPIC_OPS, 0), 0) == 0
     run(w, 10)
     assert w.stats.messages == len(tables)
     assert sorted(r["window_id"] for r in sink.rows["window_result"]) == [0, 100, 200, 300, 400]
-    assert sink.offsets["s"][(S.TOPIC_OPS, 0)] == 5
+    assert sink.offsets["s"][(topics.TOPIC_OPS, 0)] == 5
 
 
 def test_lag_counts_as_caught_up_only_after_a_poll():

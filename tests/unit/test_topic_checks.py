@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from ingest.broker import BrokerError, check_partitions, offsets_ahead
+from core.kafka_admin import BrokerError, check_partitions, offsets_ahead
 from ray_jobs.pipeline import PipelineError, check_ray_reachable, ray_endpoint, shard_partitions
 
 INPUTS = ("ss.ops", "ss.ccl", "ss.jobs")
@@ -35,7 +35,7 @@ def test_more_partitions_than_configured_are_all_assigned():
 
 
 def test_created_topics_get_the_configured_partitions_and_replication(monkeypatch):
-    import ingest.broker as B
+    import core.kafka_admin as B
 
     class Admin:
         created: list = []

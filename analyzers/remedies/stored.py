@@ -1,6 +1,9 @@
-"""`stragglerscope advise JOB`: the remedies of one stored window, ranked by simulated gain, stored back.
+"""The remedies of one stored window, ranked by simulated gain, stored back (`stragglerscope advise`, the console).
 
-Reads the job's registration, the window's kept raw op spans and its link
+The store is passed in: anything with the ``Store`` API's ``run_named`` and
+``insert`` (``storage.open_store`` gives one), so this module imports no
+storage backend and the console and the command line share it. Reads the
+job's registration, the window's kept raw op spans and its link
 faults from the store, runs ``analyzers.remedies.advise`` (which re-simulates
 the window with each fix applied), prints the remedies and stores them as
 REMEDY rows (one batch per run, stamped ``advised_ns``; readers show the
@@ -15,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from ingest import schema as S
+from core import codec
+from core import schema as S
 
 
 class AdviseError(ValueError):
@@ -36,8 +40,8 @@ class AdviseOptions:
 
 def advise_stored(store, job_id: str, opts: AdviseOptions = AdviseOptions()) -> tuple[tuple[str, int, int], list]:
     """((job, attempt, window), remedies) of one stored window; raises AdviseError when it cannot."""
-    from analyzers.remedies import JobInfo, advise
-    from ray_jobs.windows import JobInfo as Registered
+    from analyzers.remedies import JobFacts, advise
+    from core.registration import Registration
 
     reg = store.run_named("job_info", {"job_id": job_id, "attempt": opts.attempt}).to_pylist()
     if not reg:
@@ -61,16 +65,16 @@ def advise_stored(store, job_id: str, opts: AdviseOptions = AdviseOptions()) -> 
             raise AdviseError(f"job {job_id!r} has no window {window_id} (windows: {known})")
     ops = store.run_named("window_ops", {"job_id": job_id, "attempt": attempt, "window_id": window_id})
     if ops.num_rows == 0:
-        from stragglerscope.config import SPANS_KEPT_RULE
+        from core.config import SPANS_KEPT_RULE
 
         raise AdviseError(f"no raw op spans are kept for window {window_id} of {job_id!r} ({SPANS_KEPT_RULE})")
     links = store.run_named("job_links", {"job_id": job_id, "window_id": window_id}).to_pylist()
     links = [f for f in links if int(f["attempt"]) == attempt]
     num_layers = opts.num_layers or int(reg.get("num_layers") or 0) or None
-    info = JobInfo(layout=Registered.from_row(reg).layout, num_layers=num_layers, gpus_per_node=opts.gpus_per_node,
+    info = JobFacts(layout=Registration.from_row(reg).layout, num_layers=num_layers, gpus_per_node=opts.gpus_per_node,
                    spare_hosts=tuple(opts.spare_hosts), nodes_alive=opts.nodes_alive,
                    fault_tolerance=opts.fault_tolerance)
-    remedies = advise(S.conform(ops, S.OP_SPAN), info, None, links, min_gain=opts.min_gain)
+    remedies = advise(codec.conform(ops, S.OP_SPAN), info, None, links, min_gain=opts.min_gain)
     return (job_id, attempt, window_id), remedies
 
 

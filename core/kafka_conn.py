@@ -119,7 +119,7 @@ class KafkaConn:
                 if getattr(self, key):
                     opts[key] = getattr(self, key)
         if self.uses_sasl:
-            from stragglerscope.redact import add_secret
+            from core.redact import add_secret
 
             pw = self._password()
             add_secret(pw)

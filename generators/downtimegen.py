@@ -21,7 +21,7 @@ A restart registers a new attempt, which loads the last complete checkpoint
 follows. The stream is what the pipeline would hold: JOB_REGISTRATION,
 CHECKPOINT (rank 0 and rank 1 of every save and load), HEARTBEAT (rank 0,
 every ``heartbeat_s``, with ``step_done`` and ``step_done_ns``), HANG and
-ALERT rows, as Arrow tables of ``ingest.schema``.
+ALERT rows, as Arrow tables of ``core.schema``.
 
 ``DowntimeFleet.truth`` holds one row per incident (DOWNTIME fields, plus
 ``resume_ns``) with the categories of ``analyzers/accounting.py`` computed
@@ -41,7 +41,8 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-from ingest import schema as S
+from core import codec, jsonutil
+from core import schema as S
 
 _NS = 1_000_000_000
 FAULT_KINDS = ("node_loss", "comm_hang", "noncomm_hang", "crash", "transient")
@@ -141,7 +142,7 @@ class _JobSim:
             self.alerts.append(dict(
                 alert_id=f"{self.job_id}/{attempt}/{rule}/{ns}", job_id=self.job_id, attempt=attempt, ts_ns=ns,
                 rule=rule, severity="critical", summary=f"{self.job_id}: {kind}",
-                details_json=S.dumps({k: row[k] for k in ("kind", "group", "seq", "op", "stuck_ranks",
+                details_json=jsonutil.dumps({k: row[k] for k in ("kind", "group", "seq", "op", "stuck_ranks",
                                                           "missing_ranks", "suspect_hosts", "duration_s")})))
 
     def _heartbeats(self, attempt: int, t_from: int, t_to: int, run: _Run, extra: tuple[int, ...] = ()) -> None:
@@ -303,10 +304,10 @@ def generate_downtime_fleet(n_jobs: int = 12, days: float = 7.0, seed: int = 0, 
         sims.append(sim)
     hb = pa.concat_tables([t for s in sims for t in s.hb])
     return DowntimeFleet(
-        registrations=S.from_rows(S.JOB_REGISTRATION, [r for s in sims for r in s.regs]),
-        checkpoints=S.from_rows(S.CHECKPOINT, [r for s in sims for r in s.ckpts]),
-        heartbeats=S.conform(hb, S.HEARTBEAT),
-        hangs=S.from_rows(S.HANG, [r for s in sims for r in s.hangs]),
-        alerts=S.from_rows(S.ALERT, [r for s in sims for r in s.alerts]),
+        registrations=codec.from_rows(S.JOB_REGISTRATION, [r for s in sims for r in s.regs]),
+        checkpoints=codec.from_rows(S.CHECKPOINT, [r for s in sims for r in s.ckpts]),
+        heartbeats=codec.conform(hb, S.HEARTBEAT),
+        hangs=codec.from_rows(S.HANG, [r for s in sims for r in s.hangs]),
+        alerts=codec.from_rows(S.ALERT, [r for s in sims for r in s.alerts]),
         truth=[t for s in sims for t in s.truth], start_ns=START_NS, end_ns=end_ns,
     )

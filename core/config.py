@@ -47,8 +47,8 @@ class KafkaConfig:
     """Check that a broker's certificate names the host connected to (turn off only for IP-only test setups)."""
 
     def conn(self):
-        """The ``ingest.kafka_conn.KafkaConn`` every Kafka client of this configuration is built from."""
-        from ingest.kafka_conn import KafkaConn
+        """The ``core.kafka_conn.KafkaConn`` every Kafka client of this configuration is built from."""
+        from core.kafka_conn import KafkaConn
 
         return KafkaConn(**{f.name: getattr(self, f.name) for f in dataclasses.fields(KafkaConn)})
 
@@ -265,10 +265,10 @@ def load(path: str | None = None, env: Mapping[str, str] | None = None) -> Confi
 
 def check_kafka_transport(cfg: Config) -> Config:
     """Refuse Kafka TLS/SASL settings that cannot work (a missing CA file, SASL without a user) at load."""
-    from ingest.kafka_conn import KafkaConnError
+    from core.kafka_conn import KafkaConnError
 
     if cfg.kafka.sasl_password:
-        from stragglerscope.redact import add_secret
+        from core.redact import add_secret
 
         add_secret(cfg.kafka.sasl_password)
     if not cfg.kafka.bootstrap and cfg.kafka.security_protocol != "PLAINTEXT":
@@ -297,7 +297,7 @@ def with_store_credentials(cfg: Config) -> Config:
     url = st.url.strip()
     if not url.lower().startswith("clickhouse://") or not (st.password or st.password_file):
         return cfg
-    from stragglerscope.redact import add_secret
+    from core.redact import add_secret
 
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)

@@ -11,18 +11,20 @@ from __future__ import annotations
 import pandas as pd
 import pyarrow as pa
 
-from ingest import schema as S
+from core import codec
+from core import schema as S
+from core.layout import JobLayout
 
 MAX_OPS = 200_000
 
 
-def layout_of(registration: dict) -> S.JobLayout:
-    from ray_jobs.windows import JobInfo
+def layout_of(registration: dict) -> JobLayout:
+    from core.registration import Registration
 
-    return JobInfo.from_row(registration).layout
+    return Registration.from_row(registration).layout
 
 
-def timeline_frame(ops: pa.Table, layout: S.JobLayout, step: int | None = None,
+def timeline_frame(ops: pa.Table, layout: JobLayout, step: int | None = None,
                    workers: int = 8) -> tuple[pd.DataFrame, list[dict]]:
     """(frame, trace events): one row per op of ``step`` on the first ``workers`` workers, both scenarios.
 
@@ -31,10 +33,10 @@ def timeline_frame(ops: pa.Table, layout: S.JobLayout, step: int | None = None,
     are the whole window's (Chrome/Perfetto format) for download.
     """
     from analyzers.whatif import analyze
-    from analyzers.whatif.optypes import STREAM_NAMES
+    from analyzers.whatif.opcodes import STREAM_NAMES
     from analyzers.whatif.timeline import timeline_events
 
-    ops = S.conform(ops, S.OP_SPAN)
+    ops = codec.conform(ops, S.OP_SPAN)
     events = timeline_events(analyze(ops, layout), max_ops=MAX_OPS)
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
     rows = []

@@ -14,7 +14,7 @@ from storage.daemon.files import daemon_url, token_path
 from storage.errors import StoreError
 from storage.sandbox import SQLLimits
 
-_ROOT = Path(__file__).resolve().parents[2]  # the repository: the child imports storage from here
+_ROOT = Path(__file__).resolve().parents[1]  # the repository: the child imports storage from here
 
 
 class StoreDaemon:

@@ -25,7 +25,8 @@ import dataclasses
 import numpy as np
 import pyarrow as pa
 
-from ingest import schema as S
+from core import codec
+from core import schema as S
 
 LINK_KINDS = ("none", "link", "source", "destination", "noncomm_slow")
 HANG_KINDS = ("healthy", "comm_hang", "noncomm_hang", "node_loss")
@@ -106,7 +107,7 @@ def link_incident(kind: str, n_ranks: int, seed: int, job_id: str = "linkjob", c
                                                pa.array(np.full(n, nbytes, np.int64))),
         "recv_wait_ns": pa.array(c["wait"].astype(np.int64)),
     })
-    return Incident(kind, n_ranks, S.conform(ccl, S.CCL_RECORD), None, truth)
+    return Incident(kind, n_ranks, codec.conform(ccl, S.CCL_RECORD), None, truth)
 
 
 def hang_incident(kind: str, n_ranks: int, seed: int, job_id: str = "hangjob", ranks_per_host: int = 8,
@@ -187,4 +188,4 @@ def hang_incident(kind: str, n_ranks: int, seed: int, job_id: str = "hangjob", r
         "recv_wait_ns": pa.array(np.zeros(n_ranks, np.int64)),
     })
     truth["seq"] = seq_n
-    return Incident(kind, n_ranks, S.conform(ccl, S.CCL_RECORD), S.conform(hb, S.HEARTBEAT), truth, now)
+    return Incident(kind, n_ranks, codec.conform(ccl, S.CCL_RECORD), codec.conform(hb, S.HEARTBEAT), truth, now)

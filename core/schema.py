@@ -1,6 +1,6 @@
-"""The record schemas: the single source of truth for every record we move.
+"""The record schemas: the single source of truth for every record we move or store.
 
-Producers, decoders, the ClickHouse DDL (``storage/ddl.py``), the analyzers'
+Producers, decoders (``core/codec.py``), the ClickHouse DDL (``storage/ddl.py``), the analyzers'
 column contracts and the test factories all derive from the Arrow schemas
 below. Every field carries its unit in the field metadata (``unit``) and every
 schema carries ``SCHEMA_VERSION`` and its kind in the schema metadata, so a
@@ -13,9 +13,9 @@ Conventions
 - Worker coordinates follow ../shared/design/WHATIF.md: ``dp_rank``,
   ``pp_rank``; TP and CP ranks are folded into the worker. ``rank`` is the
   global rank of the process that reported the record.
-- Op types are Megatron-LM names (``OPTYPES``), as in the golden traces.
+- Op types are Megatron-LM names (``core.optypes.OPTYPES``), as in the golden traces.
 - Versions: a field added after version 1 carries ``since`` and ``default``
-  in its metadata and sits at the end of its schema. ``decode`` reads every
+  in its metadata and sits at the end of its schema. ``codec.decode`` reads every
   version from ``MIN_READ_VERSION`` to ``SCHEMA_VERSION``; ``conform`` and
   ``from_rows`` fill such a field with its default where a record lacks it
   (an older producer) or holds nulls there, so older records still decode.
@@ -25,14 +25,10 @@ this module and must stay free of Kafka, Ray, ClickHouse and Streamlit.
 """
 from __future__ import annotations
 
-import dataclasses
-import io
 import json
-import math
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 SCHEMA_VERSION = 2
 """Bump on any change of a schema below; add a forward migration in storage/.
@@ -43,35 +39,6 @@ SCHEMA_VERSION = 2
 """
 MIN_READ_VERSION = 1
 """The oldest version ``decode`` still reads (fields added since get their defaults)."""
-
-# --------------------------------------------------------------------------
-# Op types (WHATIF.md section 1)
-# --------------------------------------------------------------------------
-COMPUTE_OPTYPES = ("forward-compute", "backward-compute", "optimizer", "gc")
-PP_OPTYPES = ("forward-send", "forward-recv", "backward-send", "backward-recv")
-DP_OPTYPES = ("params-all-gather", "grads-reduce-scatter", "separate-grads-all-reduce")
-SYNC_OPTYPES = (
-    "embedding-grads-all-reduce",
-    "optimizer-clip-main-grad",
-    "layernorm-grads-all-reduce",
-)
-OPTYPES = COMPUTE_OPTYPES + PP_OPTYPES + DP_OPTYPES + SYNC_OPTYPES
-"""Every op type the what-if model knows. Others are accepted and reported."""
-
-# --------------------------------------------------------------------------
-# Topics
-# --------------------------------------------------------------------------
-TOPIC_OPS = "ss.ops"
-TOPIC_CCL = "ss.ccl"
-TOPIC_HEARTBEATS = "ss.heartbeats"
-TOPIC_JOBS = "ss.jobs"
-TOPIC_CHECKPOINTS = "ss.checkpoints"
-TOPIC_DEAD_LETTER = "ss.dead-letter"
-TOPIC_ALERTS = "ss.alerts"
-INPUT_TOPICS = (TOPIC_JOBS, TOPIC_OPS, TOPIC_CCL, TOPIC_HEARTBEATS, TOPIC_CHECKPOINTS)
-
-MAX_MESSAGE_BYTES = 900_000
-"""One Arrow IPC batch per Kafka message stays under Kafka's 1 MB default."""
 
 
 def _f(name: str, typ: pa.DataType, unit: str, doc: str, nullable: bool = False, *, since: int = 1,
@@ -446,6 +413,38 @@ REMEDY = _schema(
     ],
 )
 
+# --------------------------------------------------------------------------
+# Storage-only tables: written by the store, never sent through Kafka
+# --------------------------------------------------------------------------
+OFFSETS = pa.schema([
+    pa.field("source_id", pa.string(), nullable=False, metadata={"unit": "", "doc": "names the Kafka cluster"}),
+    pa.field("topic", pa.string(), nullable=False, metadata={"unit": "", "doc": "Kafka topic"}),
+    pa.field("partition", pa.int32(), nullable=False, metadata={"unit": "", "doc": "Kafka partition"}),
+    pa.field("next_offset", pa.int64(), nullable=False, metadata={"unit": "", "doc": "next offset to read"}),
+])
+
+ALERT_ACK = pa.schema([
+    pa.field("alert_id", pa.string(), nullable=False, metadata={"unit": "", "doc": "the acknowledged alert"}),
+    pa.field("acked_ns", pa.int64(), nullable=False, metadata={"unit": "ns", "doc": "when (0 with acked=0: undone)"}),
+    pa.field("acked", pa.uint8(), nullable=False, metadata={"unit": "", "doc": "1 acknowledged, 0 un-acknowledged"}),
+    pa.field("acked_by", pa.string(), nullable=False, metadata={"unit": "", "doc": "who (free text)"}),
+    pa.field("note", pa.string(), nullable=False, metadata={"unit": "", "doc": "why, or what was done"}),
+])
+"""Acknowledgements from the console: the latest row per alert wins, so an ack can be undone."""
+
+OPTYPE_WASTE = pa.schema(
+    [OPTYPE_SLOWDOWN.field(n) for n in ("job_id", "attempt", "window_id", "optype", "slowdown")]
+    + [WINDOW_RESULT.field(n) for n in ("analyzed_ns", "team", "model", "n_gpus", "gpu_hours")]
+    + [pa.field("wasted_gpu_hours", pa.float64(), nullable=False,
+                metadata={"unit": "GPU-h", "doc": "gpu_hours x (1 - 1/S_t), at least 0"})]
+)
+"""Derived at write time: op-type S_t of a window joined with the window's GPU-hours and owner.
+
+A join of op-type rows with windows at query time takes seconds at a year of
+fleet; the store writes this table when the second of the two arrives.
+"""
+
+
 INPUT_SCHEMAS: dict[str, pa.Schema] = {
     s.metadata[b"stragglerscope.kind"].decode(): s
     for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB_REGISTRATION, CHECKPOINT)
@@ -456,26 +455,6 @@ RESULT_SCHEMAS: dict[str, pa.Schema] = {
               DOWNTIME, REMEDY)
 }
 ALL_SCHEMAS: dict[str, pa.Schema] = {**INPUT_SCHEMAS, **RESULT_SCHEMAS}
-TOPIC_OF_KIND = {
-    "op_span": TOPIC_OPS,
-    "ccl_record": TOPIC_CCL,
-    "heartbeat": TOPIC_HEARTBEATS,
-    "job_registration": TOPIC_JOBS,
-    "checkpoint": TOPIC_CHECKPOINTS,
-}
-
-
-def fold_ranks(ranks) -> str:
-    """Folded ranges, e.g. [0, 1, 2, 3, 5] -> '0-3,5'."""
-    rs = sorted(set(int(r) for r in ranks))
-    out, i = [], 0
-    while i < len(rs):
-        j = i
-        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
-            j += 1
-        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
-        i = j + 1
-    return ",".join(out)
 
 
 def kind_of(schema: pa.Schema) -> str:
@@ -485,248 +464,3 @@ def kind_of(schema: pa.Schema) -> str:
 def unit_of(schema: pa.Schema, name: str) -> str:
     md = schema.field(name).metadata or {}
     return md.get(b"unit", b"").decode()
-
-
-# --------------------------------------------------------------------------
-# Job layout
-# --------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class JobLayout:
-    """Parallelism of one job. TP and CP are folded into the (dp, pp) worker."""
-
-    dp_size: int
-    pp_size: int
-    tp_size: int = 1
-    cp_size: int = 1
-    vpp_size: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("dp_size", "pp_size", "tp_size", "cp_size", "vpp_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_size * self.pp_size * self.tp_size * self.cp_size
-
-    @property
-    def n_workers(self) -> int:
-        return self.dp_size * self.pp_size
-
-    @classmethod
-    def from_meta(cls, meta: Mapping[str, Any]) -> "JobLayout":
-        """From a golden-trace meta YAML (``dsp_size`` is context parallel)."""
-        try:
-            return cls(
-                dp_size=int(meta["dp_size"]),
-                pp_size=int(meta["pp_size"]),
-                tp_size=int(meta.get("tp_size", 1)),
-                cp_size=int(meta.get("dsp_size", meta.get("cp_size", 1))),
-                vpp_size=int(meta.get("vpp_size", 1)),
-            )
-        except KeyError as e:
-            raise ValueError(f"job meta lacks {e.args[0]!r}") from None
-
-
-# --------------------------------------------------------------------------
-# Encoding: one Arrow IPC stream per Kafka message
-# --------------------------------------------------------------------------
-class DecodeError(ValueError):
-    """A payload that is not a valid record batch of a known schema."""
-
-
-def wire_schema(schema: pa.Schema) -> pa.Schema:
-    """The schema as sent: field docs and units dropped, kind and version kept.
-
-    Every Kafka message carries its schema; the docs would cost a few KB each.
-    """
-    md = schema.metadata or {}
-    keep = {k: v for k, v in md.items() if k.startswith(b"stragglerscope.")}
-    return pa.schema([f.remove_metadata() for f in schema], metadata=keep)
-
-
-_WIRE = {id(s): wire_schema(s) for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB_REGISTRATION, CHECKPOINT)}
-
-
-def encode(batch: pa.RecordBatch | pa.Table, compression: str | None = "zstd") -> bytes:
-    """Encode one batch (or table) as an Arrow IPC stream, body-compressed.
-
-    Fields added after version 1 that a producer left null get their defaults.
-    """
-    table = batch if isinstance(batch, pa.Table) else pa.Table.from_batches([batch])
-    schema = _WIRE.get(id(table.schema)) or wire_schema(table.schema)
-    batch = fill_defaults(table, table.schema).cast(schema)
-    sink = io.BytesIO()
-    opts = pa.ipc.IpcWriteOptions(compression=compression)
-    with pa.ipc.new_stream(sink, schema, options=opts) as w:
-        w.write_table(batch)
-    return sink.getvalue()
-
-
-def decode(payload: bytes) -> tuple[str, pa.Table]:
-    """Decode and validate an IPC payload; returns (kind, table).
-
-    Raises DecodeError, and nothing else, with a reason fit for a dead-letter
-    record: the bytes are not Arrow, a buffer is inconsistent, the kind or
-    version is unknown, or a column is missing, mistyped or null where it
-    must not be.
-    """
-    try:
-        with pa.ipc.open_stream(pa.py_buffer(payload)) as r:
-            table = r.read_all()
-    except Exception as e:  # pyarrow raises several types for garbage
-        raise DecodeError(f"not an Arrow IPC stream: {type(e).__name__}: {e}"[:500]) from None
-    try:
-        # The IPC reader checks buffer sizes but not their contents: string offsets that
-        # point past the data pass it and crash the process later, in hashing or a
-        # filter. Full validation (offsets, UTF-8, dictionary indices) costs one pass.
-        table.validate(full=True)
-    except Exception as e:
-        raise DecodeError(f"invalid Arrow buffers: {type(e).__name__}: {e}"[:500]) from None
-    md = table.schema.metadata or {}
-    try:
-        kind = md.get(b"stragglerscope.kind", b"").decode("ascii")
-        version = md.get(b"stragglerscope.version", b"").decode("ascii")
-    except UnicodeDecodeError:
-        raise DecodeError("record kind or version is not ASCII") from None
-    if kind not in INPUT_SCHEMAS and kind not in RESULT_SCHEMAS:
-        raise DecodeError(f"unknown record kind {kind[:80]!r}")
-    # Only ASCII digits: str.isdigit() accepts '\u00b2', which int() then refuses.
-    if not (version.isascii() and version.isdigit() and len(version) <= 6
-            and MIN_READ_VERSION <= int(version) <= SCHEMA_VERSION):
-        raise DecodeError(f"unsupported schema version {version[:20]!r} for {kind} "
-                          f"(we read {MIN_READ_VERSION} to {SCHEMA_VERSION})")
-    try:
-        return kind, conform(table, ALL_SCHEMAS[kind])
-    except DecodeError:
-        raise
-    except Exception as e:  # a cast or a default that Arrow refuses: still this message's fault
-        raise DecodeError(f"{kind}: {type(e).__name__}: {e}"[:500]) from None
-
-
-def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """Check ``table`` against ``schema``: same columns, castable types, no nulls.
-
-    Extra columns are dropped, safe casts applied (int32 -> int64 and the like);
-    a field added after version 1 that the table lacks, or holds nulls in, gets
-    its default (older producers); anything else raises DecodeError naming the
-    column.
-    """
-    cols = []
-    for field in schema:
-        has_default, default = default_of(field)
-        if field.name not in table.column_names:
-            if not has_default:
-                raise DecodeError(f"{kind_of(schema)}: missing column {field.name!r}")
-            filled = pa.nulls(table.num_rows, field.type).fill_null(pa.scalar(default, field.type))
-            cols.append(pa.chunked_array([filled], field.type))
-            continue
-        col = table.column(field.name)
-        if not col.type.equals(field.type):
-            try:
-                col = col.cast(field.type, safe=True)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-                raise DecodeError(
-                    f"{kind_of(schema)}: column {field.name!r} is {col.type}, want {field.type}: {e}"[:500]
-                ) from None
-        if has_default and col.null_count:
-            col = col.fill_null(pa.scalar(default, field.type))
-        if not field.nullable and col.null_count:
-            raise DecodeError(f"{kind_of(schema)}: column {field.name!r} has {col.null_count} nulls")
-        cols.append(col)
-    return pa.Table.from_arrays(cols, schema=schema)
-
-
-def validate_op_spans(table: pa.Table) -> tuple[pa.Table, pa.Table | None, str]:
-    """Split op spans into good rows and bad rows (with the reason).
-
-    Bad rows: negative duration, negative ranks or step. Unknown op types are
-    kept (the analyzer reports them). Returns (good, bad, reason); ``bad`` is
-    None when every row is good.
-    """
-    bad_mask = pc.or_(
-        pc.less(table["duration_ns"], 0),
-        pc.or_(pc.less(table["dp_rank"], 0), pc.or_(pc.less(table["pp_rank"], 0), pc.less(table["step"], 0))),
-    )
-    return _split_bad(table, bad_mask, "op spans with negative duration, rank or step")
-
-
-def _split_bad(table: pa.Table, bad_mask: pa.ChunkedArray, what: str) -> tuple[pa.Table, pa.Table | None, str]:
-    """(good rows, bad rows or None, "<count> <what>") of a validator's mask."""
-    n_bad = pc.sum(pc.cast(bad_mask, pa.int64())).as_py() or 0
-    if not n_bad:
-        return table, None, ""
-    return table.filter(pc.invert(bad_mask)), table.filter(bad_mask), f"{n_bad} {what}"
-
-
-def validate_checkpoints(table: pa.Table) -> tuple[pa.Table, pa.Table | None, str]:
-    """Split CHECKPOINT rows into good and bad rows (with the reason), like ``validate_op_spans``.
-
-    Bad rows: a kind other than save or load, a negative step, duration or rank.
-    """
-    bad_mask = pc.or_(
-        pc.invert(pc.is_in(table["kind"], pa.array(CHECKPOINT_KINDS))),
-        pc.or_(pc.less(table["step"], 0), pc.or_(pc.less(table["duration_ns"], 0), pc.less(table["rank"], 0))),
-    )
-    return _split_bad(table, bad_mask, "checkpoint records with an unknown kind or a negative step, duration or rank")
-
-
-def empty(schema: pa.Schema) -> pa.Table:
-    return schema.empty_table()
-
-
-def from_rows(schema: pa.Schema, rows: Iterable[Mapping[str, Any]]) -> pa.Table:
-    """Build a table of ``schema`` from dict rows (test factories, small results).
-
-    A row may leave out fields added after version 1: they get their defaults.
-    """
-    rows = list(rows)
-    if not rows:
-        return schema.empty_table()
-    return fill_defaults(pa.Table.from_pylist(rows, schema=schema), schema)
-
-
-def fill_defaults(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """Nulls in the fields of ``schema`` that have a default (added after version 1) become that default.
-
-    ``pa.Table.from_pylist(rows, schema=...)`` leaves nulls where a row lacks a
-    key, also in non-nullable fields: producers written before a field existed.
-    """
-    for field in schema:
-        has_default, default = default_of(field)
-        if not has_default or field.name not in table.column_names:
-            continue
-        i = table.column_names.index(field.name)
-        if table.column(i).null_count:
-            table = table.set_column(i, table.field(i), table.column(i).fill_null(pa.scalar(default, field.type)))
-    return table
-
-
-def json_safe(x: Any) -> Any:
-    """JSON-safe copy: NaN and infinities -> None, numpy scalars -> Python, tuples -> lists, keys -> str."""
-    if isinstance(x, dict):
-        return {str(k): json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
-
-
-def dumps(obj: Any) -> str:
-    """JSON for the *_json evidence columns: compact, NaN-free (NaN -> null), stable key order."""
-    return json.dumps(json_safe(obj), sort_keys=True, separators=(",", ":"), default=_json_default,
-                      allow_nan=False)
-
-
-def _json_default(o: Any) -> Any:
-    if hasattr(o, "item"):  # numpy scalars
-        return o.item()
-    if hasattr(o, "tolist"):
-        return o.tolist()
-    if dataclasses.is_dataclass(o):
-        return dataclasses.asdict(o)
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")

@@ -32,6 +32,8 @@ import urllib.request
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+from services.ports import free_port
+
 _INFRA = Path(__file__).resolve().parent.parent / "infra" / "clickhouse"
 _CANDIDATES = ("/usr/bin/clickhouse-server", "/usr/sbin/clickhouse-server")
 
@@ -85,12 +87,6 @@ def find_server_binary() -> str | None:
         if os.access(cand, os.X_OK):
             return cand
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _template(name: str, fallback: str) -> string.Template:

@@ -33,7 +33,8 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-from ingest.schema import JOB_REGISTRATION, OP_SPAN, JobLayout
+from core.layout import JobLayout
+from core.schema import JOB_REGISTRATION, OP_SPAN
 
 CAUSES = ("none", "slow_worker", "heavy_last_stage", "seq_imbalance", "gc")
 PACKINGS = ("none", "attention")

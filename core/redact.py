@@ -93,7 +93,7 @@ class RedactingFilter(logging.Filter):
 
     The traceback is formatted here, redacted, and kept as ``exc_text`` (the
     text formatter appends it) and ``exc`` (the JSON formatter of
-    ``stragglerscope.logs`` writes extra fields as they are).
+    ``core.logs`` writes extra fields as they are).
     """
 
     def filter(self, record: logging.LogRecord) -> bool:

@@ -1,6 +1,6 @@
 """A real training client: DP x PP pipeline training on CPU with gloo, instrumented by the exporter.
 
-    python -m ingest.train_gloo --bootstrap 127.0.0.1:9092 --job-id j1 --dp 2 --pp 2 --steps 10
+    python -m examples.train_gloo --bootstrap 127.0.0.1:9092 --job-id j1 --dp 2 --pp 2 --steps 10
 
 Spawns dp * pp processes (rank = pp_rank * dp + dp_rank). Each stage holds a
 small MLP; microbatches flow through a 1F1B schedule with real point-to-point
@@ -71,11 +71,11 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from core.layout import JobLayout
+    from generators.fleetgen import JobSpec
     from ingest.exporter import RankExporter, Sampling, estimate_clock_offset
     from ingest.producer import TelemetryProducer
-    from ingest.schema import JobLayout
     from ingest.torch_ccl import instrument_distributed
-    from ingest.fleetgen import JobSpec
 
     dp, pp, m = args.dp, args.pp, args.microbatches
     pp_rank, dp_rank = divmod(rank, dp)
@@ -229,7 +229,7 @@ def _null_op(*_a, **_k):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ingest.train_gloo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m examples.train_gloo", description=__doc__.split("\n\n")[0])
     p.add_argument("--bootstrap", required=True, help="Kafka bootstrap host:port")
     p.add_argument("--job-id", required=True)
     p.add_argument("--attempt", type=int, default=0)
@@ -255,7 +255,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--report", help="rank 0 writes its step times here (JSON)")
     args = p.parse_args(argv)
     if args.port == 0:
-        from ingest.broker import free_port
+        from services.ports import free_port
 
         args.port = free_port()
     return args

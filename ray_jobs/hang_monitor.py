@@ -15,7 +15,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from analyzers.hang import HangParams, HangTracker
-from ingest import schema as S
+from core import codec
+from core import schema as S
 from ray_jobs.checkpoint import Clock, Unit
 
 _NS = 1_000_000_000
@@ -103,7 +104,7 @@ class HangMonitor:
 
         def stored(n=len(rows)):
             self.hangs += n
-        return [Unit(f"{len(rows)} hang(s)", {"hang": S.from_rows(S.HANG, rows)}, on_stored=stored)]
+        return [Unit(f"{len(rows)} hang(s)", {"hang": codec.from_rows(S.HANG, rows)}, on_stored=stored)]
 
     def snapshot(self) -> dict:
         return dict(hangs=self.hangs, heartbeat_age_s=self.heartbeat_age_s,

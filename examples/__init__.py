@@ -1,0 +1,1 @@
+"""Runnable training clients that feed stragglerscope: ``python -m examples.train_gloo --help``."""

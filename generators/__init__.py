@@ -1,0 +1,1 @@
+"""Synthetic telemetry for tests, benchmarks and the demo: fleets, faults, downtime. Never product input."""

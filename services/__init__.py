@@ -1,0 +1,7 @@
+"""The services stragglerscope starts for itself, each on 127.0.0.1: launchers only, no pipeline logic.
+
+- ``broker``: ``LocalBroker``, the embedded Kafka-protocol broker (Tansu);
+- ``clickhouse_server``: ``ClickHouseServer``, a loopback ClickHouse server for tests, demo, benchmarks;
+- ``store_daemon``: ``StoreDaemon``, the store daemon (``python -m storage.daemon``) as a child process;
+- ``ports``: free loopback ports.
+"""
