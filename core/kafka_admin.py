@@ -181,11 +181,11 @@ def prepare_topics(bootstrap: KafkaConn | str, partitions: int, replication_fact
 
     ``outputs``: the dead-letter and alert topics too (the pipeline writes them; exporters do not).
     """
-    from core import topics
+    from core.topics import INPUT_TOPICS, TOPIC_ALERTS, TOPIC_DEAD_LETTER
 
-    topics = topics.INPUT_TOPICS + ((topics.TOPIC_DEAD_LETTER, topics.TOPIC_ALERTS) if outputs else ())
-    counts = ensure_topics(bootstrap, topics, partitions, timeout_s, replication_factor=replication_factor)
-    return check_partitions(counts, topics.INPUT_TOPICS, partitions)
+    wanted = INPUT_TOPICS + ((TOPIC_DEAD_LETTER, TOPIC_ALERTS) if outputs else ())
+    counts = ensure_topics(bootstrap, wanted, partitions, timeout_s, replication_factor=replication_factor)
+    return check_partitions(counts, INPUT_TOPICS, partitions)
 
 
 def end_offsets(bootstrap: KafkaConn | str, partitions: Iterable[tuple[str, int]],
