@@ -351,7 +351,7 @@ ALERT = _schema(
 _GPU_H = "GPU-h"
 DOWNTIME = _schema(
     "downtime",
-    "What one fault of one job attempt cost, in C4's categories (analyzers/accounting.py defines each).",
+    "What one fault of one job attempt cost, in C4's categories (analyzers/downtime.py defines each).",
     [
         _JOB,
         _f("attempt", pa.int32(), "", "the attempt the fault struck"),
@@ -444,6 +444,9 @@ A join of op-type rows with windows at query time takes seconds at a year of
 fleet; the store writes this table when the second of the two arrives.
 """
 
+
+STORED_INF = 1e30
+"""How a REMEDY row stores an infinite gain or step time (Arrow and ClickHouse hold it; JSON would not)."""
 
 INPUT_SCHEMAS: dict[str, pa.Schema] = {
     s.metadata[b"stragglerscope.kind"].decode(): s

@@ -24,7 +24,7 @@ every ``heartbeat_s``, with ``step_done`` and ``step_done_ns``), HANG and
 ALERT rows, as Arrow tables of ``core.schema``.
 
 ``DowntimeFleet.truth`` holds one row per incident (DOWNTIME fields, plus
-``resume_ns``) with the categories of ``analyzers/accounting.py`` computed
+``resume_ns``) with the categories of ``analyzers/downtime.py`` computed
 from the simulated timeline itself: fault start = end of the last completed
 step (or of its save), ``resume_ns`` = the real start of the first step the
 next attempt (or the cleared attempt) runs, lost progress = the summed real

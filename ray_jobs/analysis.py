@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from analyzers.accounting import window_mfu
+from analyzers.mfu import window_mfu
 from core import codec, jsonutil
 from core import schema as S
 from core.registration import Registration

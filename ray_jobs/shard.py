@@ -42,7 +42,7 @@ from ray_jobs.alerts import AlertReducer, AlertRules, WebhookSender
 from ray_jobs.checkpoint import Checkpoint, Clock, RetryLater, Unit
 from ray_jobs.crashes import CrashJournal, default_path
 from ray_jobs.dispatch import WindowDispatch
-from ray_jobs.downtime import DowntimeReducer
+from ray_jobs.downtime_reducer import DowntimeReducer
 from ray_jobs.hang_monitor import HangMonitor
 
 log = logging.getLogger(__name__)

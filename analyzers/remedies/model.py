@@ -51,7 +51,7 @@ class Remedy:
         """Flat record for storage: str/int/float fields, the plan as ``details_json``.
 
         Infinite gains and step times (a recovery plan restores stopped progress;
-        nothing can run) become the REMEDY schema's stand-in, +-1e30.
+        nothing can run) become the REMEDY schema's stand-in, +-``STORED_INF``.
         """
         return {
             "job_id": str(job_id), "attempt": int(attempt), "window_id": int(window_id),
@@ -64,11 +64,7 @@ class Remedy:
 
 def _finite(x: float) -> float:
     x = float(x)
-    return (STORED_INF if x > 0 else -STORED_INF) if math.isinf(x) else x
-
-
-STORED_INF = 1e30
-"""How REMEDY rows store an infinite gain or step time."""
+    return (S.STORED_INF if x > 0 else -S.STORED_INF) if math.isinf(x) else x
 
 
 def remedy_table(key: tuple[str, int, int], remedies, advised_ns: int) -> pa.Table:

@@ -8,14 +8,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from analyzers.accounting import (
-    DowntimeAccountant,
-    account_downtime,
-    downtime_table,
-    flops_per_step,
-    peak_flops,
-    window_mfu,
-)
+from analyzers.downtime import DowntimeAccountant, Signal, account_downtime, downtime_table
+from analyzers.mfu import flops_per_step, peak_flops, window_mfu
 from core import codec, jsonutil
 from core import schema as S
 from core.layout import JobLayout
@@ -359,3 +353,21 @@ def test_bad_checkpoint_records_are_counted_not_used():
     acc = DowntimeAccountant()
     acc.add(t)
     assert acc.stats.bad_records == 2 and not acc.jobs
+
+
+def test_a_hang_and_the_alert_raised_from_it_are_the_same_typed_signal():
+    """The accountant reads typed ``Signal``s; a HANG row and the shard's alert about it give the same one."""
+    from core.config import AlertConfig
+    from ray_jobs.alerts import AlertRules
+
+    hang = dict(job_id="j", attempt=0, hang_id=5 * NS, kind="noncomm_hang", group="dp0", seq=7, op="all_reduce",
+                stuck_ranks="0-2", missing_ranks="3", suspect_hosts="h1,h2", since_ns=NS, duration_s=4.0,
+                evidence_json="{}")
+    alert, = AlertRules(AlertConfig()).evaluate_hang(hang, now=0.0, now_ns=6 * NS)
+    from_hang, from_alert = Signal.from_hang(hang), Signal.from_alert(alert)
+    assert (from_hang.kind, from_hang.n_stuck, from_hang.n_missing, from_hang.n_hosts) == ("noncomm_hang", 3, 1, 2)
+    assert from_alert == Signal(6 * NS, "noncomm_hang", 1, 3, 2), "the alert's time, the hang's evidence"
+    assert from_hang.names_culprit(n_gpus=4) and from_alert.names_culprit(n_gpus=4)
+    assert Signal.from_alert(dict(alert, rule="link")) is None, "only hang and node-loss alerts are faults"
+    odd = Signal.from_alert(dict(alert, details_json="[1, 2]"))  # valid JSON, not an object
+    assert odd == Signal(6 * NS, "hang", 0, 0, 0)

@@ -448,7 +448,7 @@ def test_one_chdb_path_per_process(tmp_path):
 
 def test_where_the_gpu_hours_went_stragglers_and_faults_together(store):
     """One query answers the week's bill: straggler waste and every C4 downtime category, matching truth."""
-    from analyzers.accounting import account_downtime, downtime_table
+    from analyzers.downtime import account_downtime, downtime_table
     from generators.downtimegen import generate_downtime_fleet
 
     fleet = generate_downtime_fleet(n_jobs=4, days=3.0, seed=2)

@@ -62,7 +62,7 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
     by_kind.setdefault("hang", []).append(codec.from_rows(S.HANG, [row]))
     row["summary"] = hang.summary()
     by_kind["alert"].append(codec.from_rows(S.ALERT, rules.evaluate_hang(row, 0.0, now)))
-    from analyzers.accounting import account_downtime, downtime_table
+    from analyzers.downtime import account_downtime, downtime_table
     from generators.downtimegen import generate_downtime_fleet
 
     faults = generate_downtime_fleet(n_jobs=3, days=2.0, seed=1)

@@ -6,6 +6,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
+from core.schema import STORED_INF
 from ui.data import advise_window, named, window_timeline
 from ui.widgets import heatmap
 
@@ -89,13 +90,13 @@ if remedies.empty:
              "`stragglerscope advise` or the button computes them on demand).")
 for _, r in remedies.iterrows():
     gain = r["predicted_gain"]
-    label = "restores progress" if gain > 1e6 else (f"+{100 * gain:.1f}% step time" if gain == gain else "gain n/a")
+    label = "restores progress" if gain >= STORED_INF else (f"+{100 * gain:.1f}% step time" if gain == gain else "gain n/a")
     with st.expander(f"{int(r['priority'])}. {r['kind']} ({r['verdict']}): {label}", expanded=int(r["priority"]) == 1):
         st.markdown(r["action"])
         c = st.columns(2)
         c[0].metric("Step time now", f"{r['step_time_before_s']:.3f} s")
         after = r["step_time_after_s"]
-        c[1].metric("Predicted after the fix", f"{after:.3f} s" if after < 1e6 else "–")
+        c[1].metric("Predicted after the fix", f"{after:.3f} s" if after < STORED_INF else "–")
         st.json(json.loads(r["details_json"] or "{}"), expanded=False)
 
 st.subheader("Actual vs simulated ideal timeline")

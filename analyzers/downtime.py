@@ -1,24 +1,5 @@
-"""Fleet accounting beyond stragglers: MFU per window and the downtime that faults cost.
+"""Downtime that faults cost, in Alibaba C4's categories: a streaming accountant over records we already move.
 
-MFU (MegaScale judges a job by it)
-----------------------------------
-``window_mfu(registration, steps, actual_s, ideal_s)``: model FLOPs per step
-over the time a step took, over the job's peak::
-
-    FLOPs per step = flops_per_token x tokens_per_step
-                     (flops_per_token 0: 6 x params, the dense-transformer rule)
-    mfu            = n x FLOPs per step / (sum of the n actual step times x n_gpus x peak FLOP/s)
-    mfu_ideal      = the same at the what-if simulator's ideal step times (no stragglers)
-
-``peak_flops`` is the registration's; 0 falls back to ``PEAK_FLOPS_BY_GPU``
-(dense BF16 of the GPU type). Without FLOPs per step or peak both are NaN.
-6 x params leaves out attention's ``12 x layers x hidden x seq_len`` FLOPs
-per token (a few percent for long sequences): register ``flops_per_token``
-to count them (``seq_len`` is stored for that reading; layers and hidden
-size are not registered, so it is not used here).
-
-Downtime (Alibaba C4's categories)
-----------------------------------
 ``DowntimeAccountant`` is a reducer over the records we already move:
 JOB_REGISTRATION (a new ``attempt`` is a restart), CHECKPOINT (saves and
 loads), HEARTBEAT (progress: ``step_done`` and ``step_done_ns``, the last
@@ -96,8 +77,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -108,72 +88,9 @@ from core import schema as S
 
 _NS = 1_000_000_000
 
-PEAK_FLOPS_BY_GPU = {
-    "A100": 312e12, "A800": 312e12, "H100": 989e12, "H800": 989e12, "H200": 989e12, "H20": 148e12,
-    "B200": 2.25e15,
-}
-"""Dense BF16 peak FLOP/s of one GPU by type (vendor data sheets); used when a registration says 0."""
-
 
 # --------------------------------------------------------------------------
-# MFU
-# --------------------------------------------------------------------------
-def _get(reg: Any, name: str, default: Any = 0) -> Any:
-    v = reg.get(name, default) if isinstance(reg, Mapping) else getattr(reg, name, default)
-    return default if v is None else v
-
-
-def flops_per_step(registration: Mapping[str, Any] | Any) -> float:
-    """Model FLOPs of one training step from a registration row; 0 if it lacks the information."""
-    per_token = float(_get(registration, "flops_per_token", 0.0) or 0.0)
-    if per_token <= 0:
-        per_token = 6.0 * float(_get(registration, "params", 0) or 0)
-    tokens = float(_get(registration, "tokens_per_step", 0) or 0)
-    return per_token * tokens if per_token > 0 and tokens > 0 else 0.0
-
-
-def peak_flops(registration: Mapping[str, Any] | Any) -> float:
-    """Peak FLOP/s of one GPU: the registration's, else the table's for its ``gpu_type``, else 0."""
-    peak = float(_get(registration, "peak_flops", 0.0) or 0.0)
-    if peak > 0:
-        return peak
-    names = re.findall(r"[A-Z]+\d+", str(_get(registration, "gpu_type", "") or "").upper())  # "NVIDIA H100-80GB"
-    return next((PEAK_FLOPS_BY_GPU[n] for n in names if n in PEAK_FLOPS_BY_GPU), 0.0)
-
-
-def _n_gpus(registration: Mapping[str, Any] | Any) -> int:
-    n = int(_get(registration, "n_gpus", 0) or 0)
-    if n > 0:
-        return n
-    sizes = [int(_get(registration, k, 1) or 1) for k in ("dp_size", "pp_size", "tp_size", "cp_size")]
-    return int(np.prod(sizes)) if any(k != 1 for k in sizes) else 0
-
-
-def window_mfu(registration: Mapping[str, Any] | Any, steps: int | Sequence[int],
-               actual_s: float | Sequence[float], ideal_s: float | Sequence[float]) -> tuple[float, float]:
-    """(mfu, mfu_ideal) of a window.
-
-    ``registration``: a JOB_REGISTRATION row (dict) or an object with those
-    attributes. ``steps``: the steps analysed (a count, or the step numbers).
-    ``actual_s`` and ``ideal_s``: per-step seconds in the order of ``steps``,
-    or one mean step time each. Non-finite or non-positive step times are left
-    out. NaN where FLOPs per step, peak, GPU count or step times are unknown.
-    """
-    fps, peak, n_gpus = flops_per_step(registration), peak_flops(registration), _n_gpus(registration)
-    n = int(steps) if np.isscalar(steps) else len(steps)
-    if fps <= 0 or peak <= 0 or n_gpus <= 0 or n <= 0:
-        return float("nan"), float("nan")
-
-    def one(times) -> float:
-        t = np.full(n, float(times)) if np.isscalar(times) else np.asarray(times, dtype=float)
-        t = t[np.isfinite(t) & (t > 0)]
-        return float(len(t) * fps / (t.sum() * n_gpus * peak)) if len(t) else float("nan")
-
-    return one(actual_s), one(ideal_s)
-
-
-# --------------------------------------------------------------------------
-# Downtime: state
+# State
 # --------------------------------------------------------------------------
 def _count_ranks(folded: str) -> int:
     n = 0
@@ -184,15 +101,45 @@ def _count_ranks(folded: str) -> int:
     return n
 
 
+def _count_hosts(hosts: str | None) -> int:
+    return len([h for h in (hosts or "").split(",") if h])
+
+
 @dataclasses.dataclass(frozen=True)
-class _Signal:
-    """A HANG or ALERT row about one attempt: when, what, and what it names."""
+class Signal:
+    """Evidence of a fault of one attempt, typed: when it was seen, what kind, and what it names.
+
+    Built from a HANG row (``from_hang``) or from a hang or node-loss ALERT row
+    (``from_alert``, whose details are JSON); ``DowntimeAccountant.add_signal``
+    takes it directly.
+    """
 
     ns: int
     kind: str  # comm_hang, noncomm_hang, node_loss (an alert without details: hang)
     n_missing: int
     n_stuck: int
     n_hosts: int
+
+    @classmethod
+    def from_hang(cls, row: Mapping[str, Any]) -> "Signal":
+        """From a HANG row: its ``hang_id`` is when the hang was detected."""
+        return cls(int(row["hang_id"]), row["kind"], _count_ranks(row["missing_ranks"]),
+                   _count_ranks(row["stuck_ranks"]), _count_hosts(row["suspect_hosts"]))
+
+    @classmethod
+    def from_alert(cls, row: Mapping[str, Any]) -> "Signal | None":
+        """From an ALERT row of rule ``hang`` or ``node_loss``; None for other rules (not faults that stop a job)."""
+        if row["rule"] not in ("hang", "node_loss"):
+            return None
+        try:
+            d = json.loads(row["details_json"] or "{}")
+        except ValueError:
+            d = {}
+        if not isinstance(d, dict):
+            d = {}
+        kind = d.get("kind") or ("node_loss" if row["rule"] == "node_loss" else "hang")
+        return cls(int(row["ts_ns"]), kind, _count_ranks(d.get("missing_ranks", "")),
+                   _count_ranks(d.get("stuck_ranks", "")), _count_hosts(str(d.get("suspect_hosts", ""))))
 
     def names_culprit(self, n_gpus: int) -> bool:
         if self.kind == "node_loss":
@@ -235,6 +182,18 @@ class _Attempt:
     @property
     def start_ns(self) -> int:
         return self.reg_ns if self.reg_ns >= 0 else self.first_seen_ns
+
+    def completed(self, step: int, ns: int) -> None:
+        """Step ``step`` was completed at ``ns`` by some rank: the latest report per step is kept."""
+        if ns > self.obs.get(step, -1):
+            self.obs[step] = ns
+            self._cache = None
+
+    def forget(self, steps: Iterable[int]) -> None:
+        """Drop old progress (pruning)."""
+        for s in steps:
+            del self.obs[s]
+        self._cache = None
 
     def progress(self) -> tuple[np.ndarray, np.ndarray]:
         """Completed steps, ascending, and their completion times (made monotone: no step ends before its
@@ -299,7 +258,7 @@ class AccountantStats:
 
 
 # --------------------------------------------------------------------------
-# Downtime: the reducer
+# The reducer
 # --------------------------------------------------------------------------
 class DowntimeAccountant:
     """Downtime per fault incident, streaming. Feed tables with ``add``; ``emit(now_ns)``; ``finish()``."""
@@ -411,34 +370,24 @@ class DowntimeAccountant:
                 last = (j, a)
                 job = self.jobs[j]
                 st = job.attempt(a) if a >= job.min_attempt else None
-                if st is not None:
-                    st._cache = None
-            if st is not None and x > st.obs.get(s, -1):
-                st.obs[s] = x
+            if st is not None:
+                st.completed(s, x)
 
     def add_hangs(self, table: pa.Table) -> None:
         for r in table.to_pylist():
             self.stats.records += 1
-            self._signal(r["job_id"], r["attempt"], _Signal(
-                int(r["hang_id"]), r["kind"], _count_ranks(r["missing_ranks"]), _count_ranks(r["stuck_ranks"]),
-                len([h for h in (r["suspect_hosts"] or "").split(",") if h])))
+            self.add_signal(r["job_id"], r["attempt"], Signal.from_hang(r))
 
     def add_alerts(self, table: pa.Table) -> None:
         """Hang and node-loss alerts; other rules (slowdown, link, fidelity) are not faults that stop a job."""
         for r in table.to_pylist():
             self.stats.records += 1
-            if r["rule"] not in ("hang", "node_loss"):
-                continue
-            try:
-                d = json.loads(r["details_json"] or "{}")
-            except ValueError:
-                d = {}
-            kind = d.get("kind") or ("node_loss" if r["rule"] == "node_loss" else "hang")
-            self._signal(r["job_id"], r["attempt"], _Signal(
-                int(r["ts_ns"]), kind, _count_ranks(d.get("missing_ranks", "")), _count_ranks(d.get("stuck_ranks", "")),
-                len([h for h in str(d.get("suspect_hosts", "")).split(",") if h])))
+            sig = Signal.from_alert(r)
+            if sig is not None:
+                self.add_signal(r["job_id"], r["attempt"], sig)
 
-    def _signal(self, job_id: str, attempt: int, sig: _Signal) -> None:
+    def add_signal(self, job_id: str, attempt: int, sig: Signal) -> None:
+        """One piece of fault evidence about an attempt (``add_hangs`` and ``add_alerts`` build them from rows)."""
         job = self._job(job_id, attempt)
         if job is None:
             return
@@ -507,9 +456,7 @@ class DowntimeAccountant:
                 top = max(st.obs)
                 old = [s for s, x in st.obs.items() if x < horizon and s != top]
                 if old:
-                    for s in old:
-                        del st.obs[s]
-                    st._cache = None
+                    st.forget(old)
         old = [k for k, sv in job.saves.items() if sv.end_ns < horizon]
         complete = [k for k in old if self._complete(job, k)]
         keep = max(complete, key=lambda k: k[1]) if complete else None
@@ -567,6 +514,23 @@ class DowntimeAccountant:
         keep = (rate > 0) & (rate <= 2 * np.median(rate))
         return float(busy[keep].sum() / made[keep].sum() / _NS) if keep.any() else float("nan")
 
+    def _resume(self, job: _Job, inc: _Incident, resume_step: int | None, T: float,
+                notes: list[str]) -> tuple[int, int]:
+        """(resume, end of the first useful step) of a closed incident: the first step the job completed
+        again (``runner``), moved back by the steps it redid at the pre-fault step time ``T``."""
+        runner = inc.att if inc.resume_obs is not None else inc.closer
+        steps, ns = runner.progress()
+        i = int(np.searchsorted(steps, inc.resume_obs[0])) if inc.resume_obs is not None else 0
+        s_o, n_o = int(steps[i]), int(ns[i])
+        if resume_step is None:
+            resume_step = s_o - 1
+            notes.append(f"resume step taken from attempt {runner.attempt}'s first completed step")
+        if not math.isfinite(T):
+            return n_o, n_o
+        k = max(0, s_o - resume_step)
+        start = n_o - int(round(k * T * _NS)) - self._stall_ns(job, runner, resume_step + 1, s_o)
+        return start, start + int(round(T * _NS))
+
     def _row(self, job: _Job, inc: _Incident, end_ns: int | None) -> dict:
         att, notes = inc.att, []
         n_gpus = att.n_gpus
@@ -598,40 +562,12 @@ class DowntimeAccountant:
             notes.append("step time unknown: lost progress 0, resume at the first completed step")
         lost_s = lost_steps * T if math.isfinite(T) else 0.0
 
-        first_step_ns = -1
         if end_ns is None:
-            runner = att if inc.resume_obs is not None else inc.closer
-            steps, ns = runner.progress()
-            if inc.resume_obs is not None:
-                i = int(np.searchsorted(steps, inc.resume_obs[0]))
-            else:
-                i = 0
-            s_o, n_o = int(steps[i]), int(ns[i])
-            if resume_step is None:
-                resume_step = s_o - 1
-                notes.append(f"resume step taken from attempt {runner.attempt}'s first completed step")
-            if math.isfinite(T):
-                k = max(0, s_o - resume_step)
-                start = n_o - int(round(k * T * _NS)) - self._stall_ns(job, runner, resume_step + 1, s_o)
-                first_step_ns = start + int(round(T * _NS))
-            else:
-                start = first_step_ns = n_o
-            end = start
+            end, first_step_ns = self._resume(job, inc, resume_step, T, notes)
         else:
-            end = end_ns
+            end, first_step_ns = end_ns, -1
             notes.append("open: the stream ended before the job ran again")
-
-        stamps = [t0, alert, diagnosed, restart]
-        present = [i for i, v in enumerate(stamps) if v >= 0]
-        clamped, prev = list(stamps), t0
-        for i in present:
-            clamped[i] = prev = min(max(stamps[i], prev), max(end, t0))
-        end = max(end, prev)
-        dur = [0.0] * 4
-        for j, i in enumerate(present):
-            nxt = clamped[present[j + 1]] if j + 1 < len(present) else end
-            dur[i] = (nxt - clamped[i]) / _NS
-        detect, diagnose, isolate, reinit = dur
+        detect, diagnose, isolate, reinit = _durations([t0, alert, diagnosed, restart], end)
         total = detect + diagnose + isolate + reinit + lost_s
         gh = n_gpus / 3600.0
         return dict(
@@ -644,6 +580,25 @@ class DowntimeAccountant:
             diagnose_gpu_hours=diagnose * gh, isolate_gpu_hours=isolate * gh, lost_progress_gpu_hours=lost_s * gh,
             reinit_gpu_hours=reinit * gh, total_gpu_hours=total * gh, closed=end_ns is None, note="; ".join(notes),
         )
+
+
+def _durations(stamps: list[int], end: int) -> list[float]:
+    """Seconds from each present stamp (>= 0) to the next present one, the last to ``end``; 0 for an absent one.
+
+    Stamps are clamped into order (none before the one before it, none after the end), so a
+    missing stamp gives its time to the category before it.
+    """
+    t0 = stamps[0]
+    present = [i for i, v in enumerate(stamps) if v >= 0]
+    clamped, prev = list(stamps), t0
+    for i in present:
+        clamped[i] = prev = min(max(stamps[i], prev), max(end, t0))
+    end = max(end, prev)
+    dur = [0.0] * len(stamps)
+    for j, i in enumerate(present):
+        nxt = clamped[present[j + 1]] if j + 1 < len(present) else end
+        dur[i] = (nxt - clamped[i]) / _NS
+    return dur
 
 
 def _derive(job: _Job) -> list[_Incident]:

@@ -1,4 +1,4 @@
-"""Fault downtime inside a shard: the accountant of ``analyzers.accounting`` as a reducer.
+"""Fault downtime inside a shard: the accountant of ``analyzers.downtime`` as a reducer.
 
 Registrations, checkpoints and heartbeats come from the input; hangs and
 their alerts from the other reducers. Every ``every_s`` the incidents the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from analyzers.accounting import DowntimeAccountant, downtime_table
+from analyzers.downtime import DowntimeAccountant, downtime_table
 from ray_jobs.checkpoint import Clock, Unit
 
 
