@@ -245,15 +245,26 @@ class SQLStore(Store):
                     raise
             if pending is not None:
                 pending.commit()
-            if kind in ("window_result", "optype_slowdown"):
-                if rows.num_rows and kind == "window_result":
-                    self._derive_optype_waste(windows=rows)
-                elif rows.num_rows:
-                    self._derive_optype_waste(optypes=rows)
-                if replayed is not None:
-                    self._repair_optype_waste(replayed)
+            self._after_insert(kind, rows, replayed)
             if spec.retention:
                 self._maybe_enforce_retention()
+
+    def _after_insert(self, kind: str, rows: pa.Table, replayed) -> None:
+        """Post-insert steps, under the insert's lock: derived tables follow the rows they derive from.
+
+        Today one: ``optype_waste`` (``core.schema.OPTYPE_WASTE``) is written when the second of a
+        window's two halves (its WINDOW_RESULT, its OPTYPE_SLOWDOWN rows) arrives; ``replayed`` are
+        rows dropped as already stored, whose derived rows a crash may have left out.
+        """
+        if kind not in ("window_result", "optype_slowdown"):
+            return
+        if rows.num_rows:
+            if kind == "window_result":
+                self._derive_optype_waste(windows=rows)
+            else:
+                self._derive_optype_waste(optypes=rows)
+        if replayed is not None:
+            self._repair_optype_waste(replayed)
 
     def _high_water(self) -> HighWater | None:
         """The high-water marks of growing keys, where this store is its tables' sole writer (see storage.keys)."""
