@@ -9,9 +9,7 @@ the failure is visible in the console instead of being retried forever.
 from __future__ import annotations
 
 import logging
-import math
 import time
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -23,14 +21,6 @@ from core.registration import Registration
 from ray_jobs.boundary import worker_clock_skew
 
 log = logging.getLogger(__name__)
-
-
-def _finite(x: Any, default: float = float("nan")) -> float:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return default
-    return v if math.isfinite(v) else default
 
 
 def _window_row(info: Registration, key, ops: pa.Table, complete: bool, note: str) -> dict:
@@ -78,7 +68,9 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
         row["n_ops"] = 0
         row["note"] = (note + "; " if note else "") + "no op spans in this window: link diagnosis only"
         return _tables(row, {"optype_slowdown": [], "worker_slowdown": [], "step_result": []}, links)
-    from analyzers.whatif import analyze  # heavy import kept out of the shard's import path
+    # heavy imports kept out of the shard's import path
+    from analyzers.whatif import analyze
+    from analyzers.whatif.tables import step_times, to_tables, window_fields
 
     row = _window_row(info, key, ops, complete, note)
     out: dict[str, list[dict]] = {"optype_slowdown": [], "worker_slowdown": [], "step_result": []}
@@ -94,7 +86,6 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
         return _tables(row, out, links)
     try:
         result = analyze(ops, info.layout, allow_incomplete=True)
-        res = result.to_json_dict()
     except Exception as e:  # analyzer input errors and bugs alike: store, flag, move on
         log.warning("analysis of %s failed: %s", key, e)
         row["verdict"] = "analysis_failed"
@@ -102,77 +93,26 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
         row["complete"] = False
         return _tables(row, out, links)
 
-    actual = {int(k): float(v) for k, v in res["step_time"]["actual"].items()}
-    sim = {int(k): float(v) for k, v in res["step_time"]["simulated"].items()}
-    ideal = {int(k): float(v) for k, v in res["step_time"]["ideal"].items()}
-    S_ = _finite(res["slowdown"])
+    what = window_fields(result)
+    verdicts, warnings = what.pop("verdicts"), what.pop("warnings")
+    what["complete"] = row["complete"] and what["complete"]
     wall_s = (row["end_ns"] - row["start_ns"]) / 1e9
     gpu_hours = row["n_gpus"] * wall_s / 3600.0
-    waste = _finite(res.get("waste_fraction"), 1 - 1 / S_ if S_ == S_ and S_ > 0 else float("nan"))
-    verdicts = res.get("verdicts") or []
-    warnings = list(res.get("warnings") or [])
-    if res.get("unknown_optypes"):
-        warnings.append(f"unknown op types ignored: {sorted(res['unknown_optypes'])}")
-    if res.get("complete") is False and row["complete"]:
-        row["complete"] = False
+    waste = what["waste_fraction"]
     row.update(
-        slowdown=S_, launch_slowdown=_finite(res["launch_slowdown"]), waste_fraction=waste,
-        step_time_actual=float(np.mean(list(actual.values()))) if actual else float("nan"),
-        step_time_sim=float(np.mean(list(sim.values()))) if sim else float("nan"),
-        step_time_ideal=float(np.mean(list(ideal.values()))) if ideal else float("nan"),
-        gpu_hours=gpu_hours, wasted_gpu_hours=gpu_hours * waste if waste == waste else 0.0,
-        m_w=_finite(res.get("M_W")), m_s=_finite(res.get("M_S")),
+        what, gpu_hours=gpu_hours, wasted_gpu_hours=gpu_hours * waste if waste == waste else 0.0,
         verdict=_main_verdict(verdicts), verdicts_json=jsonutil.dumps(verdicts),
         note="; ".join([x for x in [note] + warnings if x])[:4000],
     )
-    steps = sorted(actual)
-    row["mfu"], row["mfu_ideal"] = window_mfu(_flops_info(info, row["n_gpus"]), steps, [actual[s] for s in steps],
-                                              [ideal.get(s, float("nan")) for s in steps])
-    base = dict(job_id=key[0], attempt=key[1], window_id=key[2])
-    for step in sorted(actual):
-        ide = ideal.get(step, float("nan"))
-        out["step_result"].append(dict(base, step=step, actual_s=actual[step], sim_s=sim.get(step, float("nan")),
-                                       ideal_s=ide, slowdown=_finite(res.get("step_slowdown", {}).get(str(step),
-                                       res.get("step_slowdown", {}).get(step)))))
-    for optype, v in (res.get("by_optype") or {}).items():
-        out["optype_slowdown"].append(dict(base, step=-1, optype=optype, slowdown=_finite(v)))
-    for step, per in (res.get("by_optype_per_step") or {}).items():
-        for optype, v in per.items():
-            out["optype_slowdown"].append(dict(base, step=int(step), optype=optype, slowdown=_finite(v)))
-    s_dp = {int(k): _finite(v) for k, v in (res.get("by_dp_rank") or {}).items()}
-    s_pp = {int(k): _finite(v) for k, v in (res.get("by_pp_rank") or {}).items()}
-    for pp, rowvals in enumerate(res.get("worker_slowdown") or []):
-        for dp, v in enumerate(rowvals):
-            out["worker_slowdown"].append(dict(base, step=-1, dp_rank=dp, pp_rank=pp,
-                                               s_dp=s_dp.get(dp, float("nan")), s_pp=s_pp.get(pp, float("nan")),
-                                               s_w=_finite(v)))
-    _per_step_workers(res, base, out)
+    times = step_times(result)
+    steps = sorted(times["actual"])
+    row["mfu"], row["mfu_ideal"] = window_mfu(_flops_info(info, row["n_gpus"]), steps,
+                                              [times["actual"][s] for s in steps],
+                                              [times["ideal"].get(s, float("nan")) for s in steps])
+    out = to_tables(result, key)
     if verdicts or links.num_rows:
         out["remedy"] = _remedies(ops, info, result, links, key)
     return _tables(row, out, links)
-
-
-# Per-step S_w cells are kept while a window has at most this many (steps x workers).
-MAX_PER_STEP_CELLS = 50_000
-
-
-def _per_step_workers(res: dict, base: dict, out: dict) -> None:
-    """S_w per step (min of the step's S_dp and S_pp, as for the window) for the per-step heatmaps."""
-    dp_steps = res.get("by_dp_rank_per_step") or {}
-    pp_steps = res.get("by_pp_rank_per_step") or {}
-    grid = res.get("worker_slowdown") or []
-    n_cells = sum(len(r) for r in grid)
-    if not grid or len(dp_steps) * n_cells > MAX_PER_STEP_CELLS:
-        return
-    for step, per_dp in dp_steps.items():
-        per_pp = pp_steps.get(step, {})
-        for pp, rowvals in enumerate(grid):
-            for dp, whole in enumerate(rowvals):
-                if whole != whole:  # worker absent from the window
-                    continue
-                sdp, spp = _finite(per_dp.get(str(dp))), _finite(per_pp.get(str(pp)))
-                out["worker_slowdown"].append(dict(base, step=int(step), dp_rank=dp, pp_rank=pp, s_dp=sdp,
-                                                   s_pp=spp, s_w=min(sdp, spp)))
 
 
 def _remedies(ops: pa.Table, info: Registration, result, links: pa.Table, key) -> pa.Table | None:

@@ -47,7 +47,7 @@ def advise(ops: pa.Table | None, layout: JobLayout | JobFacts, result: WhatIfRes
     simulation state); without it the ops are analysed here. ``link_faults``: ``analyzers.links`` faults
     (``LinkFault`` or their dicts)."""
     info = layout if isinstance(layout, JobFacts) else JobFacts(layout=layout)
-    if result is None or result._internals is None:
+    if result is None or result.model is None:
         if ops is None:
             raise ValueError("advise needs the op spans or a WhatIfResult from analyze")
         result = analyze(ops, info.layout)

@@ -1,7 +1,7 @@
 """Re-running the what-if simulator on a job's own trace with a fix applied to its op durations.
 
 Every remedy predicts its gain the same way: take the dependency graphs the
-analysis built (``WhatIfResult._internals``), change the no-delay durations
+analysis built (``WhatIfResult.model``), change the no-delay durations
 of the ops the fix touches (compute: the traced duration; communication: the
 transfer time), simulate, and compare the mean step time with that of the
 unchanged durations. Both sides are the simulator's no-delay T of WHATIF.md
@@ -60,10 +60,10 @@ class TraceCells:
     """The op cells of an analysed window and the simulator run with changed durations."""
 
     def __init__(self, result: WhatIfResult):
-        if result._internals is None:
+        if result.model is None:
             raise WhatIfInputError("this WhatIfResult carries no simulation state: re-run analyze on the ops")
-        self.p: PreparedOps
-        self.p, run = result._internals
+        self.p: PreparedOps = result.model.prepared
+        run = result.model.run
         self.graphs = run.graphs
         self.cells: list[Cells] = []
         p = self.p

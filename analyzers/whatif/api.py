@@ -1,4 +1,5 @@
-"""Entry points: ``analyze`` (table in, ``WhatIfResult`` out) and ``run_cli``.
+"""Entry points: ``analyze_model`` (table in, ``WhatIfModel`` out), ``analyze`` (its summary, a
+``WhatIfResult``) and ``run_cli``.
 
 ``analyze`` raises only ``WhatIfInputError`` for input it cannot use (missing
 columns, nothing usable, missing workers with ``allow_incomplete=False``, a
@@ -26,7 +27,7 @@ from .load import (
     prepare_ops,
     release_memory,
 )
-from .result import WhatIfResult
+from .result import WhatIfModel, WhatIfResult
 from .scenarios import Run, run_scenarios
 from .verdicts import verdicts as make_verdicts
 
@@ -97,15 +98,31 @@ def _warnings(p: PreparedOps, r: Run) -> list[str]:
     return w
 
 
-def analyze(ops: pa.Table, layout: JobLayout, *, allow_incomplete: bool = True,
-            gpu_hours: float | None = None, chunk_ops: int | None = None) -> WhatIfResult:
-    """What-if analysis of one window of op spans (``core.schema.OP_SPAN``)."""
+def analyze_model(ops: pa.Table, layout: JobLayout, *, allow_incomplete: bool = True,
+                  chunk_ops: int | None = None) -> WhatIfModel:
+    """The prepared ops of one window (``core.schema.OP_SPAN``) and every scenario simulated on them."""
     release_memory()  # pages freed since the last call (a previous analysis) would add to this one's peak
     p = prepare_ops(ops, layout, allow_incomplete=allow_incomplete)
     try:
         overlapped = bool(np.any(p.code == T.SAR))
         kw = {"chunk_ops": chunk_ops} if chunk_ops else {}
-        r = run_scenarios(p, overlapped_dp=overlapped, **kw)
+        return WhatIfModel(p, run_scenarios(p, overlapped_dp=overlapped, **kw))
+    except WhatIfInputError:
+        raise
+    except (ValueError, IndexError, ZeroDivisionError, FloatingPointError, OverflowError) as e:
+        raise WhatIfInputError(f"cannot analyse these op spans: {type(e).__name__}: {e}".splitlines()[0]) from e
+
+
+def analyze(ops: pa.Table, layout: JobLayout, *, allow_incomplete: bool = True,
+            gpu_hours: float | None = None, chunk_ops: int | None = None) -> WhatIfResult:
+    """What-if analysis of one window of op spans (``core.schema.OP_SPAN``): ``summarise(analyze_model(...))``."""
+    return summarise(analyze_model(ops, layout, allow_incomplete=allow_incomplete, chunk_ops=chunk_ops), gpu_hours)
+
+
+def summarise(model: WhatIfModel, gpu_hours: float | None = None) -> WhatIfResult:
+    """The metrics, verdicts and data-quality notes of an analysed window (WHATIF.md section 5)."""
+    p, r = model.prepared, model.run
+    try:
         m = _metrics(p, r, gpu_hours)
         m["verdicts"] = make_verdicts(p, m)
     except WhatIfInputError:
@@ -121,7 +138,7 @@ def analyze(ops: pa.Table, layout: JobLayout, *, allow_incomplete: bool = True,
         steps=tuple(int(s) for s in r.steps), warnings=_warnings(p, r), unknown_optypes=list(p.unknown_optypes),
         complete=not p.missing_workers, missing_workers=[[d, x] for d, x in p.missing_workers], n_ops=p.n,
         ideal_durations={k: v / 1e9 for k, v in r.ideal_ns.items()}, replay_error=r.replay_error,
-        _internals=(p, r), **m,
+        model=model, **m,
     )
 
 

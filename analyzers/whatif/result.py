@@ -1,4 +1,4 @@
-"""``WhatIfResult``: the frozen outcome of one analysis and its JSON form.
+"""``WhatIfResult``: the frozen outcome of one analysis and its JSON form; ``WhatIfModel``: what it was computed from.
 
 ``to_json_dict`` returns plain JSON types only: step and rank keys are
 strings, NaN becomes None, times are seconds. The golden-result names are
@@ -13,6 +13,18 @@ import dataclasses
 from typing import Any
 
 from core.jsonutil import json_safe
+
+
+@dataclasses.dataclass(frozen=True)
+class WhatIfModel:
+    """The prepared ops and the simulator's run of one window (``api.analyze_model``).
+
+    Remedies re-simulate it with changed durations, the timeline replays it:
+    both need more than the summary. Held in memory only (never serialised).
+    """
+
+    prepared: Any  # load.PreparedOps
+    run: Any  # scenarios.Run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +60,8 @@ class WhatIfResult:
     wasted_gpu_hours: float
     ideal_durations: dict[str, float]
     replay_error: float
-    _internals: Any = dataclasses.field(default=None, repr=False, compare=False)
+    model: WhatIfModel | None = dataclasses.field(default=None, repr=False, compare=False)
+    """What the metrics were computed from; None for a result rebuilt from its JSON."""
 
     @property
     def verdict(self) -> str:
@@ -56,6 +69,6 @@ class WhatIfResult:
         return self.verdicts[0]["kind"] if self.verdicts else ""
 
     def to_json_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
         d["verdict"] = self.verdict
         return json_safe(d)

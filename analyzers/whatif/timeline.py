@@ -31,6 +31,7 @@ MAX_OPS = 500_000
 
 def _inputs(result_or_inputs: Any):
     from .api import analyze
+    from .load import WhatIfInputError
     from .result import WhatIfResult
 
     if isinstance(result_or_inputs, WhatIfResult):
@@ -38,7 +39,9 @@ def _inputs(result_or_inputs: Any):
     else:
         ops, layout = result_or_inputs
         res = analyze(ops, layout)
-    return res._internals
+    if res.model is None:
+        raise WhatIfInputError("this WhatIfResult carries no model: re-run analyze on the ops")
+    return res.model.prepared, res.model.run
 
 
 def _simulated(p, run, inverts: tuple[bool, ...], delays: tuple[bool, ...], max_ops: int | None):

@@ -297,7 +297,7 @@ def test_resimulation_reproduces_the_analysis(chunk_ops, irregular):
         t = t.filter(pc.invert(drop))
     res = analyze(t, lay, chunk_ops=chunk_ops)
     tc = TraceCells(res)
-    _, run = res._internals
+    run = res.model.run
     assert (len(run.graphs) > 1) == (chunk_ops is not None)
     assert np.array_equal(tc.step_times(), run.sim)
     assert np.array_equal(tc.step_times(lambda c: c.dur.copy()), run.sim)

@@ -33,7 +33,7 @@ def test_long_launch_delays_replay_exactly(monkeypatch):
     t, lay = vpp_window(dp=2, pp=2, vpp=1, m=3, n_steps=3)
     t = _late_optimizer(t, 1, 1, 1)
     res = analyze(t, lay)
-    _, run = res._internals
+    run = res.model.run
     g = run.graphs[0]
     assert g.batch > 1 and g.delay.dtype == np.int32
     assert g.delay_over is not None and len(g.delay_over[0]) == 1
@@ -47,7 +47,7 @@ def test_long_launch_delays_replay_exactly(monkeypatch):
     orig = scenarios.run_scenarios
     monkeypatch.setattr(api, "run_scenarios", lambda p, **kw: orig(p, **kw, template=False))
     general = analyze(t, lay)
-    assert general._internals[1].graphs[0].batch == 1
+    assert general.model.run.graphs[0].batch == 1
     assert general.replay_error == 0.0
     a, b = res.to_json_dict(), general.to_json_dict()
     for k in ("step_time", "slowdown", "by_optype", "by_dp_rank", "by_pp_rank", "M_W", "M_S"):
@@ -56,19 +56,19 @@ def test_long_launch_delays_replay_exactly(monkeypatch):
 
 def test_narrow_columns():
     t, lay = vpp_window(dp=2, pp=2, vpp=2, m=3, n_steps=2)
-    p, _ = analyze(t, lay)._internals
+    p = analyze(t, lay).model.prepared
     assert p.dp.dtype == np.int16 and p.pp.dtype == np.int16 and p.step_idx.dtype == np.int16
     assert p.seq.dtype == np.int16 and p.mb.dtype == np.int16
     assert p.start.dtype == np.int64
     wide = t.set_column(t.schema.get_field_index("seq_id"), "seq_id",
                         pc.add(t["seq_id"], pa.scalar(100_000, pa.int32())))
-    p2, _ = analyze(wide, lay)._internals
+    p2 = analyze(wide, lay).model.prepared
     assert p2.seq.dtype == np.int32 and int(p2.seq.min()) >= 100_000
 
 
 def test_reused_scratch_memory_gives_the_same_ends():
     t, lay = vpp_window(dp=2, pp=3, vpp=2, m=3, n_steps=4, noise=0.05, seed=3)
-    _, run = analyze(t, lay)._internals
+    run = analyze(t, lay).model.run
     g, ideal = run.graphs[0], run.ideal_arrays[0]
     keys = np.zeros((g.n, 5), np.int32)
     keys[:, 2] = g.dp

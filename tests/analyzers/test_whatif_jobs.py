@@ -212,14 +212,14 @@ def test_batched_and_per_chunk_graphs_agree(maker, monkeypatch):
 
     t, lay = maker()
     batched = analyze(t, lay)
-    assert batched._internals[1].graphs[0].batch > 1
+    assert batched.model.run.graphs[0].batch > 1
     orig = scenarios.run_scenarios
     monkeypatch.setattr(scenarios, "run_scenarios", lambda p, **kw: orig(p, **kw, template=False))
     from analyzers.whatif import api
 
     monkeypatch.setattr(api, "run_scenarios", scenarios.run_scenarios)
     general = analyze(t, lay)
-    assert general._internals[1].graphs[0].batch == 1
+    assert general.model.run.graphs[0].batch == 1
     a, b = batched.to_json_dict(), general.to_json_dict()
     for k in ("slowdown", "launch_slowdown", "M_W", "M_S", "by_optype", "by_dp_rank", "by_pp_rank", "step_time",
               "by_dp_rank_per_step", "worker_slowdown", "replay_error"):

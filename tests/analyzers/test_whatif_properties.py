@@ -49,7 +49,7 @@ def test_replay_with_delays_reproduces_the_actual_timeline(case):
 @given(jobs(), st.data())
 def test_lengthening_an_op_never_shortens_a_step(case, data):
     t, lay = case
-    _, run = analyze(t, lay)._internals
+    run = analyze(t, lay).model.run
     g, ideal = run.graphs[0], run.ideal_arrays[0]
     keys = np.zeros((g.n, 5), np.int32)
     _, before = step_times(g, simulate(g, ideal, keys, ALL_ORIG)[0])
@@ -67,7 +67,7 @@ def test_lengthening_an_op_never_shortens_a_step(case, data):
 @given(jobs())
 def test_no_op_starts_before_its_dependencies_end(case):
     t, lay = case
-    _, run = analyze(t, lay)._internals
+    run = analyze(t, lay).model.run
     cols = Scenarios(("T", "ideal"), np.array([0, 0]), np.array([0, 0]), np.array([False, True]),
                      np.array([False, False]))
     for g, ideal in zip(run.graphs, run.ideal_arrays):
