@@ -30,6 +30,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from core import codec, jsonutil
+from core import schema as S
+
 RECV_OPS = ("recv", "irecv")
 
 
@@ -228,3 +231,10 @@ def diagnose(ccl: pa.Table, params: LinkParams = LinkParams()) -> list[LinkFault
         out += diagnose_group(e, params)
     out.sort(key=lambda f: (-f.confidence, -f.slowdown))
     return out
+
+
+def to_tables(faults: list[LinkFault], key: tuple[str, int, int]) -> dict[str, pa.Table]:
+    """{"link_fault": LINK_FAULT rows} of one window ``key`` (job, attempt, window)."""
+    return {"link_fault": codec.from_rows(S.LINK_FAULT, [dict(
+        job_id=key[0], attempt=key[1], window_id=key[2], group=f.group, kind=f.kind, src=f.src, dst=f.dst,
+        confidence=f.confidence, slowdown=f.slowdown, evidence_json=jsonutil.dumps(f.evidence)) for f in faults])}

@@ -149,16 +149,13 @@ def _link_faults(ccl: pa.Table | None, key) -> pa.Table:
     """Link diagnosis of the window's CCL records (LINK_FAULT rows); never raises."""
     if ccl is None or ccl.num_rows == 0:
         return codec.empty(S.LINK_FAULT)
-    from analyzers.links import diagnose
+    from analyzers.links import diagnose, to_tables
 
     try:
-        faults = diagnose(ccl)
+        return to_tables(diagnose(ccl), key)["link_fault"]
     except Exception as e:  # bad records must not cost the window its what-if result
         log.warning("link diagnosis of %s failed: %s", key, e)
         return codec.empty(S.LINK_FAULT)
-    return codec.from_rows(S.LINK_FAULT, [dict(
-        job_id=key[0], attempt=key[1], window_id=key[2], group=f.group, kind=f.kind, src=f.src, dst=f.dst,
-        confidence=f.confidence, slowdown=f.slowdown, evidence_json=jsonutil.dumps(f.evidence)) for f in faults])
 
 
 def _tables(row: dict, out: dict, links: pa.Table | None = None) -> dict[str, pa.Table]:
