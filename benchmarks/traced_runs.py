@@ -23,7 +23,7 @@ def run(framework: str, ranks: int, args: list[str], *, bootstrap: str | None = 
         sample: str = "10/100", timeout: float = 600) -> dict:
     """One torchrun of the zoo; returns rank 0's {'losses', 'step_times'}. Armed when ``bootstrap`` is given."""
     from ingest.autotrace.session import TraceSettings, parse_sample
-    from services.ports import free_port
+    from services.ports import free_fixed_port
     from stragglerscope.trace import child_env
 
     with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as run_dir:
@@ -32,7 +32,7 @@ def run(framework: str, ranks: int, args: list[str], *, bootstrap: str | None = 
             env = child_env(TraceSettings(job_id=job_id, bootstrap=bootstrap, sampling=parse_sample(sample),
                                           run_dir=run_dir).to_env())
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), str(ZOO), "--framework", framework, "--out", out,
+               "127.0.0.1", "--master-port", str(free_fixed_port()), str(ZOO), "--framework", framework, "--out", out,
                *args]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if r.returncode != 0:

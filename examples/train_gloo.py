@@ -255,9 +255,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--report", help="rank 0 writes its step times here (JSON)")
     args = p.parse_args(argv)
     if args.port == 0:
-        from services.ports import free_port
+        from services.ports import free_fixed_port
 
-        args.port = free_port()
+        args.port = free_fixed_port()
     return args
 
 

@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def facts(tmp_path_factory):
     pytest.importorskip("torch")
-    from services.ports import free_port
+    from services.ports import free_fixed_port
 
     out = tmp_path_factory.mktemp("ccl")
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "autotrace" / "ccl_worker.py"), str(free_port()),
+    r = subprocess.run([sys.executable, str(ROOT / "tests" / "autotrace" / "ccl_worker.py"), str(free_fixed_port()),
                         str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT,
                        env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-3000:]

@@ -51,10 +51,10 @@ FRAMEWORKS = {
 
 
 def torchrun(ranks: int) -> list[str]:
-    from services.ports import free_port
+    from services.ports import free_fixed_port
 
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
-            "127.0.0.1", "--master-port", str(free_port())]
+            "127.0.0.1", "--master-port", str(free_fixed_port())]
 
 
 def run_zoo(framework: str, out: Path, extra: list[str], trace: list[str] | None = None, env=None, timeout=240):
