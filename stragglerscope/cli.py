@@ -43,15 +43,17 @@ class CLIError(Exception):
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input or an unreachable service, not a bug."""
     errs: list[type[BaseException]] = [CLIError, config_mod.ConfigError, FileNotFoundError, PermissionError]
-    for mod, name in (("core.kafka_admin", "BrokerError"), ("core.kafka_conn", "KafkaConnError"), ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
+    for mod, name in (("core.kafka_admin", "BrokerError"), ("core.kafka_conn", "KafkaConnError"),
+                      ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
                       ("ray_jobs.pipeline", "PipelineError"),
                       ("stragglerscope.replay", "ReplayError"), ("analyzers.remedies.stored", "AdviseError"),
-                      ("analyzers.whatif", "WhatIfInputError"), ("core.schema", "DecodeError"),
+                      ("analyzers.whatif", "WhatIfInputError"), ("core.codec", "DecodeError"),
                       ("stragglerscope.trace", "TraceError")):
         try:
-            errs.append(getattr(__import__(mod, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            pass
+            module = __import__(mod, fromlist=[name])
+        except ImportError:  # a part this installation lacks cannot raise its errors either
+            continue
+        errs.append(getattr(module, name))  # a wrong name is a bug here: no silent skip (a move broke one)
     return tuple(errs)
 
 

@@ -79,3 +79,13 @@ def test_replay_of_a_missing_path(capsys, tmp_path):
 
 def test_replay_of_a_folder_without_a_trace(capsys, tmp_path):
     _one_line_error(capsys, ["replay", str(tmp_path)], "expected one trace-*.parquet")
+
+
+def test_a_record_that_does_not_decode_is_a_user_error_not_a_bug():
+    """The errors printed as one line (exit 2) include the codec's; a moved class must not drop out silently."""
+    from core.codec import DecodeError
+    from core.kafka_admin import BrokerError
+    from stragglerscope.cli import _user_errors
+
+    errs = _user_errors()
+    assert DecodeError in errs and BrokerError in errs
