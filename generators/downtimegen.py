@@ -143,7 +143,7 @@ class _JobSim:
                 alert_id=f"{self.job_id}/{attempt}/{rule}/{ns}", job_id=self.job_id, attempt=attempt, ts_ns=ns,
                 rule=rule, severity="critical", summary=f"{self.job_id}: {kind}",
                 details_json=jsonutil.dumps({k: row[k] for k in ("kind", "group", "seq", "op", "stuck_ranks",
-                                                          "missing_ranks", "suspect_hosts", "duration_s")})))
+                                                                 "missing_ranks", "suspect_hosts", "duration_s")})))
 
     def _heartbeats(self, attempt: int, t_from: int, t_to: int, run: _Run, extra: tuple[int, ...] = ()) -> None:
         phase = int(self.rng.uniform(0, self.heartbeat_ns))

@@ -57,8 +57,8 @@ class AlertRules:
                     summary=f"{job}: straggling S={s:.2f}{why}, {row['waste_fraction']:.0%} of "
                             f"{row['n_gpus']} GPUs wasted in window {row['window_id']}",
                     details_json=jsonutil.dumps({k: row[k] for k in ("window_id", "slowdown", "waste_fraction",
-                                                             "wasted_gpu_hours", "verdict", "m_w", "m_s")
-                                          if row[k] == row[k]}),
+                                                                     "wasted_gpu_hours", "verdict", "m_w", "m_s")
+                                                 if row[k] == row[k]}),
                 ))
         ls = row["launch_slowdown"]
         if ls == ls and abs(ls - 1.0) > self.cfg.fidelity_tolerance and self._fire(job, "fidelity", now):
@@ -87,8 +87,8 @@ class AlertRules:
             alert_id=f"{row['job_id']}/{row['attempt']}/{rule}/{row['hang_id']}", job_id=row["job_id"],
             attempt=row["attempt"], ts_ns=now_ns, rule=rule, severity="critical",
             summary=hang_summary(row),
-            details_json=jsonutil.dumps({k: row[k] for k in ("kind", "group", "seq", "op", "stuck_ranks", "missing_ranks",
-                                                     "suspect_hosts", "duration_s")}),
+            details_json=jsonutil.dumps({k: row[k] for k in (
+                "kind", "group", "seq", "op", "stuck_ranks", "missing_ranks", "suspect_hosts", "duration_s")}),
         )]
 
     def evaluate_links(self, rows: list[dict], now: float, now_ns: int, min_confidence: float = 0.5) -> list[dict]:
@@ -110,7 +110,7 @@ class AlertRules:
             summary=f"{top['job_id']}: slow {where} in group {top['group']} "
                     f"({top['slowdown']:.1f}x, confidence {top['confidence']:.2f}); {len(rows)} finding(s)",
             details_json=jsonutil.dumps({k: top[k] for k in ("group", "kind", "src", "dst", "confidence", "slowdown",
-                                                     "window_id")}),
+                                                             "window_id")}),
         )]
 
 

@@ -1,6 +1,6 @@
 """Semantic checks on decoded input records, at the shard's boundary.
 
-``core.schema.decode`` guarantees structure: a known kind and version, the
+``core.codec.decode`` guarantees structure: a known kind and version, the
 columns and types of its schema, valid Arrow buffers. This module guarantees
 meaning, so that no record can turn into an absurd stored result: a record
 belongs to the job its Kafka key names (a job's records must all reach one

@@ -1,8 +1,8 @@
 """Where results become durable and offsets move: the shard's one exactly-once step.
 
-The shard's state lives in reducers (``ray_jobs.reducers``); what they emit is
-a ``Unit``: rows that must be stored before the input offsets that produced
-them may be stored. ``Checkpoint.commit`` is the only place that flushes the
+The shard's state lives in reducers (``Reducer`` below: windows, hangs,
+alerts, downtime); what they emit is a ``Unit``: rows that must be stored
+before the input offsets that produced them may be stored. ``Checkpoint.commit`` is the only place that flushes the
 sink and the only place that stores offsets, in this order:
 
 1. Write every pending unit and flush, one insert per table kind. If the store

@@ -137,8 +137,7 @@ class WindowDispatch:
         try:
             info = self.tracker.job(win.key[0], win.key[1]) or unregistered(win, self.max_world_size)
         except Exception:
-            info = Registration(job_id=win.key[0], attempt=win.key[1], layout=JobLayout(1, 1), profiled_steps=1,
-                           registered=False)
+            info = _layoutless(win)
         return failed_window(win.ops, info, win.key, reason)
 
     def _spans_worth_keeping(self, tables: dict[str, pa.Table], win: ReadyWindow) -> Unit | None:
@@ -169,6 +168,12 @@ class WindowDispatch:
         return Unit(f"op spans of {win.key}", {"op_span": win.ops}, on_stored=stored, best_effort=True)
 
 
+def _layoutless(win: ReadyWindow) -> Registration:
+    """A stand-in registration of one worker, for a window whose layout cannot be told."""
+    return Registration(job_id=win.key[0], attempt=win.key[1], layout=JobLayout(1, 1), profiled_steps=1,
+                        registered=False)
+
+
 def unregistered(win: ReadyWindow, max_workers: int = 1 << 18) -> Registration:
     """Layout inferred from the ranks seen, for a job whose registration never came.
 
@@ -176,8 +181,7 @@ def unregistered(win: ReadyWindow, max_workers: int = 1 << 18) -> Registration:
     stores the window as failed): a grid that large would be allocated by the analyzer.
     """
     if win.ops.num_rows == 0:  # CCL records only: no worker layout to infer
-        return Registration(job_id=win.key[0], attempt=win.key[1], layout=JobLayout(1, 1), profiled_steps=1,
-                       registered=False)
+        return _layoutless(win)
     dp = int(pa.compute.max(win.ops["dp_rank"]).as_py()) + 1
     pp = int(pa.compute.max(win.ops["pp_rank"]).as_py()) + 1
     if dp * pp > max_workers:
@@ -185,4 +189,4 @@ def unregistered(win: ReadyWindow, max_workers: int = 1 << 18) -> Registration:
                          f"({max_workers}); register the job")
     steps = len(set(win.ops["step"].to_pylist()))
     return Registration(job_id=win.key[0], attempt=win.key[1], layout=JobLayout(dp, pp), profiled_steps=steps,
-                   registered=False)
+                        registered=False)

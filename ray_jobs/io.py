@@ -299,7 +299,8 @@ class KafkaSource:
         try:
             self._producer_client().send(
                 topics.TOPIC_DEAD_LETTER, key=msg.key, value=msg.value,
-                headers=[("reason", reason.encode()[:1000]), ("source", f"{msg.topic}/{msg.partition}/{msg.offset}".encode())],
+                headers=[("reason", reason.encode()[:1000]),
+                         ("source", f"{msg.topic}/{msg.partition}/{msg.offset}".encode())],
             )
         except Exception as e:  # the store keeps the dead letter too; the topic copy is best effort
             log.warning("dead-letter publish failed: %s", e)

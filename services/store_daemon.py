@@ -60,7 +60,7 @@ class StoreDaemon:
             return self
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                           if p])
+                                                            if p])
         self._log = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "storage.daemon", self.store_url, "--host", self.host, "--port", str(self.port),

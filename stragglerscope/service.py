@@ -123,7 +123,8 @@ def run_service(cfg: Config) -> int:
                 time.sleep(30)
                 st = svc.pipeline.status()
                 say("status     " + "  ".join(
-                    f"shard {s.get('shard')}: windows={s.get('windows_stored', '?')} lag={s.get('lag', '?') if s.get('loops') else '?'}"
+                    f"shard {s.get('shard')}: windows={s.get('windows_stored', '?')} "
+                    f"lag={s.get('lag', '?') if s.get('loops') else '?'}"
                     f"{' ERROR ' + s['error'] if s.get('error') else ''}" for s in st))
     except KeyboardInterrupt:
         say("stopped")

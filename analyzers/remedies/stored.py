@@ -72,8 +72,8 @@ def advise_stored(store, job_id: str, opts: AdviseOptions = AdviseOptions()) -> 
     links = [f for f in links if int(f["attempt"]) == attempt]
     num_layers = opts.num_layers or int(reg.get("num_layers") or 0) or None
     info = JobFacts(layout=Registration.from_row(reg).layout, num_layers=num_layers, gpus_per_node=opts.gpus_per_node,
-                   spare_hosts=tuple(opts.spare_hosts), nodes_alive=opts.nodes_alive,
-                   fault_tolerance=opts.fault_tolerance)
+                    spare_hosts=tuple(opts.spare_hosts), nodes_alive=opts.nodes_alive,
+                    fault_tolerance=opts.fault_tolerance)
     remedies = advise(codec.conform(ops, S.OP_SPAN), info, None, links, min_gain=opts.min_gain)
     return (job_id, attempt, window_id), remedies
 

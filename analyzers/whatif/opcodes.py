@@ -1,6 +1,6 @@
 """Op-type tables of the dependency model (WHATIF.md sections 1 to 3).
 
-Every op type of ``core.schema.OPTYPES`` gets a small integer code (its
+Every op type of ``core.optypes.OPTYPES`` gets a small integer code (its
 index there), a stream, whether it is idealised as communication (median of
 transfer durations) or compute (mean of durations), and the attribution group
 it belongs to (sends and recvs merge into ``forward-pp-comm`` and

@@ -91,8 +91,8 @@ class _Handler(BaseHTTPRequestHandler):
             pass
         status, why = (401, "a request without a token") if not given else (403, "a request with a wrong token")
         body = encode({"error": f"store daemon refused {why}; every request needs Authorization: Bearer TOKEN, "
-                                 f"the token in {self.server.token_file} (readable by the daemon's user only)",
-                        "token_file": str(self.server.token_file)})
+                       f"the token in {self.server.token_file} (readable by the daemon's user only)",
+                       "token_file": str(self.server.token_file)})
         self.close_connection = True
         self.send_response(status)
         self.send_header("WWW-Authenticate", 'Bearer realm="stragglerscope-store"')

@@ -176,7 +176,7 @@ class Timeline:
 
     def ckpt(self, attempt, step, ts, dur, kind="save", rank=0):
         self.tables.append(codec.from_rows(S.CHECKPOINT, [dict(job_id=self.job, attempt=attempt, rank=rank, step=step,
-                                                           ts_ns=ts * NS, duration_ns=dur * NS, kind=kind)]))
+                                                               ts_ns=ts * NS, duration_ns=dur * NS, kind=kind)]))
 
     def run(self, attempt, ends: dict[int, float], hb_from, hb_to):
         steps = np.array(sorted(ends) or [-1], np.int64)
@@ -348,8 +348,9 @@ def test_evidence_after_an_emitted_incident_is_late_and_counted():
 
 
 def test_bad_checkpoint_records_are_counted_not_used():
-    t = codec.from_rows(S.CHECKPOINT, [dict(job_id="j", attempt=0, rank=0, step=-4, ts_ns=1, duration_ns=1, kind="save"),
-                                   dict(job_id="j", attempt=0, rank=0, step=3, ts_ns=1, duration_ns=1, kind="copy")])
+    t = codec.from_rows(S.CHECKPOINT, [
+        dict(job_id="j", attempt=0, rank=0, step=-4, ts_ns=1, duration_ns=1, kind="save"),
+        dict(job_id="j", attempt=0, rank=0, step=3, ts_ns=1, duration_ns=1, kind="copy")])
     acc = DowntimeAccountant()
     acc.add(t)
     assert acc.stats.bad_records == 2 and not acc.jobs

@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 FLOOR_S = 8.0
 HEARTBEAT_TIMEOUT_S = 6.0
 # The shards' view each second, to explain a slow detection.
-HEALTH = ("messages", "heartbeats", "heartbeat_age_s", "heartbeat_silence_s", "hang_clock_held_back_s", "loop_seconds_max")
+HEALTH = ("messages", "heartbeats", "heartbeat_age_s", "heartbeat_silence_s", "hang_clock_held_back_s",
+          "loop_seconds_max")
 
 
 def test_hang_alert_is_stored_within_threshold_plus_5s(ray_local, tmp_path, artifacts):

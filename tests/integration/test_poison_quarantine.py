@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _messages() -> list[Message]:
     jobs = [JobSpec(j, JobLayout(2, 2), num_microbatches=4) for j in ("before", "after")]
-    regs = [Message(topics.TOPIC_JOBS, 0, i, j.job_id.encode(), codec.encode(j.registration(0, 2))) for i, j in enumerate(jobs)]
+    regs = [Message(topics.TOPIC_JOBS, 0, i, j.job_id.encode(), codec.encode(j.registration(0, 2)))
+            for i, j in enumerate(jobs)]
     ops = [Message(topics.TOPIC_OPS, 0, 0, b"before", codec.encode(generate_window(jobs[0], 0, 2, 0))),
            Message(topics.TOPIC_OPS, 0, 1, b"poison", POISON + b" the rest does not matter"),
            Message(topics.TOPIC_OPS, 0, 2, b"after", codec.encode(generate_window(jobs[1], 0, 2, 0)))]

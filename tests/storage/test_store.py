@@ -131,7 +131,7 @@ def test_job_drilldown_queries(store):
     got = store.run_named("job_workers", {"job_id": "a", "window_id": 10}).to_pylist()
     assert len(got) == 8 and got[0]["dp_rank"] == 0 and got[-1]["s_w"] == 2.0
     steps = codec.from_rows(S.STEP_RESULT, [dict(job_id="a", attempt=0, window_id=10, step=st, actual_s=1.1, sim_s=1.0,
-                                             ideal_s=0.8, slowdown=1.25) for st in range(10, 20)])
+                                                 ideal_s=0.8, slowdown=1.25) for st in range(10, 20)])
     store.insert("step_result", steps)
     trend = store.run_named("job_step_trend", {"job_id": "a"})
     assert trend.column("step").to_pylist() == list(range(10, 20))
@@ -247,7 +247,7 @@ def test_load_jobs_latest_registration(store):
     store.insert("job_registration", registration("b"))
     jobs = store.load_jobs()
     assert [(j["job_id"], j["attempt"], j["team"]) for j in jobs] == [("a", 0, "new"), ("a", 1, "llm"),
-                                                                     ("b", 0, "llm")]
+                                                                      ("b", 0, "llm")]
     assert set(jobs[0]) == set(S.JOB_REGISTRATION.names)
 
 
@@ -296,16 +296,16 @@ def test_errors_are_one_line_store_errors(store):
 
 def test_every_kind_round_trips(store):
     dead = codec.from_rows(S.DEAD_LETTER, [dict(ts_ns=BASE_NS, source_topic="ss.ops", source_partition=1,
-                                            source_offset=7, key="a", reason="bad", payload=b"\x00\xffxy")])
+                                                source_offset=7, key="a", reason="bad", payload=b"\x00\xffxy")])
     hang = codec.from_rows(S.HANG, [dict(job_id="a", attempt=0, hang_id=BASE_NS, kind="comm_hang", group="dp:pp=0",
-                                     seq=3, op="all_reduce", stuck_ranks="0-3", missing_ranks="5",
-                                     suspect_hosts="h5", since_ns=BASE_NS - 10, duration_s=30.0,
-                                     evidence_json="{}")])
+                                         seq=3, op="all_reduce", stuck_ranks="0-3", missing_ranks="5",
+                                         suspect_hosts="h5", since_ns=BASE_NS - 10, duration_s=30.0,
+                                         evidence_json="{}")])
     link = codec.from_rows(S.LINK_FAULT, [dict(job_id="a", attempt=0, window_id=0, group="dp:pp=0", kind="link", src=1,
-                                           dst=2, confidence=0.9, slowdown=3.0, evidence_json="{}")])
+                                               dst=2, confidence=0.9, slowdown=3.0, evidence_json="{}")])
     span = codec.from_rows(S.OP_SPAN, [dict(job_id="a", attempt=0, rank=r, dp_rank=r, pp_rank=0, window_id=0, step=1,
-                                        optype="forward-compute", start_ns=BASE_NS, duration_ns=5, seq_id=0, mc=0,
-                                        gmc=0, mb_id=0) for r in range(4)])
+                                            optype="forward-compute", start_ns=BASE_NS, duration_ns=5, seq_id=0, mc=0,
+                                            gmc=0, mb_id=0) for r in range(4)])
     for kind, table, view in (("dead_letter", dead, "dead_letters"), ("hang", hang, "hangs"),
                               ("link_fault", link, "link_faults"), ("op_span", span, "op_spans")):
         store.insert(kind, table)
@@ -321,8 +321,8 @@ def test_every_kind_round_trips(store):
 
 def test_op_span_retention(store):
     span = codec.from_rows(S.OP_SPAN, [dict(job_id="a", attempt=0, rank=0, dp_rank=0, pp_rank=0, window_id=0, step=1,
-                                        optype="gc", start_ns=BASE_NS, duration_ns=5, seq_id=0, mc=0, gmc=0,
-                                        mb_id=-1)])
+                                            optype="gc", start_ns=BASE_NS, duration_ns=5, seq_id=0, mc=0, gmc=0,
+                                            mb_id=-1)])
     store.insert("op_span", span)
     today = __import__("time").time_ns()
     assert store.enforce_retention(today) == []
@@ -337,7 +337,7 @@ def test_windows_with_kept_spans(store):
                     optype="forward-compute", start_ns=BASE_NS, duration_ns=5, seq_id=0, mc=0, gmc=0, mb_id=0)
 
     store.insert("op_span", codec.from_rows(S.OP_SPAN, [span(a, w, r) for a, w in ((0, 30), (0, 10), (1, 50))
-                                                    for r in range(3)]))
+                                                        for r in range(3)]))
     store.insert("op_span", codec.from_rows(S.OP_SPAN, [dict(span(0, 70, 0), job_id="b")]))
     got = store.run_named("job_span_windows", {"job_id": "a"}).to_pylist()
     assert got == [{"attempt": 0, "window_id": 10}, {"attempt": 0, "window_id": 30}, {"attempt": 1, "window_id": 50}]

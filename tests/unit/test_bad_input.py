@@ -127,7 +127,8 @@ def foreign_optimizers() -> pa.Table:
 
 # (case, topic, key, payload, expected outcome). Outcome: a substring of the dead letter's reason, or
 # ("window", verdict substring) for a stored, flagged window of that job, or ("corrected", None).
-OPS, JOBS, HB, CCL, CKPT = topics.TOPIC_OPS, topics.TOPIC_JOBS, topics.TOPIC_HEARTBEATS, topics.TOPIC_CCL, topics.TOPIC_CHECKPOINTS
+OPS, JOBS, HB, CCL, CKPT = (topics.TOPIC_OPS, topics.TOPIC_JOBS, topics.TOPIC_HEARTBEATS, topics.TOPIC_CCL,
+                            topics.TOPIC_CHECKPOINTS)
 CASES = [
     ("garbage", OPS, "bad", b"not arrow at all", "not an Arrow IPC stream"),
     ("empty payload", OPS, "bad", b"", "not an Arrow IPC stream"),

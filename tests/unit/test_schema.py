@@ -124,7 +124,8 @@ def test_checkpoint_round_trip_on_its_topic():
     t = codec.from_rows(S.CHECKPOINT, _ckpt_rows())
     kind, back = codec.decode(codec.encode(t))
     assert kind == "checkpoint" and back.equals(t)
-    assert topics.TOPIC_OF_KIND["checkpoint"] == topics.TOPIC_CHECKPOINTS and topics.TOPIC_CHECKPOINTS in topics.INPUT_TOPICS
+    assert topics.TOPIC_OF_KIND["checkpoint"] == topics.TOPIC_CHECKPOINTS
+    assert topics.TOPIC_CHECKPOINTS in topics.INPUT_TOPICS
     assert S.unit_of(S.CHECKPOINT, "duration_ns") == "ns" and S.unit_of(S.CHECKPOINT, "ts_ns") == "ns"
 
 
@@ -173,8 +174,8 @@ def test_version_1_records_still_decode_with_defaults():
     assert kind == "window_result" and math.isnan(back.column("mfu_ideal")[0].as_py())
 
     hb = codec.from_rows(S.HEARTBEAT, [dict(job_id="j", attempt=0, rank=0, host="h", pid=1, ts_ns=1, step=3,
-                                        last_op="", last_op_end_ns=0, inflight_op="", inflight_group="",
-                                        inflight_seq=-1, inflight_since_ns=-1, clock_offset_ns=0, stack="")])
+                                            last_op="", last_op_end_ns=0, inflight_op="", inflight_group="",
+                                            inflight_seq=-1, inflight_since_ns=-1, clock_offset_ns=0, stack="")])
     back = codec.conform(_as_version_1(hb, S.HEARTBEAT), S.HEARTBEAT)
     assert back.column("step_done").to_pylist() == [-1] and back.column("step_done_ns").to_pylist() == [-1]
 

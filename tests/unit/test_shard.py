@@ -298,8 +298,8 @@ def test_checkpoints_and_restarts_become_stored_downtime_rows():
 def test_offsets_are_stored_at_most_once_per_commit_interval_and_on_stop():
     a = job("a")
     hb = [codec.from_rows(S.HEARTBEAT, [dict(job_id="a", attempt=0, rank=0, host="h", pid=1, ts_ns=i, step=i,
-                                         last_op="", last_op_end_ns=i, inflight_op="", inflight_group="",
-                                         inflight_seq=-1, inflight_since_ns=-1, clock_offset_ns=0, stack="")])
+                                             last_op="", last_op_end_ns=i, inflight_op="", inflight_group="",
+                                             inflight_seq=-1, inflight_since_ns=-1, clock_offset_ns=0, stack="")])
           for i in range(10)]
     clock = ManualClock()
     w, src, sink = make_worker(messages_for([a.registration(0, STEPS)] + hb), clock=clock, commit_interval_s=2.0)

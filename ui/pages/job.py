@@ -90,7 +90,8 @@ if remedies.empty:
              "`stragglerscope advise` or the button computes them on demand).")
 for _, r in remedies.iterrows():
     gain = r["predicted_gain"]
-    label = "restores progress" if gain >= STORED_INF else (f"+{100 * gain:.1f}% step time" if gain == gain else "gain n/a")
+    label = ("restores progress" if gain >= STORED_INF
+             else f"+{100 * gain:.1f}% step time" if gain == gain else "gain n/a")
     with st.expander(f"{int(r['priority'])}. {r['kind']} ({r['verdict']}): {label}", expanded=int(r["priority"]) == 1):
         st.markdown(r["action"])
         c = st.columns(2)
