@@ -7,8 +7,10 @@ PP2, 4 ranks, simulated accelerator time by sleeps) runs with torchrun, bare
 and armed as `stragglerscope trace` arms it (exporting to a local Tansu
 broker), alternating bare / 10% sampling / 100% sampling, ``--pairs`` times.
 Prints the median step time of each (rank 0, steps after the first 10 of
-every run: at least 30 steps each) and the ratios to bare. Target: at most 1%
-at the default 10% sampling.
+every run: at least 30 steps each) and the ratios to bare, and rank 0's median
+CPU time per step (every thread of the process: steadier than wall time on a
+shared machine, and what the instrumentation adds whether or not it delays the
+step). Target: at most 1% wall at the default 10% sampling.
 """
 from __future__ import annotations
 
@@ -31,21 +33,24 @@ def main() -> None:
     a = p.parse_args()
     args = ["--steps", str(a.steps), "--gpu-ms", str(a.gpu_ms)]
     times: dict[str, list[float]] = {"bare": [], "10%": [], "100%": []}
+    cpu: dict[str, list[float]] = {"bare": [], "10%": [], "100%": []}
     with LocalBroker() as b:
         ensure_topics(b.bootstrap, topics.INPUT_TOPICS, 4)
         for i in range(a.pairs):
             for name, sample in (("bare", None), ("10%", "10/100"), ("100%", "1/1")):
                 kw = {} if sample is None else dict(bootstrap=b.bootstrap, job_id=f"ovh-{uuid.uuid4().hex[:6]}",
                                                     sample=sample)
-                st = run("pipelining", 4, args, **kw)["step_times"][10:]
+                out = run("pipelining", 4, args, **kw)
+                st, ct = out["step_times"][10:], out["cpu_times"][10:]
                 times[name] += st
-                print(f"round {i + 1} {name:>5}: median step {statistics.median(st) * 1e3:.2f} ms over {len(st)} steps",
-                      flush=True)
-    base = statistics.median(times["bare"])
-    print(f"\n{'run':>6} {'steps':>6} {'median ms':>10} {'vs bare':>8}")
+                cpu[name] += ct
+                print(f"round {i + 1} {name:>5}: median step {statistics.median(st) * 1e3:.2f} ms, "
+                      f"CPU {statistics.median(ct) * 1e3:.2f} ms over {len(st)} steps", flush=True)
+    base, cbase = statistics.median(times["bare"]), statistics.median(cpu["bare"])
+    print(f"\n{'run':>6} {'steps':>6} {'median ms':>10} {'vs bare':>8} {'CPU ms':>7} {'CPU vs bare':>12}")
     for name, st in times.items():
-        m = statistics.median(st)
-        print(f"{name:>6} {len(st):>6} {m * 1e3:>10.2f} {m / base - 1:>+8.2%}")
+        m, c = statistics.median(st), statistics.median(cpu[name])
+        print(f"{name:>6} {len(st):>6} {m * 1e3:>10.2f} {m / base - 1:>+8.2%} {c * 1e3:>7.2f} {(c - cbase) * 1e3:>+9.2f} ms")
 
 
 if __name__ == "__main__":

@@ -157,13 +157,29 @@ def _work_class():
                 self._ss_done()
             return done
 
-        def __getattribute__(self, name):
-            # Everything but our own members goes to the real work (Work's inherited methods would
-            # act on this empty shell otherwise).
-            if name.startswith("_ss_") or name in ("wait", "is_completed", "__class__", "__dict__"):
-                return object.__getattribute__(self, name)
-            return getattr(object.__getattribute__(self, "_ss_work"), name)
+        def __getattr__(self, name):
+            # Only reached for names that neither this class nor Work has: the real work's own.
+            try:
+                work = self.__dict__["_ss_work"]
+            except KeyError:
+                raise AttributeError(name) from None
+            return getattr(work, name)
 
+    # Work's inherited methods would act on this empty shell: each one forwards to the real work.
+    # (Forwarders, not a __getattribute__ override: that would put every attribute read, our own
+    # included, through Python on the training thread.)
+    def forwarder(name: str):
+        def forward(self, *args, **kwargs):
+            return getattr(self._ss_work, name)(*args, **kwargs)
+        forward.__name__ = name
+        return forward
+
+    for name in dir(dist.Work):
+        raw = inspect.getattr_static(dist.Work, name)
+        if name.startswith("__") or name in vars(TimedWork) or isinstance(raw, (staticmethod, classmethod)) \
+                or not callable(raw):
+            continue  # ours, dunders, and static methods (Work.unbox) stay as they are
+        setattr(TimedWork, name, forwarder(name))
     return TimedWork
 
 

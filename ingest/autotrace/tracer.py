@@ -90,6 +90,7 @@ class Tracer:
         self.nonroots: weakref.WeakSet = weakref.WeakSet()
         self._undo: list = []
         self._warned: set[str] = set()
+        self._global_fwd_hooks: list = []  # removed once the roots are known (see _narrow_module_hooks)
 
     # -- guard ----------------------------------------------------------------
     def _failed(self, where: str, e: BaseException) -> None:
@@ -133,6 +134,8 @@ class Tracer:
         if not self.registered:
             self.registered = True
             self._register()
+        if self._global_fwd_hooks and self.mod_depth == 0:
+            self._narrow_module_hooks()
 
     def _register(self) -> None:
         if self.session.rank != 0:
@@ -163,6 +166,7 @@ class Tracer:
         h2 = nn_module.register_module_forward_hook(self._fwd_post, always_call=True)
         h3 = optim_mod.register_optimizer_step_pre_hook(self._opt_pre)
         h4 = optim_mod.register_optimizer_step_post_hook(self._opt_post)
+        self._global_fwd_hooks = [h1, h2]
         self._undo += [h.remove for h in (h1, h2, h3, h4)]
 
         orig_backward = torch.autograd.backward
@@ -184,6 +188,29 @@ class Tracer:
         when_imported("torch.distributed.pipelining.stage", self._patch_stage)
         when_imported("torch.distributed.pipelining.schedules", self._patch_schedules)
         when_imported("torch.distributed.checkpoint", self._patch_checkpoint)
+
+    def _narrow_module_hooks(self) -> None:
+        """Trade the global forward hooks for hooks on the outermost modules, after the first step.
+
+        Global module hooks take every module call of the model (hundreds per forward in a real
+        model) off PyTorch's fast path, in every step, sampled or not, and torch.compile traces
+        them. One step is enough to learn the outermost modules; from then on only they are hooked
+        (a pipeline needs none: its stages are the spans). A module first called as the outermost
+        one after step 0 is then not seen as a root: its forward still belongs to the step it runs in.
+        """
+        try:
+            if self.stage_info is None:
+                if not self.roots:
+                    return  # no forward seen yet: keep looking
+                for root in list(self.roots):
+                    pre = root.register_forward_pre_hook(self._fwd_pre)
+                    post = root.register_forward_hook(self._fwd_post, always_call=True)
+                    self._undo += [pre.remove, post.remove]
+            hooks, self._global_fwd_hooks = self._global_fwd_hooks, []
+            for h in hooks:
+                h.remove()
+        except Exception as e:
+            self._failed("narrowing module hooks", e)
 
     def close(self) -> None:
         if self.open:
@@ -566,6 +593,8 @@ class Tracer:
                       f"the pipeline says dp {dp_rank}, pp {pp_rank} (used)")
         self.exp.dp_rank, self.exp.pp_rank = dp_rank, pp_rank
         self.exp.mc, self.exp.gmc = 0, int(first.stage_index)
+        if self.mod_depth == 0:
+            self._narrow_module_hooks()
 
     # -- checkpoints -----------------------------------------------------------
     def _patch_checkpoint(self, dcp) -> None:

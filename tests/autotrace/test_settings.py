@@ -125,3 +125,41 @@ def test_tracer_hooks_never_raise_into_training():
     tr._gc("start", {})
     tr._gc("stop", {})
     assert exp.stats.errors >= 2  # counted (each kind logged once); nothing reached the caller
+
+
+def test_module_hooks_narrow_to_the_outermost_module_after_the_first_step():
+    """Global forward hooks take every module call off PyTorch's fast path (the always-on cost of
+    unsampled steps, issue 17's overhead): after step 0 only the learned outermost module is hooked,
+    and its forward spans are still recorded."""
+    torch = pytest.importorskip("torch")
+    from torch.nn.modules import module as nn_module
+
+    from ingest.autotrace.tracer import Tracer
+    from ingest.exporter import RankExporter
+
+    sent = []
+    exp = RankExporter("j", 0, 0, 0, sent.append, sampling=Sampling(1, 1), heartbeat_s=3600)
+    session = types.SimpleNamespace(exporter=exp, rank=1, world=1, layout=JobLayout(1, 1), settings=None)
+    tr = Tracer(session)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks)
+    tr.install()
+    try:
+        assert len(nn_module._global_forward_pre_hooks) == before[0] + 1
+        for _ in range(3):
+            model(torch.ones(4, 2)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            # from the end of step 0 on: no global hook of ours, one pair on the model alone
+            assert (len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks)) == before
+            assert len(model._forward_pre_hooks) == 1 and len(model[0]._forward_pre_hooks) == 0
+    finally:
+        tr.close()
+        exp.close()
+    ops = [r for t in sent if t.schema.names[:1] == ["job_id"] and "optype" in t.schema.names
+           for r in t.to_pylist()]
+    fwd = [(r["step"], r["mb_id"]) for r in ops if r["optype"] == "forward-compute"]
+    assert fwd == [(0, 0), (1, 0), (2, 0)]  # one forward per step: the outermost module, before and after
+    assert exp.stats.errors == 0
+    assert len(model._forward_pre_hooks) == 0  # close() undoes the narrowed hooks too

@@ -101,6 +101,7 @@ def main() -> int:
     fwd_s, delay_s = args.gpu_ms / 1e3, delay_ms / 1e3
     losses: list[float] = []
     step_times: list[float] = []
+    cpu_times: list[float] = []  # CPU seconds of the whole process (every thread) per step: steadier than wall
     m, rows, hidden = args.microbatches, args.rows, args.hidden
     data = torch.randn(args.steps, m * rows, hidden, generator=torch.Generator().manual_seed(7))
     target = torch.randn(args.steps, m * rows, hidden, generator=torch.Generator().manual_seed(8))
@@ -150,7 +151,7 @@ def main() -> int:
         for step in range(args.steps):
             if step == args.crash_at_step and rank == 0:
                 raise RuntimeError("crash requested by --crash-at-step")
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             mb_losses: list = []
             x, y = data[step], target[step]
             if is_first and is_last:
@@ -174,6 +175,7 @@ def main() -> int:
             opt.step()
             opt.zero_grad(set_to_none=False)
             step_times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
             losses.append(float(sum(v.item() for v in mb_losses)) if mb_losses else 0.0)
     else:
         torch.manual_seed(99)
@@ -197,7 +199,7 @@ def main() -> int:
         for step in range(args.steps):
             if step == args.crash_at_step and rank == 0:
                 raise RuntimeError("crash requested by --crash-at-step")
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             x, y = data[step][shard], target[step][shard]
             loss = loss_fn(model(x), y)
             loss.backward()
@@ -211,11 +213,12 @@ def main() -> int:
             opt.step()
             opt.zero_grad(set_to_none=False)
             step_times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
             losses.append(loss.item())
     dist.barrier()
     if args.out:
         with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-            json.dump({"losses": losses, "step_times": step_times}, f)
+            json.dump({"losses": losses, "step_times": step_times, "cpu_times": cpu_times}, f)
     dist.destroy_process_group()
     return 0
 
