@@ -70,7 +70,8 @@ of an incident already emitted are counted late and dropped; progress and
 saves older than ``keep_s`` are pruned, and a job silent for ``keep_s`` is
 forgotten (an open incident of it is emitted, clipped at its last record),
 so state stays bounded. The state is plain dataclasses: pickle is the
-snapshot.
+snapshot. ``to_tables(incidents)`` gives the DOWNTIME table of emitted rows, as
+every analyzer's ``to_tables`` does.
 """
 from __future__ import annotations
 
@@ -644,9 +645,9 @@ def _derive(job: _Job) -> list[_Incident]:
     return out
 
 
-def downtime_table(rows: Iterable[Mapping[str, Any]]) -> pa.Table:
-    """DOWNTIME rows as a table for the sink."""
-    return codec.from_rows(S.DOWNTIME, rows)
+def to_tables(incidents: Iterable[Mapping[str, Any]]) -> dict[str, pa.Table]:
+    """{"downtime": DOWNTIME rows} of accounted incidents (``DowntimeAccountant.emit``, ``account_downtime``)."""
+    return {"downtime": codec.from_rows(S.DOWNTIME, incidents)}
 
 
 def account_downtime(events: Iterable[pa.Table | tuple[str, pa.Table]], end_ns: int | None = None,

@@ -4,7 +4,7 @@ Public API
 - ``analyze(ops, layout, *, allow_incomplete=True, gpu_hours=None) -> WhatIfResult``
 - ``analyze_model(ops, layout) -> WhatIfModel`` (prepared ops and the simulator's run), and
   ``summarise(model) -> WhatIfResult``: for what re-simulates (remedies, the timeline)
-- ``to_tables(result, key) -> {kind: rows}``: the window's per-step, per-op-type and per-worker rows
+- ``to_tables(result, key) -> {kind: table}``: the window's per-step, per-op-type and per-worker rows
 - ``load_golden(trace_parquet, meta_yaml) -> (ops, layout)``
 - ``write_timeline(result_or_inputs, path)``: Perfetto/Chrome trace of actual and ideal timelines
 - ``run_cli(trace, meta, json_out, timeline_out=None) -> dict``

@@ -1,11 +1,12 @@
 """A ``WhatIfResult`` as rows of the result tables (``core.schema``): the one conversion, owned here.
 
-``to_tables(result, key)`` gives the rows of STEP_RESULT (per step), OPTYPE_SLOWDOWN
+``to_tables(result, key)`` gives the tables of STEP_RESULT (per step), OPTYPE_SLOWDOWN
 (per op type, window and per step: ``step = -1`` for the window) and
-WORKER_SLOWDOWN (per worker, window and per step); ``window_fields(result)``
-the what-if columns of the window's WINDOW_RESULT row. The caller adds what the
-analysis does not know (the registration's owner and GPUs, MFU, the window's
-wall-clock span). Result keys are strings (the golden JSON's form); rows get ints.
+WORKER_SLOWDOWN (per worker, window and per step), by kind, as every analyzer's
+``to_tables`` does; ``window_fields(result)`` the what-if columns of the
+window's WINDOW_RESULT row. The caller adds what the analysis does not know (the
+registration's owner and GPUs, MFU, the window's wall-clock span). Result keys
+are strings (the golden JSON's form); rows get ints.
 """
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ import math
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+
+from core import codec
+from core import schema as S
 
 from .result import WhatIfResult
 
@@ -42,23 +47,23 @@ def _mean(times: dict[int, float]) -> float:
 def window_fields(result: WhatIfResult) -> dict[str, Any]:
     """The what-if columns of a WINDOW_RESULT row, plus ``verdicts`` and ``warnings`` (lists) for the caller."""
     t = step_times(result)
-    S = _num(result.slowdown)
+    slow = _num(result.slowdown)
     waste = _num(result.waste_fraction)
-    if waste != waste and S == S and S > 0:
-        waste = 1 - 1 / S
+    if waste != waste and slow == slow and slow > 0:
+        waste = 1 - 1 / slow
     warnings = list(result.warnings)
     if result.unknown_optypes:
         warnings.append(f"unknown op types ignored: {sorted(result.unknown_optypes)}")
     return dict(
-        slowdown=S, launch_slowdown=_num(result.launch_slowdown), waste_fraction=waste,
+        slowdown=slow, launch_slowdown=_num(result.launch_slowdown), waste_fraction=waste,
         step_time_actual=_mean(t["actual"]), step_time_sim=_mean(t["simulated"]), step_time_ideal=_mean(t["ideal"]),
         m_w=_num(result.M_W), m_s=_num(result.M_S), complete=bool(result.complete),
         verdicts=list(result.verdicts), warnings=warnings,
     )
 
 
-def to_tables(result: WhatIfResult, key: tuple[str, int, int]) -> dict[str, list[dict[str, Any]]]:
-    """{"step_result" | "optype_slowdown" | "worker_slowdown": rows} of one window ``key`` (job, attempt, window)."""
+def to_tables(result: WhatIfResult, key: tuple[str, int, int]) -> dict[str, pa.Table]:
+    """{"step_result" | "optype_slowdown" | "worker_slowdown": table} of one window ``key`` (job, attempt, window)."""
     base = dict(job_id=key[0], attempt=key[1], window_id=key[2])
     t = step_times(result)
     sim, ideal = t["simulated"], t["ideal"]
@@ -79,7 +84,9 @@ def to_tables(result: WhatIfResult, key: tuple[str, int, int]) -> dict[str, list
             out["worker_slowdown"].append(dict(base, step=-1, dp_rank=dp, pp_rank=pp, s_dp=s_dp.get(dp, float("nan")),
                                                s_pp=s_pp.get(pp, float("nan")), s_w=_num(v)))
     out["worker_slowdown"] += _per_step_workers(result, base)
-    return out
+    return {"optype_slowdown": codec.from_rows(S.OPTYPE_SLOWDOWN, out["optype_slowdown"]),
+            "worker_slowdown": codec.from_rows(S.WORKER_SLOWDOWN, out["worker_slowdown"]),
+            "step_result": codec.from_rows(S.STEP_RESULT, out["step_result"])}
 
 
 def _per_step_workers(result: WhatIfResult, base: dict) -> list[dict[str, Any]]:

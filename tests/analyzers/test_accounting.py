@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from analyzers.downtime import DowntimeAccountant, Signal, account_downtime, downtime_table
+from analyzers.downtime import DowntimeAccountant, Signal, account_downtime, to_tables
 from analyzers.mfu import flops_per_step, peak_flops, window_mfu
 from core import codec, jsonutil
 from core import schema as S
@@ -152,7 +152,7 @@ def _same(a: list[dict], b: list[dict]) -> bool:
 
 
 def test_downtime_rows_round_trip_the_schema(accounted):
-    t = downtime_table(accounted)
+    t = to_tables(accounted)["downtime"]
     assert t.num_rows == len(accounted)
     kind, back = codec.decode(codec.encode(t))
     assert kind == "downtime" and back.equals(t)

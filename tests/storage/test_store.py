@@ -448,13 +448,13 @@ def test_one_chdb_path_per_process(tmp_path):
 
 def test_where_the_gpu_hours_went_stragglers_and_faults_together(store):
     """One query answers the week's bill: straggler waste and every C4 downtime category, matching truth."""
-    from analyzers.downtime import account_downtime, downtime_table
+    from analyzers.downtime import account_downtime, to_tables
     from generators.downtimegen import generate_downtime_fleet
 
     fleet = generate_downtime_fleet(n_jobs=4, days=3.0, seed=2)
     rows = account_downtime(fleet.tables())
-    store.insert("downtime", downtime_table(rows))
-    store.insert("downtime", downtime_table(rows))  # idempotent per incident
+    store.insert("downtime", to_tables(rows)["downtime"])
+    store.insert("downtime", to_tables(rows)["downtime"])  # idempotent per incident
     windows = window_rows(4)
     store.insert("window_result", windows)
     got = store.run_named("gpu_hours_lost").to_pylist()

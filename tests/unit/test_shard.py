@@ -21,7 +21,7 @@ def fake_analysis(calls):
         calls.append((key, complete, ops.num_rows))
         row = _window_row(info, key, ops, complete, note)
         row.update(slowdown=1.5, waste_fraction=1 / 3, launch_slowdown=1.0, verdict="worker")
-        return _tables(row, {"optype_slowdown": [], "worker_slowdown": [], "step_result": []})
+        return _tables(row)
     return submit
 
 
@@ -80,7 +80,7 @@ def test_kept_spans_one_window_per_job_and_interval_plus_each_new_verdict():
     def submit(ops, info, key, complete, note, ccl=None):
         row = _window_row(info, key, ops, complete, note)
         row.update(slowdown=1.5, waste_fraction=1 / 3, launch_slowdown=1.0, verdict=verdicts[key[2]])
-        return _tables(row, {"optype_slowdown": [], "worker_slowdown": [], "step_result": []})
+        return _tables(row)
 
     def kept(**pipeline):
         w, _, sink = make_worker(messages_for(tables), **pipeline)
