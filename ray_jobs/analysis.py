@@ -50,7 +50,7 @@ _FLOPS_FIELDS = ("flops_per_token", "params", "tokens_per_step", "peak_flops", "
 
 
 def _flops_info(info: Registration, n_gpus: int) -> dict:
-    """The registration's FLOPs fields: ``info.registration`` (a JOB_REGISTRATION row) or attributes of
+    """The registration's FLOPs fields: ``info.registration`` (a JOB row) or attributes of
     ``info``; absent ones are 0, which makes the MFU NaN."""
     reg = getattr(info, "registration", None)
     src = reg if isinstance(reg, dict) else {k: getattr(info, k, 0) for k in _FLOPS_FIELDS}
@@ -159,14 +159,15 @@ def _link_faults(ccl: pa.Table | None, key) -> pa.Table:
         return codec.empty(S.LINK_FAULT)
 
 
-_ALWAYS = {"optype_slowdown": S.OPTYPE_SLOWDOWN, "worker_slowdown": S.WORKER_SLOWDOWN, "step_result": S.STEP_RESULT}
+_ALWAYS = {"optype_slowdown": S.OPTYPE_SLOWDOWN, "worker_slowdown": S.WORKER_SLOWDOWN,
+           "step_slowdown": S.STEP_SLOWDOWN}
 """The what-if's tables: every window has them, empty where the analysis did not run."""
 
 
 def _tables(row: dict, links: pa.Table | None = None, out: dict[str, pa.Table] | None = None) -> dict[str, pa.Table]:
     """The window's row and the analyzers' tables (``to_tables``) for the sink; a remedy table only with rows."""
     out = out or {}
-    tables = {"window_result": codec.from_rows(S.WINDOW_RESULT, [row])}
+    tables = {"window": codec.from_rows(S.WINDOW, [row])}
     tables["link_fault"] = links if links is not None else codec.empty(S.LINK_FAULT)
     for kind, schema in _ALWAYS.items():
         tables[kind] = out.get(kind, codec.empty(schema))

@@ -14,7 +14,7 @@ from ray_jobs.checkpoint import Clock, Unit
 
 
 class DowntimeReducer:
-    consumes = frozenset({"job_registration", "checkpoint", "heartbeat", "hang", "alert"})
+    consumes = frozenset({"job", "checkpoint", "heartbeat", "hang", "alert"})
 
     def __init__(self, clock: Clock, every_s: float = 10.0, accountant: DowntimeAccountant | None = None):
         self.clock = clock

@@ -351,7 +351,7 @@ class ShardWorker:
         except (codec.DecodeError, UnicodeDecodeError) as e:
             self._dead_letter(msg, str(e))
             return
-        if kind == "job_registration":
+        if kind == "job":
             self._register(msg, table, key, now)
             return
         layout = self._layout_of(key, table)
@@ -393,16 +393,16 @@ class ShardWorker:
             why = B.check_registration(row, key, self.limits)
             (bad if why else good).append((row, why))
         if bad:
-            self._dead_letter(msg, "; ".join(f"job_registration of {str(r.get('job_id'))[:80]!r}: {why}"
+            self._dead_letter(msg, "; ".join(f"job record of {str(r.get('job_id'))[:80]!r}: {why}"
                                              for r, why in bad[:5]))
         if not good:
             return
-        rows = codec.from_rows(S.JOB_REGISTRATION, [r for r, _ in good])
-        self._feed("job_registration", rows, ((msg.topic, msg.partition), msg.offset), now)
+        rows = codec.from_rows(S.JOB, [r for r, _ in good])
+        self._feed("job", rows, ((msg.topic, msg.partition), msg.offset), now)
 
         def stored(n=rows.num_rows):
             self.stats.jobs_registered += n
-        self.checkpoint.add(Unit(f"{rows.num_rows} registration(s)", {"job_registration": rows}, on_stored=stored))
+        self.checkpoint.add(Unit(f"{rows.num_rows} registration(s)", {"job": rows}, on_stored=stored))
 
     def _dead_letter(self, msg, reason: str) -> None:
         """The message, its position and the reason: stored (before its offset) and published to the topic."""

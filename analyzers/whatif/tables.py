@@ -1,10 +1,10 @@
 """A ``WhatIfResult`` as rows of the result tables (``core.schema``): the one conversion, owned here.
 
-``to_tables(result, key)`` gives the tables of STEP_RESULT (per step), OPTYPE_SLOWDOWN
+``to_tables(result, key)`` gives the tables of STEP_SLOWDOWN (per step), OPTYPE_SLOWDOWN
 (per op type, window and per step: ``step = -1`` for the window) and
 WORKER_SLOWDOWN (per worker, window and per step), by kind, as every analyzer's
 ``to_tables`` does; ``window_fields(result)`` the what-if columns of the
-window's WINDOW_RESULT row. The caller adds what the analysis does not know (the
+window's WINDOW row. The caller adds what the analysis does not know (the
 registration's owner and GPUs, MFU, the window's wall-clock span). Result keys
 are strings (the golden JSON's form); rows get ints.
 """
@@ -45,7 +45,7 @@ def _mean(times: dict[int, float]) -> float:
 
 
 def window_fields(result: WhatIfResult) -> dict[str, Any]:
-    """The what-if columns of a WINDOW_RESULT row, plus ``verdicts`` and ``warnings`` (lists) for the caller."""
+    """The what-if columns of a WINDOW row, plus ``verdicts`` and ``warnings`` (lists) for the caller."""
     t = step_times(result)
     slow = _num(result.slowdown)
     waste = _num(result.waste_fraction)
@@ -63,13 +63,13 @@ def window_fields(result: WhatIfResult) -> dict[str, Any]:
 
 
 def to_tables(result: WhatIfResult, key: tuple[str, int, int]) -> dict[str, pa.Table]:
-    """{"step_result" | "optype_slowdown" | "worker_slowdown": table} of one window ``key`` (job, attempt, window)."""
+    """{"step_slowdown" | "optype_slowdown" | "worker_slowdown": table} of one window ``key`` (job, attempt, window)."""
     base = dict(job_id=key[0], attempt=key[1], window_id=key[2])
     t = step_times(result)
     sim, ideal = t["simulated"], t["ideal"]
-    out: dict[str, list[dict[str, Any]]] = {"optype_slowdown": [], "worker_slowdown": [], "step_result": []}
+    out: dict[str, list[dict[str, Any]]] = {"optype_slowdown": [], "worker_slowdown": [], "step_slowdown": []}
     for step, actual in sorted(t["actual"].items()):
-        out["step_result"].append(dict(base, step=step, actual_s=actual, sim_s=sim.get(step, float("nan")),
+        out["step_slowdown"].append(dict(base, step=step, actual_s=actual, sim_s=sim.get(step, float("nan")),
                                        ideal_s=ideal.get(step, float("nan")),
                                        slowdown=_num(result.step_slowdown.get(str(step)))))
     for optype, v in result.by_optype.items():
@@ -86,7 +86,7 @@ def to_tables(result: WhatIfResult, key: tuple[str, int, int]) -> dict[str, pa.T
     out["worker_slowdown"] += _per_step_workers(result, base)
     return {"optype_slowdown": codec.from_rows(S.OPTYPE_SLOWDOWN, out["optype_slowdown"]),
             "worker_slowdown": codec.from_rows(S.WORKER_SLOWDOWN, out["worker_slowdown"]),
-            "step_result": codec.from_rows(S.STEP_RESULT, out["step_result"])}
+            "step_slowdown": codec.from_rows(S.STEP_SLOWDOWN, out["step_slowdown"])}
 
 
 def _per_step_workers(result: WhatIfResult, base: dict) -> list[dict[str, Any]]:

@@ -16,14 +16,14 @@ def test_rows_conform_to_their_schemas_with_int_keys():
     t, lay = job(dp=2, pp=2)
     res = analyze(t, lay)
     tables = to_tables(res, KEY)
-    for kind, schema in (("step_result", S.STEP_RESULT), ("optype_slowdown", S.OPTYPE_SLOWDOWN),
+    for kind, schema in (("step_slowdown", S.STEP_SLOWDOWN), ("optype_slowdown", S.OPTYPE_SLOWDOWN),
                          ("worker_slowdown", S.WORKER_SLOWDOWN)):
         assert tables[kind].num_rows, kind
         assert tables[kind].schema == schema, kind
     tables = {kind: t.to_pylist() for kind, t in tables.items()}
-    steps = [r["step"] for r in tables["step_result"]]
+    steps = [r["step"] for r in tables["step_slowdown"]]
     assert steps == sorted(int(s) for s in res.step_time["actual"]) == sorted(step_times(res)["actual"])
-    for r in tables["step_result"]:
+    for r in tables["step_slowdown"]:
         assert math.isclose(r["slowdown"], res.step_slowdown[str(r["step"])])
     window = [r for r in tables["optype_slowdown"] if r["step"] == -1]
     assert {r["optype"]: r["slowdown"] for r in window} == res.by_optype

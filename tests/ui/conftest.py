@@ -34,7 +34,7 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
 
     now = time.time_ns()
     jobs = [dataclasses.replace(j, job_id=f"ui-{i:03d}") for i, j in enumerate(make_fleet(n_jobs, seed, 8, 256))]
-    store.insert("job_registration", pa.concat_tables([j.registration(now, 3) for j in jobs]))
+    store.insert("job", pa.concat_tables([j.registration(now, 3) for j in jobs]))
     rules = AlertRules(AlertConfig(min_gpus=1, cooldown_s=0))
     by_kind: dict[str, list[pa.Table]] = {}
     for spec, wid, ops in fleet_windows(jobs, windows, 3, now - 3600 * 10**9):
@@ -45,7 +45,7 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
             c = c.set_column(c.schema.get_field_index("window_id"), "window_id", pa.array([wid] * c.num_rows, pa.int64()))
             ccl = c
         tables = analyze_window(ops, info, (spec.job_id, 0, wid), True, "", ccl)
-        row = tables["window_result"].to_pylist()[0]
+        row = tables["window"].to_pylist()[0]
         alerts = rules.evaluate_window(row, 0.0, now)
         if tables["link_fault"].num_rows:
             alerts += rules.evaluate_links(tables["link_fault"].to_pylist(), 0.0, now)
