@@ -392,3 +392,23 @@ def test_lag_counts_as_caught_up_only_after_a_poll():
     assert w.stats.loops == 1
     run(w)
     assert w.stats.lag == 0 and Pipeline.caught_up([w.status()])
+
+
+def test_the_production_sink_opens_the_configured_store_with_the_pipelines_open_store():
+    """The shard takes only a sink factory; the pipeline's is a ResultWriter over ``open_store(cfg.store.url)``."""
+    from ray_jobs.io import ResultWriter
+    from ray_jobs.pipeline import result_sink
+
+    opened = []
+
+    def open_store(url):
+        opened.append(url)
+        return FakeSink()
+
+    cfg = Config().replace(store={"url": "chdb:///somewhere/store"})
+    factory = result_sink(cfg, open_store)
+    assert opened == [], "nothing is opened before the shard's setup"
+    sink = factory()
+    assert isinstance(sink, ResultWriter)
+    sink.setup()
+    assert opened == ["chdb:///somewhere/store"] and isinstance(sink.store, FakeSink)
