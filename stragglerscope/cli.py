@@ -47,7 +47,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
                       ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
                       ("ray_jobs.pipeline", "PipelineError"),
                       ("stragglerscope.replay", "ReplayError"), ("analyzers.remedies.stored", "AdviseError"),
-                      ("analyzers.whatif", "WhatIfInputError"), ("core.codec", "DecodeError"),
+                      ("analyzers.whatif", "WhatIfInputError"), ("core.golden", "GoldenTraceError"),
+                      ("core.codec", "DecodeError"),
                       ("stragglerscope.trace", "TraceError")):
         try:
             module = __import__(mod, fromlist=[name])

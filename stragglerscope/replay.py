@@ -55,7 +55,7 @@ def load_trace(path: str) -> tuple[pa.Table, JobLayout]:
         meta = _find_meta(p)
         if meta is None:
             raise ReplayError(f"{p}: golden trace without a meta-*.yaml beside it")
-        from analyzers.whatif import load_golden
+        from core.golden import load_golden
 
         return load_golden(str(p), str(meta))
     try:

@@ -17,16 +17,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from core.golden import GoldenTraceError, load_golden
 from core.layout import JobLayout
+from core.memory import release_memory
 
 from . import opcodes as T
-from .load import (
-    PreparedOps,
-    WhatIfInputError,
-    load_golden,
-    prepare_ops,
-    release_memory,
-)
+from .load import PreparedOps, WhatIfInputError, prepare_ops
 from .result import WhatIfModel, WhatIfResult
 from .scenarios import Run, run_scenarios
 from .verdicts import verdicts as make_verdicts
@@ -145,7 +141,10 @@ def summarise(model: WhatIfModel, gpu_hours: float | None = None) -> WhatIfResul
 def run_cli(trace: str | os.PathLike, meta: str | os.PathLike, json_out: str | os.PathLike,
             timeline_out: str | os.PathLike | None = None) -> dict[str, Any]:
     """`stragglerscope whatif`: analyse a golden-format trace, write the JSON (and timeline)."""
-    table, layout = load_golden(trace, meta)
+    try:
+        table, layout = load_golden(trace, meta)
+    except GoldenTraceError as e:  # the what-if's one error for bad input, as it always was here
+        raise WhatIfInputError(str(e)) from None
     res = analyze(table, layout)
     d = res.to_json_dict()
     try:
