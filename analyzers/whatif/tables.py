@@ -5,8 +5,7 @@
 WORKER_SLOWDOWN (per worker, window and per step), by kind, as every analyzer's
 ``to_tables`` does; ``window_fields(result)`` the what-if columns of the
 window's WINDOW row. The caller adds what the analysis does not know (the
-registration's owner and GPUs, MFU, the window's wall-clock span). Result keys
-are strings (the golden JSON's form); rows get ints.
+registration's owner and GPUs, MFU, the window's wall-clock span).
 """
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ def _num(x: Any) -> float:
 
 def step_times(result: WhatIfResult) -> dict[str, dict[int, float]]:
     """{"actual" | "simulated" | "ideal": {step: seconds}} of the window's steps."""
-    return {kind: {int(k): float(v) for k, v in result.step_time.get(kind, {}).items()}
+    return {kind: {k: float(v) for k, v in result.step_time.get(kind, {}).items()}
             for kind in ("actual", "simulated", "ideal")}
 
 
@@ -71,18 +70,17 @@ def to_tables(result: WhatIfResult, key: tuple[str, int, int]) -> dict[str, pa.T
     for step, actual in sorted(t["actual"].items()):
         out["step_slowdown"].append(dict(base, step=step, actual_s=actual, sim_s=sim.get(step, float("nan")),
                                        ideal_s=ideal.get(step, float("nan")),
-                                       slowdown=_num(result.step_slowdown.get(str(step)))))
+                                       slowdown=_num(result.step_slowdown.get(step))))
     for optype, v in result.by_optype.items():
         out["optype_slowdown"].append(dict(base, step=-1, optype=optype, slowdown=_num(v)))
     for step, per in result.by_optype_per_step.items():
         for optype, v in per.items():
-            out["optype_slowdown"].append(dict(base, step=int(step), optype=optype, slowdown=_num(v)))
-    s_dp = {int(k): _num(v) for k, v in result.by_dp_rank.items()}
-    s_pp = {int(k): _num(v) for k, v in result.by_pp_rank.items()}
+            out["optype_slowdown"].append(dict(base, step=step, optype=optype, slowdown=_num(v)))
     for pp, cells in enumerate(result.worker_slowdown):
         for dp, v in enumerate(cells):
-            out["worker_slowdown"].append(dict(base, step=-1, dp_rank=dp, pp_rank=pp, s_dp=s_dp.get(dp, float("nan")),
-                                               s_pp=s_pp.get(pp, float("nan")), s_w=_num(v)))
+            out["worker_slowdown"].append(dict(base, step=-1, dp_rank=dp, pp_rank=pp,
+                                               s_dp=_num(result.by_dp_rank.get(dp)),
+                                               s_pp=_num(result.by_pp_rank.get(pp)), s_w=_num(v)))
     out["worker_slowdown"] += _per_step_workers(result, base)
     return {"optype_slowdown": codec.from_rows(S.OPTYPE_SLOWDOWN, out["optype_slowdown"]),
             "worker_slowdown": codec.from_rows(S.WORKER_SLOWDOWN, out["worker_slowdown"]),
@@ -103,6 +101,6 @@ def _per_step_workers(result: WhatIfResult, base: dict) -> list[dict[str, Any]]:
             for dp, whole in enumerate(cells):
                 if whole is None or whole != whole:  # worker absent from the window
                     continue
-                sdp, spp = _num(per_dp.get(str(dp))), _num(per_pp.get(str(pp)))
-                rows.append(dict(base, step=int(step), dp_rank=dp, pp_rank=pp, s_dp=sdp, s_pp=spp, s_w=min(sdp, spp)))
+                sdp, spp = _num(per_dp.get(dp)), _num(per_pp.get(pp))
+                rows.append(dict(base, step=step, dp_rank=dp, pp_rank=pp, s_dp=sdp, s_pp=spp, s_w=min(sdp, spp)))
     return rows
