@@ -1,9 +1,9 @@
 """Downtime that faults cost, in Alibaba C4's categories: a streaming accountant over records we already move.
 
-``DowntimeAccountant`` is a reducer over the records we already move:
-JOB_REGISTRATION (a new ``attempt`` is a restart), CHECKPOINT (saves and
-loads), HEARTBEAT (progress: ``step_done`` and ``step_done_ns``, the last
-step a rank completed and when), HANG rows and ALERT rows. One *incident* is
+``DowntimeAccountant`` is a reducer over the records we already move: JOB
+(a new ``attempt`` is a restart), CHECKPOINT (saves and loads), HEARTBEAT
+(progress: ``step_done`` and ``step_done_ns``, the last step a rank
+completed and when), HANG rows and ALERT rows. One *incident* is
 one fault of one attempt. Its time stamps:
 
 - ``fault_start``: the attempt's last progress before the fault was detected:
@@ -70,7 +70,8 @@ of an incident already emitted are counted late and dropped; progress and
 saves older than ``keep_s`` are pruned, and a job silent for ``keep_s`` is
 forgotten (an open incident of it is emitted, clipped at its last record),
 so state stays bounded. The state is plain dataclasses: pickle is the
-snapshot.
+snapshot. ``to_tables(incidents)`` gives the DOWNTIME table of emitted rows, as
+every analyzer's ``to_tables`` does.
 """
 from __future__ import annotations
 
@@ -273,9 +274,9 @@ class DowntimeAccountant:
 
     # -- input --------------------------------------------------------------
     def add(self, table: pa.Table, kind: str | None = None) -> None:
-        """Any of JOB_REGISTRATION, CHECKPOINT, HEARTBEAT, HANG or ALERT (kind from the schema metadata)."""
+        """Any of JOB, CHECKPOINT, HEARTBEAT, HANG or ALERT (kind from the schema metadata)."""
         kind = kind or S.kind_of(table.schema)
-        handler = {"job_registration": self.add_registrations, "checkpoint": self.add_checkpoints,
+        handler = {"job": self.add_registrations, "checkpoint": self.add_checkpoints,
                    "heartbeat": self.add_heartbeats, "hang": self.add_hangs, "alert": self.add_alerts}.get(kind)
         if handler is None:
             raise ValueError(f"the downtime accountant does not read {kind!r} records")
@@ -644,9 +645,9 @@ def _derive(job: _Job) -> list[_Incident]:
     return out
 
 
-def downtime_table(rows: Iterable[Mapping[str, Any]]) -> pa.Table:
-    """DOWNTIME rows as a table for the sink."""
-    return codec.from_rows(S.DOWNTIME, rows)
+def to_tables(incidents: Iterable[Mapping[str, Any]]) -> dict[str, pa.Table]:
+    """{"downtime": DOWNTIME rows} of accounted incidents (``DowntimeAccountant.emit``, ``account_downtime``)."""
+    return {"downtime": codec.from_rows(S.DOWNTIME, incidents)}
 
 
 def account_downtime(events: Iterable[pa.Table | tuple[str, pa.Table]], end_ns: int | None = None,

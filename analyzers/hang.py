@@ -30,17 +30,21 @@ four are parameters (``HangParams``) set from the pipeline configuration.
 
 ``evaluate`` also builds the evidence: the wait chain (for each rank, what it
 waits on and for whom, and the root of the chain) and the merged stacks of
-every rank that dumped them (``analyzers.stacks``).
+every rank that dumped them (``analyzers.stacks``). ``to_tables(hangs, now_ns)``
+converts hangs to HANG rows, as every analyzer's ``to_tables`` does.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from analyzers.stacks import merge_stacks
+from core import codec, jsonutil
+from core import schema as S
 from core.layout import fold_ranks
 
 _NS = 1_000_000_000
@@ -85,16 +89,20 @@ class Hang:
     evidence: dict
 
     def summary(self) -> str:
-        return hang_summary(self.row(self.since_ns))
+        return hang_summary(_row(self, self.since_ns))
 
-    def row(self, now_ns: int) -> dict:
-        """A row of ``core.schema.HANG``."""
-        from core.jsonutil import dumps
 
-        return dict(job_id=self.job_id, attempt=self.attempt, hang_id=now_ns, kind=self.kind, group=self.group,
-                    seq=self.seq, op=self.op, stuck_ranks=fold_ranks(self.stuck_ranks),
-                    missing_ranks=fold_ranks(self.missing_ranks), suspect_hosts=",".join(self.suspect_hosts),
-                    since_ns=self.since_ns, duration_s=self.duration_s, evidence_json=dumps(self.evidence))
+def _row(hang: Hang, now_ns: int) -> dict:
+    """A row of ``core.schema.HANG``; ``now_ns`` (the detection time) is its ``hang_id``."""
+    return dict(job_id=hang.job_id, attempt=hang.attempt, hang_id=now_ns, kind=hang.kind, group=hang.group,
+                seq=hang.seq, op=hang.op, stuck_ranks=fold_ranks(hang.stuck_ranks),
+                missing_ranks=fold_ranks(hang.missing_ranks), suspect_hosts=",".join(hang.suspect_hosts),
+                since_ns=hang.since_ns, duration_s=hang.duration_s, evidence_json=jsonutil.dumps(hang.evidence))
+
+
+def to_tables(hangs: Iterable[Hang], now_ns: int) -> dict[str, pa.Table]:
+    """{"hang": HANG rows} of the hangs detected at ``now_ns`` (each row's ``hang_id``)."""
+    return {"hang": codec.from_rows(S.HANG, [_row(h, now_ns) for h in hangs])}
 
 
 def hang_summary(row: dict) -> str:

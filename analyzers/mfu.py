@@ -64,7 +64,7 @@ def window_mfu(registration: Mapping[str, Any] | Any, steps: int | Sequence[int]
                actual_s: float | Sequence[float], ideal_s: float | Sequence[float]) -> tuple[float, float]:
     """(mfu, mfu_ideal) of a window.
 
-    ``registration``: a JOB_REGISTRATION row (dict) or an object with those
+    ``registration``: a JOB row (dict) or an object with those
     attributes. ``steps``: the steps analysed (a count, or the step numbers).
     ``actual_s`` and ``ideal_s``: per-step seconds in the order of ``steps``,
     or one mean step time each. Non-finite or non-positive step times are left

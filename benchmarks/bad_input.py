@@ -38,7 +38,7 @@ def outcomes() -> tuple[list[tuple[str, str]], bool]:
     w, sink = run_shard(entries)
     _, alone = run_shard(GOOD)
     letters = sink.rows.get("dead_letter", [])
-    windows = {r["job_id"]: r for r in sink.rows["window_result"]}
+    windows = {r["job_id"]: r for r in sink.rows["window"]}
     out = []
     for name, topic, key, _payload, want in CASES:
         if isinstance(want, str):
@@ -50,8 +50,8 @@ def outcomes() -> tuple[list[tuple[str, str]], bool]:
         else:
             out.append((name, f"clock corrected ({w.stats.clock_corrected_rows} rows in the run)"))
     good = windows["good"]
-    exact = good["slowdown"] == alone.rows["window_result"][0]["slowdown"] and good["n_ops"] == alone.rows[
-        "window_result"][0]["n_ops"]
+    exact = good["slowdown"] == alone.rows["window"][0]["slowdown"] and good["n_ops"] == alone.rows[
+        "window"][0]["n_ops"]
     return out, exact and not w.stats.error
 
 

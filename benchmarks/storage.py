@@ -90,8 +90,8 @@ class Fleet:
         }
         cols["mfu"] = cols["mfu_ideal"] / s
         arrays = [pa.array(cols[f.name]).cast(f.type) if not isinstance(cols[f.name], pa.Array)
-                  else cols[f.name].cast(f.type) for f in S.WINDOW_RESULT]
-        return pa.Table.from_arrays(arrays, schema=S.WINDOW_RESULT)
+                  else cols[f.name].cast(f.type) for f in S.WINDOW]
+        return pa.Table.from_arrays(arrays, schema=S.WINDOW)
 
     def optypes(self, windows: pa.Table, fraction: float) -> pa.Table:
         rng = self.rng
@@ -146,7 +146,7 @@ def load(store, fleet: Fleet, n_windows: int, batches: int, optype_fraction: flo
         store.insert("optype_slowdown", o)
         t_ops += time.perf_counter() - t
         t = time.perf_counter()
-        store.insert("window_result", w)
+        store.insert("window", w)
         t_win += time.perf_counter() - t
         done += n
         n_ops += o.num_rows

@@ -45,7 +45,8 @@ def tiled(factor: int) -> tuple[Path, Path]:
 
 def _child(trace: str, meta: str, repeat: int) -> None:
     sys.path.insert(0, str(ROOT))
-    from analyzers.whatif import analyze, load_golden
+    from analyzers.whatif import analyze
+    from core.golden import load_golden
 
     t0 = time.perf_counter()
     table, layout = load_golden(trace, meta)

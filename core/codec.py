@@ -18,7 +18,7 @@ from core.schema import (
     CHECKPOINT_KINDS,
     HEARTBEAT,
     INPUT_SCHEMAS,
-    JOB_REGISTRATION,
+    JOB,
     MIN_READ_VERSION,
     OP_SPAN,
     RESULT_SCHEMAS,
@@ -32,6 +32,12 @@ class DecodeError(ValueError):
     """A payload that is not a valid record batch of a known schema."""
 
 
+KIND_ALIASES = {"job_registration": "job", "window_result": "window", "step_result": "step_slowdown"}
+"""Old kind names ``decode`` still reads, and the kind each is now: producers of SCHEMA_VERSION 1 and 2
+(exporters not yet upgraded, spooled and dead-lettered messages) stamp these; since version 3 every kind is
+named as the singular of its table."""
+
+
 def wire_schema(schema: pa.Schema) -> pa.Schema:
     """The schema as sent: field docs and units dropped, kind and version kept.
 
@@ -42,7 +48,7 @@ def wire_schema(schema: pa.Schema) -> pa.Schema:
     return pa.schema([f.remove_metadata() for f in schema], metadata=keep)
 
 
-_WIRE = {id(s): wire_schema(s) for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB_REGISTRATION, CHECKPOINT)}
+_WIRE = {id(s): wire_schema(s) for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB, CHECKPOINT)}
 
 
 def encode(batch: pa.RecordBatch | pa.Table, compression: str | None = "zstd") -> bytes:
@@ -86,6 +92,7 @@ def decode(payload: bytes) -> tuple[str, pa.Table]:
         version = md.get(b"stragglerscope.version", b"").decode("ascii")
     except UnicodeDecodeError:
         raise DecodeError("record kind or version is not ASCII") from None
+    kind = KIND_ALIASES.get(kind, kind)
     if kind not in INPUT_SCHEMAS and kind not in RESULT_SCHEMAS:
         raise DecodeError(f"unknown record kind {kind[:80]!r}")
     # Only ASCII digits: str.isdigit() accepts '\u00b2', which int() then refuses.

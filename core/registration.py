@@ -1,4 +1,4 @@
-"""A job's registration, typed: what the JOB_REGISTRATION record told us, or defaults when it never came."""
+"""A job's registration, typed: what the JOB record told us, or defaults when it never came."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +19,7 @@ class Registration:
     n_gpus: int = 0
     registered: bool = True
     registration: dict | None = None
-    """The whole JOB_REGISTRATION row (FLOPs facts for MFU, layers for remedies)."""
+    """The whole JOB row (FLOPs facts for MFU, layers for remedies)."""
 
     @classmethod
     def from_row(cls, row: dict) -> "Registration":

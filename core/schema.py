@@ -30,12 +30,15 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
-"""Bump on any change of a schema below; add a forward migration in storage/.
+SCHEMA_VERSION = 3
+"""Bump on any change of a schema below; add a forward migration in storage/ where a table changes.
 
-2: CHECKPOINT records, DOWNTIME and REMEDY results; JOB_REGISTRATION ``params``,
-``seq_len`` and ``num_layers``; HEARTBEAT ``step_done`` and ``step_done_ns``; WINDOW_RESULT
+2: CHECKPOINT records, DOWNTIME and REMEDY results; JOB ``params``,
+``seq_len`` and ``num_layers``; HEARTBEAT ``step_done`` and ``step_done_ns``; WINDOW
 ``mfu`` and ``mfu_ideal``.
+3: kinds named as their tables: ``job``, ``window`` and ``step_slowdown`` (were
+``job_registration``, ``window_result`` and ``step_result``; ``codec.KIND_ALIASES``
+reads the old names). No table changed.
 """
 MIN_READ_VERSION = 1
 """The oldest version ``decode`` still reads (fields added since get their defaults)."""
@@ -149,8 +152,8 @@ HEARTBEAT = _schema(
     ],
 )
 
-JOB_REGISTRATION = _schema(
-    "job_registration",
+JOB = _schema(
+    "job",
     "Sent once per job attempt by rank 0: the layout and ownership of the job.",
     [
         _JOB,
@@ -212,8 +215,8 @@ DEAD_LETTER = _schema(
 # --------------------------------------------------------------------------
 _WINDOW = _f("window_id", pa.int64(), "", "first step of the window; (job_id, attempt, window_id) is unique")
 
-WINDOW_RESULT = _schema(
-    "window_result",
+WINDOW = _schema(
+    "window",
     "What-if analysis of one window of profiled steps of one job.",
     [
         _JOB,
@@ -281,8 +284,8 @@ WORKER_SLOWDOWN = _schema(
     ],
 )
 
-STEP_RESULT = _schema(
-    "step_result",
+STEP_SLOWDOWN = _schema(
+    "step_slowdown",
     "Per-step times of one window: actual, simulated and ideal.",
     [
         _JOB,
@@ -434,7 +437,7 @@ ALERT_ACK = pa.schema([
 
 OPTYPE_WASTE = pa.schema(
     [OPTYPE_SLOWDOWN.field(n) for n in ("job_id", "attempt", "window_id", "optype", "slowdown")]
-    + [WINDOW_RESULT.field(n) for n in ("analyzed_ns", "team", "model", "n_gpus", "gpu_hours")]
+    + [WINDOW.field(n) for n in ("analyzed_ns", "team", "model", "n_gpus", "gpu_hours")]
     + [pa.field("wasted_gpu_hours", pa.float64(), nullable=False,
                 metadata={"unit": "GPU-h", "doc": "gpu_hours x (1 - 1/S_t), at least 0"})]
 )
@@ -450,14 +453,18 @@ STORED_INF = 1e30
 
 INPUT_SCHEMAS: dict[str, pa.Schema] = {
     s.metadata[b"stragglerscope.kind"].decode(): s
-    for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB_REGISTRATION, CHECKPOINT)
+    for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB, CHECKPOINT)
 }
 RESULT_SCHEMAS: dict[str, pa.Schema] = {
     s.metadata[b"stragglerscope.kind"].decode(): s
-    for s in (WINDOW_RESULT, OPTYPE_SLOWDOWN, WORKER_SLOWDOWN, STEP_RESULT, HANG, LINK_FAULT, ALERT, DEAD_LETTER,
+    for s in (WINDOW, OPTYPE_SLOWDOWN, WORKER_SLOWDOWN, STEP_SLOWDOWN, HANG, LINK_FAULT, ALERT, DEAD_LETTER,
               DOWNTIME, REMEDY)
 }
 ALL_SCHEMAS: dict[str, pa.Schema] = {**INPUT_SCHEMAS, **RESULT_SCHEMAS}
+
+JOB_REGISTRATION = JOB
+"""The old name of ``JOB``, kept only for ingest/autotrace/tracer.py, which another branch is changing;
+remove it with that file's last use. Everything else says ``JOB``."""
 
 
 def kind_of(schema: pa.Schema) -> str:

@@ -17,6 +17,6 @@ TOPIC_OF_KIND = {
     "op_span": TOPIC_OPS,
     "ccl_record": TOPIC_CCL,
     "heartbeat": TOPIC_HEARTBEATS,
-    "job_registration": TOPIC_JOBS,
+    "job": TOPIC_JOBS,
     "checkpoint": TOPIC_CHECKPOINTS,
 }

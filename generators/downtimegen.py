@@ -18,7 +18,7 @@ checkpoint save after every ``K``-th step, and faults at random times
 A restart registers a new attempt, which loads the last complete checkpoint
 (CHECKPOINT load rows) and runs from the step after it; with probability
 ``p_failed_reinit`` that attempt dies before its first step and another one
-follows. The stream is what the pipeline would hold: JOB_REGISTRATION,
+follows. The stream is what the pipeline would hold: JOB,
 CHECKPOINT (rank 0 and rank 1 of every save and load), HEARTBEAT (rank 0,
 every ``heartbeat_s``, with ``step_done`` and ``step_done_ns``), HANG and
 ALERT rows, as Arrow tables of ``core.schema``.
@@ -304,7 +304,7 @@ def generate_downtime_fleet(n_jobs: int = 12, days: float = 7.0, seed: int = 0, 
         sims.append(sim)
     hb = pa.concat_tables([t for s in sims for t in s.hb])
     return DowntimeFleet(
-        registrations=codec.from_rows(S.JOB_REGISTRATION, [r for s in sims for r in s.regs]),
+        registrations=codec.from_rows(S.JOB, [r for s in sims for r in s.regs]),
         checkpoints=codec.from_rows(S.CHECKPOINT, [r for s in sims for r in s.ckpts]),
         heartbeats=codec.conform(hb, S.HEARTBEAT),
         hangs=codec.from_rows(S.HANG, [r for s in sims for r in s.hangs]),

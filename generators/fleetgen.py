@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from core.layout import JobLayout
-from core.schema import JOB_REGISTRATION, OP_SPAN
+from core.schema import JOB, OP_SPAN
 
 CAUSES = ("none", "slow_worker", "heavy_last_stage", "seq_imbalance", "gc")
 PACKINGS = ("none", "attention")
@@ -127,7 +127,7 @@ class JobSpec:
                     seq_len=SEQ_LEN, num_layers=sum(self.stage_layers) if self.stage_layers else 8 * lay.pp_size,
                 )
             ],
-            schema=JOB_REGISTRATION,
+            schema=JOB,
         )
 
 

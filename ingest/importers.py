@@ -1,7 +1,7 @@
 """Importers: existing trace formats to our records.
 
-- ``golden``: the what-if paper's trace format (parquet + meta YAML), via the
-  what-if analyzer's loader, to OP_SPAN.
+- ``golden``: the what-if paper's trace format (parquet + meta YAML), read by
+  ``core.golden``, to OP_SPAN.
 - ``kineto``: PyTorch profiler Chrome-trace JSON (``.json`` or ``.json.gz``)
   to OP_SPAN. Ops are the ``record_function`` annotations whose names are
   op types of the what-if model (``forward-compute``, ``forward-send``...);
@@ -34,6 +34,7 @@ import pyarrow as pa
 
 from core import codec, optypes
 from core import schema as S
+from core.golden import load_golden
 from core.layout import JobLayout
 
 FORMATS = ("golden", "kineto", "flight-recorder")
@@ -185,8 +186,6 @@ def import_paths(fmt: str, paths: list[str], job_id: str | None = None, layout: 
         if fmt == "golden":
             if not meta:
                 raise ImportFormatError("golden traces need --meta META.yaml")
-            from analyzers.whatif import load_golden
-
             table, _ = load_golden(p, meta)
             if job_id:
                 table = table.set_column(table.schema.get_field_index("job_id"), "job_id",

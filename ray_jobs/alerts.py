@@ -43,7 +43,7 @@ class AlertRules:
         return True
 
     def evaluate_window(self, row: dict, now: float, now_ns: int) -> list[dict]:
-        """Alerts for one window result row (a dict of WINDOW_RESULT fields)."""
+        """Alerts for one window result row (a dict of WINDOW fields)."""
         alerts = []
         job, s = row["job_id"], row["slowdown"]
         base = dict(job_id=job, attempt=row["attempt"], ts_ns=now_ns)
@@ -122,7 +122,7 @@ class AlertReducer:
     cooling them down. They are published (alert topic, webhook) only once
     stored. A rule that fails costs its alert (logged), never the results.
     """
-    consumes = frozenset({"window_result", "link_fault", "hang"})
+    consumes = frozenset({"window", "link_fault", "hang"})
 
     def __init__(self, rules: AlertRules, clock: Clock, publish: Callable[[dict], None]):
         self.rules = rules
@@ -136,7 +136,7 @@ class AlertReducer:
         wall = wall_ns / 1e9
         try:
             rows = table.to_pylist()
-            if kind == "window_result":
+            if kind == "window":
                 for row in rows:
                     self._pending += self.rules.evaluate_window(row, wall, wall_ns)
             elif kind == "link_fault":  # a table per window: one alert for its most confident fault

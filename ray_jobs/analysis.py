@@ -50,7 +50,7 @@ _FLOPS_FIELDS = ("flops_per_token", "params", "tokens_per_step", "peak_flops", "
 
 
 def _flops_info(info: Registration, n_gpus: int) -> dict:
-    """The registration's FLOPs fields: ``info.registration`` (a JOB_REGISTRATION row) or attributes of
+    """The registration's FLOPs fields: ``info.registration`` (a JOB row) or attributes of
     ``info``; absent ones are 0, which makes the MFU NaN."""
     reg = getattr(info, "registration", None)
     src = reg if isinstance(reg, dict) else {k: getattr(info, k, 0) for k in _FLOPS_FIELDS}
@@ -67,13 +67,12 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
         row["complete"] = False
         row["n_ops"] = 0
         row["note"] = (note + "; " if note else "") + "no op spans in this window: link diagnosis only"
-        return _tables(row, {"optype_slowdown": [], "worker_slowdown": [], "step_result": []}, links)
+        return _tables(row, links)
     # heavy imports kept out of the shard's import path
     from analyzers.whatif import analyze
     from analyzers.whatif.tables import step_times, to_tables, window_fields
 
     row = _window_row(info, key, ops, complete, note)
-    out: dict[str, list[dict]] = {"optype_slowdown": [], "worker_slowdown": [], "step_result": []}
     skew = worker_clock_skew(ops)
     if skew is not None:
         # One worker's clock is hours off: its spans would stretch the window, and the GPU-hours and
@@ -83,7 +82,7 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
         row["complete"] = False
         row["note"] = ((note + "; " if note else "") + f"clock of worker dp={dp} pp={pp} is {off_s:+.1f} s off its "
                        f"peers (more than {limit_s:.1f} s): window not analysed, left out of fleet statistics")
-        return _tables(row, out, links)
+        return _tables(row, links)
     try:
         result = analyze(ops, info.layout, allow_incomplete=True)
     except Exception as e:  # analyzer input errors and bugs alike: store, flag, move on
@@ -91,7 +90,7 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
         row["verdict"] = "analysis_failed"
         row["note"] = (note + "; " if note else "") + f"{type(e).__name__}: {e}"[:2000]
         row["complete"] = False
-        return _tables(row, out, links)
+        return _tables(row, links)
 
     what = window_fields(result)
     verdicts, warnings = what.pop("verdicts"), what.pop("warnings")
@@ -111,18 +110,20 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
                                               [times["ideal"].get(s, float("nan")) for s in steps])
     out = to_tables(result, key)
     if verdicts or links.num_rows:
-        out["remedy"] = _remedies(ops, info, result, links, key)
-    return _tables(row, out, links)
+        remedies = _remedies(ops, info, result, links, key)
+        if remedies is not None:
+            out["remedy"] = remedies
+    return _tables(row, links, out)
 
 
 def _remedies(ops: pa.Table, info: Registration, result, links: pa.Table, key) -> pa.Table | None:
     """REMEDY rows of a window with a verdict or a link fault; never costs the window its result."""
-    from analyzers.remedies import JobFacts, advise, remedy_table
+    from analyzers.remedies import JobFacts, advise, to_tables
 
     try:
         reg = info.registration or {}
         facts = JobFacts(layout=info.layout, num_layers=int(reg.get("num_layers") or 0) or None)
-        return remedy_table(key, advise(ops, facts, result, links.to_pylist()), time.time_ns())
+        return to_tables(advise(ops, facts, result, links.to_pylist()), key, time.time_ns())["remedy"]
     except Exception as e:
         log.warning("remedies of %s failed: %s", key, e)
         return None
@@ -132,7 +133,7 @@ def failed_window(ops: pa.Table, info: Registration, key: tuple[str, int, int], 
     """The tables of a window whose analysis could not run at all."""
     row = _window_row(info, key, ops, False, reason[:2000])
     row["verdict"] = "analysis_failed"
-    return _tables(row, {"optype_slowdown": [], "worker_slowdown": [], "step_result": []})
+    return _tables(row)
 
 
 def _main_verdict(verdicts) -> str:
@@ -158,12 +159,18 @@ def _link_faults(ccl: pa.Table | None, key) -> pa.Table:
         return codec.empty(S.LINK_FAULT)
 
 
-def _tables(row: dict, out: dict, links: pa.Table | None = None) -> dict[str, pa.Table]:
-    tables = {"window_result": codec.from_rows(S.WINDOW_RESULT, [row])}
+_ALWAYS = {"optype_slowdown": S.OPTYPE_SLOWDOWN, "worker_slowdown": S.WORKER_SLOWDOWN,
+           "step_slowdown": S.STEP_SLOWDOWN}
+"""The what-if's tables: every window has them, empty where the analysis did not run."""
+
+
+def _tables(row: dict, links: pa.Table | None = None, out: dict[str, pa.Table] | None = None) -> dict[str, pa.Table]:
+    """The window's row and the analyzers' tables (``to_tables``) for the sink; a remedy table only with rows."""
+    out = out or {}
+    tables = {"window": codec.from_rows(S.WINDOW, [row])}
     tables["link_fault"] = links if links is not None else codec.empty(S.LINK_FAULT)
-    tables["optype_slowdown"] = codec.from_rows(S.OPTYPE_SLOWDOWN, out["optype_slowdown"])
-    tables["worker_slowdown"] = codec.from_rows(S.WORKER_SLOWDOWN, out["worker_slowdown"])
-    tables["step_result"] = codec.from_rows(S.STEP_RESULT, out["step_result"])
-    if out.get("remedy") is not None and out["remedy"].num_rows:
+    for kind, schema in _ALWAYS.items():
+        tables[kind] = out.get(kind, codec.empty(schema))
+    if "remedy" in out and out["remedy"].num_rows:
         tables["remedy"] = out["remedy"]
     return tables

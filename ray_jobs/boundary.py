@@ -185,7 +185,7 @@ def check_heartbeats(table: pa.Table, key: str | None, layout: JobLayout | None,
 
 
 def check_registration(row: Mapping[str, Any], key: str | None, limits: ValidationConfig) -> str:
-    """Why a JOB_REGISTRATION row cannot be accepted, or "" (then ``Registration.from_row`` cannot fail)."""
+    """Why a JOB row cannot be accepted, or "" (then ``Registration.from_row`` cannot fail)."""
     problem = job_id_problem(row.get("job_id"), limits.max_job_id_len)
     if problem:
         return problem

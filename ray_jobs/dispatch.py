@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 
 class WindowDispatch:
-    consumes = frozenset({"job_registration", "op_span", "ccl_record"})
+    consumes = frozenset({"job", "op_span", "ccl_record"})
 
     def __init__(self, cfg: PipelineConfig, clock: Clock, is_stored: Callable[[tuple], bool],
                  submit: Callable[..., Any] | None = None, max_world_size: int = 1 << 18, name: str = "shard"):
@@ -48,7 +48,7 @@ class WindowDispatch:
 
     # -- input ----------------------------------------------------------------
     def add(self, kind: str, table: pa.Table, at: tuple[tuple[str, int], int] | None, now: float) -> None:
-        if kind == "job_registration":
+        if kind == "job":
             for row in table.to_pylist():
                 self.tracker.register(Registration.from_row(row))
         elif kind == "op_span":
@@ -151,7 +151,7 @@ class WindowDispatch:
         """
         if not 0 < win.ops.num_rows <= self.cfg.keep_op_spans_max_rows:
             return None
-        result = tables["window_result"]
+        result = tables["window"]
         verdict = result["verdict"][0].as_py()
         link = "link_fault" in tables and tables["link_fault"].num_rows > 0
         if verdict in ("", "none") and not link:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from analyzers.downtime import DowntimeAccountant, downtime_table
+from analyzers.downtime import DowntimeAccountant, to_tables
 from ray_jobs.checkpoint import Clock, Unit
 
 
 class DowntimeReducer:
-    consumes = frozenset({"job_registration", "checkpoint", "heartbeat", "hang", "alert"})
+    consumes = frozenset({"job", "checkpoint", "heartbeat", "hang", "alert"})
 
     def __init__(self, clock: Clock, every_s: float = 10.0, accountant: DowntimeAccountant | None = None):
         self.clock = clock
@@ -36,7 +36,7 @@ class DowntimeReducer:
 
         def stored(n=len(rows)):
             self.incidents += n
-        return [Unit(f"{len(rows)} downtime incident(s)", {"downtime": downtime_table(rows)}, on_stored=stored)]
+        return [Unit(f"{len(rows)} downtime incident(s)", to_tables(rows), on_stored=stored)]
 
     def snapshot(self) -> dict:
         return dict(downtime_incidents=self.incidents)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analyzers.hang import HangParams, HangTracker
+from analyzers.hang import HangParams, HangTracker, to_tables
 from core import codec
 from core import schema as S
 from ray_jobs.checkpoint import Clock, Unit
@@ -68,10 +68,10 @@ class HangMonitor:
             tr.add_ccl(sub)
             self._last_seen[key] = now
 
-    def evaluate(self, now: float, now_ns: int | None = None) -> list[dict]:
+    def evaluate(self, now: float, now_ns: int | None = None) -> pa.Table:
         """HANG rows of hangs found since the last call (at most one evaluation per ``every_s``)."""
         if now - self._last_eval < self.every_s:
-            return []
+            return codec.empty(S.HANG)
         self._last_eval = now
         now_ns = self.clock.wall_ns() if now_ns is None else now_ns
         if self._freshest_ns:
@@ -81,7 +81,7 @@ class HangMonitor:
             wall_ns, now_ns = now_ns, min(now_ns, self._freshest_ns + int(self.params.heartbeat_timeout_s * 1e9))
             self.clock_held_back_s = (wall_ns - now_ns) / _NS
         input_alive = now - self.last_input < self.params.heartbeat_timeout_s
-        rows = []
+        hangs = []
         for key, tr in list(self.trackers.items()):
             if now - self._last_seen.get(key, now) > self.forget_after_s:
                 del self.trackers[key]
@@ -89,8 +89,8 @@ class HangMonitor:
                 continue
             hang = tr.evaluate(now_ns, input_alive=input_alive)
             if hang is not None:
-                rows.append(hang.row(now_ns))
-        return rows
+                hangs.append(hang)
+        return to_tables(hangs, now_ns)["hang"]
 
     # -- the reducer interface ------------------------------------------------
     def add(self, kind: str, table: pa.Table, at=None, now: float = 0.0) -> None:
@@ -98,13 +98,13 @@ class HangMonitor:
 
     def due(self, now: float) -> list[Unit]:
         """The hangs found since the last evaluation, as one unit (hangs never wait for a window)."""
-        rows = self.evaluate(now)
-        if not rows:
+        hangs = self.evaluate(now)
+        if not hangs.num_rows:
             return []
 
-        def stored(n=len(rows)):
+        def stored(n=hangs.num_rows):
             self.hangs += n
-        return [Unit(f"{len(rows)} hang(s)", {"hang": codec.from_rows(S.HANG, rows)}, on_stored=stored)]
+        return [Unit(f"{hangs.num_rows} hang(s)", {"hang": hangs}, on_stored=stored)]
 
     def snapshot(self) -> dict:
         return dict(hangs=self.hangs, heartbeat_age_s=self.heartbeat_age_s,

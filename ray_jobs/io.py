@@ -380,7 +380,7 @@ class ResultWriter:
         # The window row goes last: once it is stored the window counts as done
         # (``window_stored``), so a crash mid-flush re-analyses the window.
         took = []
-        for kind in sorted(buf, key=lambda k: k == "window_result"):
+        for kind in sorted(buf, key=lambda k: k == "window"):
             tables = buf[kind]
             table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
             t0 = time.perf_counter()

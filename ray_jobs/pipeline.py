@@ -20,6 +20,7 @@ covered by stored results (``ShardWorker.setup``).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -175,6 +176,13 @@ def _actor_error(e: BaseException) -> str:
     return _first_line(e)
 
 
+def result_sink(cfg: Config, open_store: Callable[[str], Any]) -> Callable[[], Any]:
+    """A shard's ``sink_factory`` in production: a ``ResultWriter`` that opens ``cfg.store.url`` with ``open_store``."""
+    from ray_jobs.io import ResultWriter
+
+    return functools.partial(ResultWriter, cfg.store.url, open_store)
+
+
 def _make_actor_class():
     import ray
 
@@ -193,8 +201,8 @@ def _make_actor_class():
             logs.configure(cfg.pipeline.log_format, logging.INFO, shard=index, source=source_id)
             install_log_filter()
             quiet_libraries()  # the shard reports what fails itself (status, one warning)
-            self.worker = ShardWorker(index, partitions, cfg, source_id, submit=remote_analyze.remote,
-                                      open_store=open_store)
+            self.worker = ShardWorker(index, partitions, cfg, source_id, sink_factory=result_sink(cfg, open_store),
+                                      submit=remote_analyze.remote)
             self.worker.start()
 
         def status(self) -> dict:

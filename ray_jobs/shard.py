@@ -123,18 +123,19 @@ class ShardWorker:
     MAX_STORE_ATTEMPTS = 3
 
     def __init__(self, index: int, partitions: list[int], cfg: Config, source_id: str,
+                 sink_factory: Callable[[], Any],
                  consumer_factory: Callable[[], Any] | None = None,
-                 sink_factory: Callable[[], Any] | None = None,
                  submit: Callable[..., Any] | None = None,
-                 clock: Clock = Clock(),
-                 open_store: Callable[[str], Any] | None = None):
+                 clock: Clock = Clock()):
+        """``sink_factory()`` gives the result sink, called in ``setup``: a ``ResultWriter`` over the store in
+        production (the shard actor builds it from the pipeline's ``open_store``), a fake in tests.
+        ``consumer_factory()`` gives the record source; the default reads this shard's partitions from Kafka."""
         self.index = index
         self.partitions = list(partitions)
         self.cfg = cfg
         self.source_id = source_id
         self._consumer_factory = consumer_factory
         self._sink_factory = sink_factory
-        self._open_store = open_store
         self._submit = submit
         self.clock = clock
         self.stats = ShardStats(shard=index)
@@ -146,11 +147,11 @@ class ShardWorker:
     # -- lifecycle ----------------------------------------------------------
     def setup(self) -> None:
         """Create clients (here, not in __init__: Ray pickles the object), seek to stored offsets."""
-        from ray_jobs.io import KafkaSource, ResultWriter
+        from ray_jobs.io import KafkaSource
 
         _pay_import_costs()
         cfg, clock = self.cfg, self.clock
-        self.sink = self._sink_factory() if self._sink_factory else ResultWriter(cfg.store.url, self._open_store)
+        self.sink = self._sink_factory()
         self.sink.setup()
         self.source = self._consumer_factory() if self._consumer_factory else KafkaSource(
             cfg.kafka.conn(), topics.INPUT_TOPICS, self.partitions)
@@ -351,7 +352,7 @@ class ShardWorker:
         except (codec.DecodeError, UnicodeDecodeError) as e:
             self._dead_letter(msg, str(e))
             return
-        if kind == "job_registration":
+        if kind == "job":
             self._register(msg, table, key, now)
             return
         layout = self._layout_of(key, table)
@@ -393,16 +394,16 @@ class ShardWorker:
             why = B.check_registration(row, key, self.limits)
             (bad if why else good).append((row, why))
         if bad:
-            self._dead_letter(msg, "; ".join(f"job_registration of {str(r.get('job_id'))[:80]!r}: {why}"
+            self._dead_letter(msg, "; ".join(f"job record of {str(r.get('job_id'))[:80]!r}: {why}"
                                              for r, why in bad[:5]))
         if not good:
             return
-        rows = codec.from_rows(S.JOB_REGISTRATION, [r for r, _ in good])
-        self._feed("job_registration", rows, ((msg.topic, msg.partition), msg.offset), now)
+        rows = codec.from_rows(S.JOB, [r for r, _ in good])
+        self._feed("job", rows, ((msg.topic, msg.partition), msg.offset), now)
 
         def stored(n=rows.num_rows):
             self.stats.jobs_registered += n
-        self.checkpoint.add(Unit(f"{rows.num_rows} registration(s)", {"job_registration": rows}, on_stored=stored))
+        self.checkpoint.add(Unit(f"{rows.num_rows} registration(s)", {"job": rows}, on_stored=stored))
 
     def _dead_letter(self, msg, reason: str) -> None:
         """The message, its position and the reason: stored (before its offset) and published to the topic."""

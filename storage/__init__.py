@@ -6,7 +6,7 @@
     store = open_store("clickhouse://admin@ch:9440/db?password_file=/run/secrets/ch&secure=1&ca_certs=/etc/ca.pem")
     store = open_store("http://127.0.0.1:8123?token_file=/data/store/daemon.token")  # a store daemon (storage.daemon)
     store.setup()                                         # tables, views, forward migrations; idempotent
-    store.insert("window_result", table)                  # a table of core.schema.WINDOW_RESULT
+    store.insert("window", table)                         # a table of core.schema.WINDOW
     store.run_named("fleet_summary", {"team": "llm"})     # -> pyarrow.Table
     store.query("SELECT job_id FROM windows WHERE slowdown > {s:Float64}", {"s": 1.2})
 
@@ -20,7 +20,7 @@ Store methods (the same behaviour on every backend):
 
 - ``setup()``: create the database, tables and views; apply forward migrations.
 - ``insert(kind, table)``: ``kind`` is a key of ``core.schema.ALL_SCHEMAS``
-  that has a table (every result kind, ``job_registration``, ``op_span``);
+  that has a table (every result kind, ``job``, ``op_span``);
   the table is conformed to the schema (StoreError otherwise). Writing the
   same keys again stores nothing new (see ``storage.store``).
 - ``query(sql, params, limits)``: free SQL, a sandbox (``storage.sandbox``):

@@ -222,16 +222,15 @@ class TableSpec:
 
 
 TABLES: tuple[TableSpec, ...] = (
-    TableSpec("jobs", S.JOB_REGISTRATION, ("job_id", "attempt"), "latest", kind="job_registration",
-              latest_by=("ts_ns",)),
-    TableSpec("windows", S.WINDOW_RESULT, ("job_id", "attempt", "window_id"), "first", kind="window_result",
+    TableSpec("jobs", S.JOB, ("job_id", "attempt"), "latest", kind="job", latest_by=("ts_ns",)),
+    TableSpec("windows", S.WINDOW, ("job_id", "attempt", "window_id"), "first", kind="window",
               partition_ns="analyzed_ns"),
     TableSpec("optype_slowdown", S.OPTYPE_SLOWDOWN, ("job_id", "attempt", "window_id", "step", "optype"), "first",
               kind="optype_slowdown"),
     TableSpec("worker_slowdown", S.WORKER_SLOWDOWN,
               ("job_id", "attempt", "window_id", "step", "dp_rank", "pp_rank"), "first", kind="worker_slowdown"),
-    TableSpec("step_slowdown", S.STEP_RESULT, ("job_id", "attempt", "window_id", "step"), "first",
-              kind="step_result"),
+    TableSpec("step_slowdown", S.STEP_SLOWDOWN, ("job_id", "attempt", "window_id", "step"), "first",
+              kind="step_slowdown"),
     TableSpec("hangs", S.HANG, ("job_id", "attempt", "hang_id"), "first", kind="hang", partition_ns="hang_id"),
     TableSpec("link_faults", S.LINK_FAULT, ("job_id", "attempt", "window_id", "group", "kind", "src", "dst"),
               "first", kind="link_fault"),

@@ -253,13 +253,13 @@ class SQLStore(Store):
         """Post-insert steps, under the insert's lock: derived tables follow the rows they derive from.
 
         Today one: ``optype_waste`` (``core.schema.OPTYPE_WASTE``) is written when the second of a
-        window's two halves (its WINDOW_RESULT, its OPTYPE_SLOWDOWN rows) arrives; ``replayed`` are
+        window's two halves (its WINDOW row, its OPTYPE_SLOWDOWN rows) arrives; ``replayed`` are
         rows dropped as already stored, whose derived rows a crash may have left out.
         """
-        if kind not in ("window_result", "optype_slowdown"):
+        if kind not in ("window", "optype_slowdown"):
             return
         if rows.num_rows:
-            if kind == "window_result":
+            if kind == "window":
                 self._derive_optype_waste(windows=rows)
             else:
                 self._derive_optype_waste(optypes=rows)
@@ -503,7 +503,7 @@ class SQLStore(Store):
 
     def load_jobs(self) -> list[dict]:
         self._check_open()
-        cols = ", ".join(ddl.quote(f.name) for f in S.JOB_REGISTRATION)
+        cols = ", ".join(ddl.quote(f.name) for f in S.JOB)
         with self._lock:
             return self._select(f"SELECT {cols} FROM jobs ORDER BY job_id, attempt").to_pylist()
 

@@ -47,7 +47,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
                       ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
                       ("ray_jobs.pipeline", "PipelineError"),
                       ("stragglerscope.replay", "ReplayError"), ("analyzers.remedies.stored", "AdviseError"),
-                      ("analyzers.whatif", "WhatIfInputError"), ("core.codec", "DecodeError"),
+                      ("analyzers.whatif", "WhatIfInputError"), ("core.golden", "GoldenTraceError"),
+                      ("core.codec", "DecodeError"),
                       ("stragglerscope.trace", "TraceError")):
         try:
             module = __import__(mod, fromlist=[name])
@@ -373,8 +374,11 @@ def _advise(args: argparse.Namespace, cfg) -> int:
     finally:
         store.close()
     if args.json:
-        for r in remedies:
-            print(json.dumps(r.row(*key), default=str))
+        from analyzers.remedies import to_tables
+
+        for row in to_tables(remedies, key, 0)["remedy"].to_pylist():
+            del row["advised_ns"]  # the remedies, not a stored batch: the lines never carried its time
+            print(json.dumps(row, default=str))
     else:
         print(format_remedies(key, remedies))
     return 0

@@ -55,7 +55,7 @@ def load_trace(path: str) -> tuple[pa.Table, JobLayout]:
         meta = _find_meta(p)
         if meta is None:
             raise ReplayError(f"{p}: golden trace without a meta-*.yaml beside it")
-        from analyzers.whatif import load_golden
+        from core.golden import load_golden
 
         return load_golden(str(p), str(meta))
     try:
@@ -80,7 +80,7 @@ def registrations(table: pa.Table, layout: JobLayout) -> list[pa.Table]:
             cp_size=layout.cp_size, vpp_size=layout.vpp_size, num_microbatches=0,
             profiled_steps=max(1, r["step_count_distinct"] // n_windows), gpu_type="", peak_flops=0.0,
             flops_per_token=0.0, tokens_per_step=0))
-    return [codec.from_rows(S.JOB_REGISTRATION, rows)]
+    return [codec.from_rows(S.JOB, rows)]
 
 
 def run_replay(cfg: Config, paths: list[str], timeout_s: float = 1800.0) -> int:

@@ -72,7 +72,7 @@ class FakeSink:
         self.flushes += 1
 
     def window_stored(self, key):
-        return any((r["job_id"], r["attempt"], r["window_id"]) == tuple(key) for r in self.rows.get("window_result", []))
+        return any((r["job_id"], r["attempt"], r["window_id"]) == tuple(key) for r in self.rows.get("window", []))
 
     def load_offsets(self, source_id, topics, partitions):
         return dict(self.offsets.get(source_id, {}))
@@ -81,7 +81,7 @@ class FakeSink:
         self.offsets.setdefault(source_id, {}).update(offsets)
 
     def load_jobs(self):
-        return list({(r["job_id"], r["attempt"]): r for r in self.rows.get("job_registration", [])}.values())
+        return list({(r["job_id"], r["attempt"]): r for r in self.rows.get("job", [])}.values())
 
     def close(self):
         pass

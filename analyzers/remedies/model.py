@@ -4,7 +4,8 @@ A remedy is what an on-call engineer acts on: one line (``action``), the
 verdict it answers, and the gain the what-if simulator predicts on the job's
 own trace with the fix applied (``predicted_gain`` = step time before /
 after - 1). ``details`` holds the plan itself (the new partition, the packing,
-the hosts) as plain JSON types; ``row`` flattens a remedy for storage.
+the hosts) as plain JSON types; ``to_tables`` gives a batch of remedies as
+REMEDY rows, as every analyzer's ``to_tables`` does.
 
 ``JobFacts`` carries the facts an op trace does not hold: how many layers the
 model has and how they are split, the host size and names, the data loader's
@@ -17,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import pyarrow as pa
@@ -47,19 +49,21 @@ class Remedy:
             raise ValueError(f"unknown remedy kind {self.kind!r} (known: {', '.join(KINDS)})")
         object.__setattr__(self, "details", json_safe(self.details))
 
-    def row(self, job_id: str, attempt: int, window_id: int) -> dict[str, Any]:
-        """Flat record for storage: str/int/float fields, the plan as ``details_json``.
 
-        Infinite gains and step times (a recovery plan restores stopped progress;
-        nothing can run) become the REMEDY schema's stand-in, +-``STORED_INF``.
-        """
-        return {
-            "job_id": str(job_id), "attempt": int(attempt), "window_id": int(window_id),
-            "priority": int(self.priority), "kind": self.kind, "verdict": self.verdict, "action": self.action,
-            "predicted_gain": _finite(self.predicted_gain), "step_time_before_s": _finite(self.step_time_before_s),
-            "step_time_after_s": _finite(self.step_time_after_s),
-            "details_json": json.dumps(self.details, sort_keys=True, allow_nan=False),
-        }
+def _row(remedy: Remedy, key: tuple[str, int, int], advised_ns: int) -> dict[str, Any]:
+    """Flat record for storage: str/int/float fields, the plan as ``details_json``.
+
+    Infinite gains and step times (a recovery plan restores stopped progress;
+    nothing can run) become the REMEDY schema's stand-in, +-``STORED_INF``.
+    """
+    job_id, attempt, window_id = key
+    return {
+        "job_id": str(job_id), "attempt": int(attempt), "window_id": int(window_id), "advised_ns": int(advised_ns),
+        "priority": int(remedy.priority), "kind": remedy.kind, "verdict": remedy.verdict, "action": remedy.action,
+        "predicted_gain": _finite(remedy.predicted_gain), "step_time_before_s": _finite(remedy.step_time_before_s),
+        "step_time_after_s": _finite(remedy.step_time_after_s),
+        "details_json": json.dumps(remedy.details, sort_keys=True, allow_nan=False),
+    }
 
 
 def _finite(x: float) -> float:
@@ -67,9 +71,9 @@ def _finite(x: float) -> float:
     return (S.STORED_INF if x > 0 else -S.STORED_INF) if math.isinf(x) else x
 
 
-def remedy_table(key: tuple[str, int, int], remedies, advised_ns: int) -> pa.Table:
-    """REMEDY rows of one advice batch (one ``advised_ns``) for window ``key``."""
-    return codec.from_rows(S.REMEDY, [dict(r.row(*key), advised_ns=advised_ns) for r in remedies])
+def to_tables(remedies: Iterable[Remedy], key: tuple[str, int, int], advised_ns: int) -> dict[str, pa.Table]:
+    """{"remedy": REMEDY rows} of one advice batch (one ``advised_ns``) for window ``key`` (job, attempt, window)."""
+    return {"remedy": codec.from_rows(S.REMEDY, [_row(r, key, advised_ns) for r in remedies])}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,11 +81,11 @@ def advise_stored(store, job_id: str, opts: AdviseOptions = AdviseOptions()) -> 
 def advise_and_store(store, job_id: str, opts: AdviseOptions = AdviseOptions(),
                      keep: bool = True) -> tuple[tuple[str, int, int], list]:
     """``advise_stored``, then (with ``keep``) store the remedies as one batch for the console."""
-    from analyzers.remedies import remedy_table
+    from analyzers.remedies import to_tables
 
     key, remedies = advise_stored(store, job_id, opts)
     if keep and remedies:
-        store.insert("remedy", remedy_table(key, remedies, time.time_ns()))
+        store.insert("remedy", to_tables(remedies, key, time.time_ns())["remedy"])
     return key, remedies
 
 

@@ -17,16 +17,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from core.golden import GoldenTraceError, load_golden
 from core.layout import JobLayout
+from core.memory import release_memory
 
 from . import opcodes as T
-from .load import (
-    PreparedOps,
-    WhatIfInputError,
-    load_golden,
-    prepare_ops,
-    release_memory,
-)
+from .load import PreparedOps, WhatIfInputError, prepare_ops
 from .result import WhatIfModel, WhatIfResult
 from .scenarios import Run, run_scenarios
 from .verdicts import verdicts as make_verdicts
@@ -38,7 +34,7 @@ def _share(t: float, t_fix: float, t_ideal: float) -> float:
 
 
 def _metrics(p: PreparedOps, r: Run, gpu_hours: float | None) -> dict[str, Any]:
-    steps = [str(int(s)) for s in r.steps]
+    steps = [int(s) for s in r.steps]
     mean_ideal = float(np.mean(r.ideal))
     S = Run.ratio(r.sim, r.ideal)
     waste = 1.0 - 1.0 / S if S > 0 else float("nan")
@@ -47,13 +43,13 @@ def _metrics(p: PreparedOps, r: Run, gpu_hours: float | None) -> dict[str, Any]:
     def total(v: np.ndarray) -> float:
         return float(np.mean(v)) / mean_ideal if mean_ideal > 0 else float("nan")
 
-    def per_step(src: dict) -> dict[str, dict[str, float]]:
-        return {s: {str(k): float(v[i] / r.ideal[i]) for k, v in src.items()} for i, s in enumerate(steps)}
+    def per_step(src: dict, key=int) -> dict[int, dict[Any, float]]:
+        return {s: {key(k): float(v[i] / r.ideal[i]) for k, v in src.items()} for i, s in enumerate(steps)}
 
-    by_dp = {str(k): total(v) for k, v in r.by_dp.items()}
-    by_pp = {str(k): total(v) for k, v in r.by_pp.items()}
+    by_dp = {int(k): total(v) for k, v in r.by_dp.items()}
+    by_pp = {int(k): total(v) for k, v in r.by_pp.items()}
     present = p.workers_present()
-    sw = [[min(by_dp.get(str(d), math.nan), by_pp.get(str(x), math.nan)) if present[d, x] else math.nan
+    sw = [[min(by_dp.get(d, math.nan), by_pp.get(x, math.nan)) if present[d, x] else math.nan
            for d in range(lay.dp_size)] for x in range(lay.pp_size)]
     tori, tid = float(np.mean(r.sim)), mean_ideal
     trem_w, tadd_w = float(np.mean(r.mw_rem)), float(np.mean(r.mw_add))
@@ -68,7 +64,7 @@ def _metrics(p: PreparedOps, r: Run, gpu_hours: float | None) -> dict[str, Any]:
                    "ideal": dict(zip(steps, r.ideal.tolist())), "replay": dict(zip(steps, r.replay.tolist()))},
         "step_slowdown": {s: float(r.sim[i] / r.ideal[i]) for i, s in enumerate(steps)},
         "by_optype": {k: total(v) for k, v in r.by_group.items()}, "by_dp_rank": by_dp, "by_pp_rank": by_pp,
-        "by_optype_per_step": per_step(r.by_group), "by_dp_rank_per_step": per_step(r.by_dp),
+        "by_optype_per_step": per_step(r.by_group, str), "by_dp_rank_per_step": per_step(r.by_dp),
         "by_pp_rank_per_step": per_step(r.by_pp), "worker_slowdown": sw, "M_W": M_W, "M_S": M_S,
         "mw": {"tori": tori, "tideal": tid, "trem": trem_w, "tadd": tadd_w, "rem": M_W,
             "add": (tadd_w - tid) / (tori - tid) if tori != tid else math.nan,
@@ -145,7 +141,10 @@ def summarise(model: WhatIfModel, gpu_hours: float | None = None) -> WhatIfResul
 def run_cli(trace: str | os.PathLike, meta: str | os.PathLike, json_out: str | os.PathLike,
             timeline_out: str | os.PathLike | None = None) -> dict[str, Any]:
     """`stragglerscope whatif`: analyse a golden-format trace, write the JSON (and timeline)."""
-    table, layout = load_golden(trace, meta)
+    try:
+        table, layout = load_golden(trace, meta)
+    except GoldenTraceError as e:  # the what-if's one error for bad input, as it always was here
+        raise WhatIfInputError(str(e)) from None
     res = analyze(table, layout)
     d = res.to_json_dict()
     try:

@@ -1,9 +1,6 @@
-"""Inputs of the what-if analyzer: golden traces, meta files and op-span tables.
+"""Inputs of the what-if analyzer: op-span tables (``core.golden`` reads golden traces as such).
 
 Contract
-- ``load_golden`` reads the published golden-trace format (seconds, ``stage``,
-  ``start_ts``, ``duration``) and returns an ``OP_SPAN`` table (int64 ns) and
-  the ``JobLayout`` of its meta YAML.
 - ``prepare_ops`` turns an ``OP_SPAN``-like table into ``PreparedOps``: plain
   numpy columns, sorted by (step, worker, stream, start, seq), with bad rows,
   unknown op types and duplicates removed and every removal reported in
@@ -14,23 +11,19 @@ Contract
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from core.layout import JobLayout
+from core.memory import release_memory
 from core.optypes import OPTYPES
-from core.schema import OP_SPAN
 
 from .opcodes import CODE, STREAM_OF_CODE
 
 REQUIRED = ("dp_rank", "pp_rank", "step", "optype", "start_ns", "duration_ns")
 """Columns ``analyze`` cannot do without; the rest of OP_SPAN has defaults."""
-
-GOLDEN_REQUIRED = ("dp_rank", "stage", "step", "optype", "start_ts", "duration")
 
 
 class WhatIfInputError(ValueError):
@@ -80,113 +73,6 @@ class PreparedOps:
         # Probe values of the column's own dtype: a mixed-dtype searchsorted copies the whole column.
         return np.searchsorted(self.step_idx, np.arange(len(self.steps) + 1, dtype=self.step_idx.dtype),
                                side="left").astype(np.int64)
-
-
-def read_meta(meta_yaml: str | os.PathLike) -> tuple[JobLayout, dict[str, Any]]:
-    """Layout and raw fields of a golden meta YAML."""
-    import yaml
-
-    try:
-        with open(meta_yaml) as f:
-            meta = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise WhatIfInputError(f"meta file not found: {meta_yaml}") from None
-    except (OSError, yaml.YAMLError) as e:
-        raise WhatIfInputError(f"cannot read meta {meta_yaml}: {type(e).__name__}: {e}".splitlines()[0]) from None
-    if not isinstance(meta, dict):
-        raise WhatIfInputError(f"meta {meta_yaml} is not a mapping")
-    try:
-        return JobLayout.from_meta(meta), meta
-    except (ValueError, TypeError) as e:
-        raise WhatIfInputError(f"bad meta {meta_yaml}: {e}") from None
-
-
-def load_golden(trace_parquet: str | os.PathLike, meta_yaml: str | os.PathLike) -> tuple[pa.Table, JobLayout]:
-    """Golden trace (artifact format, seconds) -> (OP_SPAN table, layout).
-
-    ``job_id`` is the meta's ``trial_name``, ``window_id`` the first step,
-    ``attempt`` its ``run_id``. Seconds become int64 ns rounded to the
-    nearest ns (float32 seconds carry less than that).
-    """
-    layout, meta = read_meta(meta_yaml)
-    import pyarrow.parquet as pq
-
-    try:
-        t = pq.read_table(trace_parquet)
-    except FileNotFoundError:
-        raise WhatIfInputError(f"trace file not found: {trace_parquet}") from None
-    except (OSError, pa.ArrowException) as e:
-        raise WhatIfInputError(f"cannot read trace {trace_parquet}: {e}".splitlines()[0]) from None
-    missing = [c for c in GOLDEN_REQUIRED if c not in t.column_names]
-    if missing:
-        raise WhatIfInputError(f"trace {trace_parquet} lacks columns {missing}")
-    n = t.num_rows
-
-    def col(name: str, dtype, default: int) -> np.ndarray:
-        if name not in t.column_names:
-            return np.full(n, default, dtype)
-        return np.asarray(t.column(name).fill_null(default).to_numpy(), dtype=dtype)
-
-    def ns(name: str) -> pa.Array:
-        # NaN and nulls stay null here; analyze() rejects and reports those rows.
-        x = t.column(name).to_numpy().astype(np.float64)
-        bad = ~np.isfinite(x)
-        if bad.any():
-            x[bad] = 0.0
-        x *= 1e9
-        np.rint(x, out=x)
-        return pa.array(x.astype(np.int64), pa.int64(), mask=bad if bad.any() else None)
-
-    steps = col("step", np.int64, 0)
-    window = int(steps.min()) if n else 0
-    optype = t.column("optype").cast(pa.string()).combine_chunks()
-    cols = {
-        "job_id": pa.repeat(pa.scalar(str(meta.get("trial_name", "")), pa.string()), n),
-        "attempt": pa.repeat(pa.scalar(int(meta.get("run_id", 0) or 0), pa.int32()), n),
-        "rank": pa.array(col("rank", np.int32, -1)),
-        "dp_rank": pa.array(col("dp_rank", np.int32, 0)),
-        "pp_rank": pa.array(col("stage", np.int32, 0)),
-        "window_id": pa.repeat(pa.scalar(window, pa.int64()), n),
-        "step": pa.array(steps),
-        "optype": optype,
-        "start_ns": ns("start_ts"),
-        "duration_ns": ns("duration"),
-        "seq_id": pa.array(col("seq_id", np.int32, 0)),
-        "mc": pa.array(col("mc", np.int16, 0)),
-        "gmc": pa.array(col("gmc", np.int16, -1)),
-        "mb_id": pa.array(col("mb_id", np.int32, -1)),
-    }
-    schema = pa.schema([f.with_nullable(f.name in ("start_ns", "duration_ns")) for f in OP_SPAN],
-                       metadata=OP_SPAN.metadata)
-    table = pa.table(cols, schema=schema)
-    del cols
-    t = optype = steps = None  # (not del: col() and ns() close over t)
-    # The parquet columns are garbage now: hand their pages back (about 40% of the table at 4,096 GPUs).
-    release_memory()
-    return table, layout
-
-
-_LIBC: Any = None
-
-
-def release_memory() -> None:
-    """Hand freed memory back to the OS: Arrow's pool, and glibc's heap where there is one.
-
-    Freed numpy temporaries of a few tens of MB otherwise stay in the heap
-    (glibc raises its trim threshold after such frees) and count in the peak
-    RSS of the next phase.
-    """
-    global _LIBC
-    pa.default_memory_pool().release_unused()
-    if _LIBC is None:
-        try:
-            import ctypes
-
-            _LIBC = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC(0)
 
 
 def _column(t: pa.Table, name: str) -> pa.Array:
@@ -496,4 +382,4 @@ def _or_rows(key: np.ndarray) -> None:
         key[a:b] |= np.arange(a, b, dtype=np.int64)
 
 
-__all__ = ["CODE", "REQUIRED", "PreparedOps", "WhatIfInputError", "load_golden", "prepare_ops", "read_meta"]
+__all__ = ["CODE", "REQUIRED", "PreparedOps", "WhatIfInputError", "prepare_ops"]

@@ -1,7 +1,8 @@
 """``WhatIfResult``: the frozen outcome of one analysis and its JSON form; ``WhatIfModel``: what it was computed from.
 
-``to_json_dict`` returns plain JSON types only: step and rank keys are
-strings, NaN becomes None, times are seconds. The golden-result names are
+Step and rank keys are ints in the result; ``to_json_dict`` returns plain
+JSON types only: those keys become strings (the golden JSON's form, and
+``stragglerscope whatif --json``), NaN becomes None, times are seconds. The golden-result names are
 mapped as follows: ``step_t_base`` = step_time.actual, ``step_t_nodelay`` =
 step_time.simulated, ``step_t_noblk`` = step_time.ideal,
 ``blocking_slowdown`` = slowdown, ``blocking_decompose_by_{optype,dp_rank,
@@ -37,14 +38,14 @@ class WhatIfResult:
     slowdown: float
     launch_slowdown: float
     waste_fraction: float
-    step_time: dict[str, dict[str, float]]
-    step_slowdown: dict[str, float]
-    by_optype: dict[str, float]
-    by_dp_rank: dict[str, float]
-    by_pp_rank: dict[str, float]
-    by_optype_per_step: dict[str, dict[str, float]]
-    by_dp_rank_per_step: dict[str, dict[str, float]]
-    by_pp_rank_per_step: dict[str, dict[str, float]]
+    step_time: dict[str, dict[int, float]]  # "actual" | "simulated" | "ideal" | "replay" -> step -> seconds
+    step_slowdown: dict[int, float]  # step ->
+    by_optype: dict[str, float]  # op type ->
+    by_dp_rank: dict[int, float]  # DP rank ->
+    by_pp_rank: dict[int, float]  # PP rank ->
+    by_optype_per_step: dict[int, dict[str, float]]  # step -> op type ->
+    by_dp_rank_per_step: dict[int, dict[int, float]]  # step -> DP rank ->
+    by_pp_rank_per_step: dict[int, dict[int, float]]  # step -> PP rank ->
     worker_slowdown: list[list[float]]
     M_W: float
     M_S: float

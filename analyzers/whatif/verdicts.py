@@ -117,12 +117,12 @@ def verdicts(p: PreparedOps, m: dict[str, Any]) -> list[dict[str, Any]]:
     ms = m["M_S"]
     n_pp = len(m["by_pp_rank"])
     if n_pp > 1 and ms is not None and np.isfinite(ms) and ms >= STAGE_MS:
-        last = str(max(int(k) for k in m["by_pp_rank"]))
+        last = max(m["by_pp_rank"])
         out.append({"kind": "last_stage_imbalance", "score": _r(min(ms, 1.5)), "summary": (
             f"the last pipeline stage causes {100 * min(ms, 1):.0f}% of the {100 * excess:.1f}% slowdown "
             f"(S_pp={m['by_pp_rank'][last]:.3f}); rebalance the layers of the last stage"),
             "evidence": {"M_S": _r(ms), "S": _r(S), "S_pp_last": _r(m["by_pp_rank"][last]),
-                      "S_pp": {k: _r(v) for k, v in m["by_pp_rank"].items()},
+                      "S_pp": {str(k): _r(v) for k, v in m["by_pp_rank"].items()},
                       "trem": m["ms"]["trem"], "tideal": m["ms"]["tideal"], "tori": m["ms"]["tori"]}})
 
     corr, n_pairs, cv = microbatch_correlation(p)

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from analyzers.downtime import DowntimeAccountant, Signal, account_downtime, downtime_table
+from analyzers.downtime import DowntimeAccountant, Signal, account_downtime, to_tables
 from analyzers.mfu import flops_per_step, peak_flops, window_mfu
 from core import codec, jsonutil
 from core import schema as S
@@ -68,10 +68,10 @@ def test_analyzed_window_carries_mfu_at_actual_and_ideal_step_times():
                    cause_pp=0, cause_factor=1.5)
     ops = generate_window(spec, 0, 3, 10**18)
     info = Registration("mfu-job", 0, spec.layout, 3, n_gpus=4)
-    row = analyze_window(ops, info, ("mfu-job", 0, 0), True, "")["window_result"].to_pylist()[0]
+    row = analyze_window(ops, info, ("mfu-job", 0, 0), True, "")["window"].to_pylist()[0]
     assert math.isnan(row["mfu"]) and math.isnan(row["mfu_ideal"])  # no FLOPs info: NaN, not a made-up figure
     info.registration = dict(REG, n_gpus=4)
-    row = analyze_window(ops, info, ("mfu-job", 0, 0), True, "")["window_result"].to_pylist()[0]
+    row = analyze_window(ops, info, ("mfu-job", 0, 0), True, "")["window"].to_pylist()[0]
     per_step = flops_per_step(REG) / (4 * 989e12)
     assert row["mfu"] == pytest.approx(per_step / row["step_time_actual"], rel=1e-9)
     assert row["mfu_ideal"] == pytest.approx(per_step / row["step_time_ideal"], rel=1e-9)
@@ -152,7 +152,7 @@ def _same(a: list[dict], b: list[dict]) -> bool:
 
 
 def test_downtime_rows_round_trip_the_schema(accounted):
-    t = downtime_table(accounted)
+    t = to_tables(accounted)["downtime"]
     assert t.num_rows == len(accounted)
     kind, back = codec.decode(codec.encode(t))
     assert kind == "downtime" and back.equals(t)
@@ -169,7 +169,7 @@ class Timeline:
         self.tables: list[pa.Table] = []
 
     def register(self, attempt, ts):
-        self.tables.append(codec.from_rows(S.JOB_REGISTRATION, [dict(
+        self.tables.append(codec.from_rows(S.JOB, [dict(
             job_id=self.job, attempt=attempt, ts_ns=ts * NS, team="t", model="m", n_gpus=self.n_gpus, dp_size=2,
             pp_size=8, tp_size=1, cp_size=1, vpp_size=1, num_microbatches=4, profiled_steps=10, gpu_type="H100",
             peak_flops=989e12, flops_per_token=0.0, tokens_per_step=0)]))

@@ -18,10 +18,11 @@ import pyarrow.compute as pc
 import pytest
 
 from analyzers.links import diagnose
-from analyzers.remedies import JobFacts, Remedy, advise, rank
+from analyzers.remedies import JobFacts, Remedy, advise, rank, to_tables
 from analyzers.remedies.packing import pack_by_attention
 from analyzers.remedies.partition import LayerCosts, candidate_partitions, layer_moves
 from analyzers.whatif import analyze
+from core import schema as S
 from core.layout import JobLayout
 from generators import fleetgen
 from generators.faultgen import link_incident
@@ -218,14 +219,17 @@ def test_recovery_plan_after_node_loss():
     assert r4.action.startswith("cannot re-plan") and r4.step_time_after_s == math.inf
 
 
-def test_row_is_flat_and_json():
+def test_rows_are_flat_and_json():
     _, _, _, _, _, rs = _run("heavy_last_stage")
-    row = rs[0].row("job-1", 2, 40)
-    assert set(row) == {"job_id", "attempt", "window_id", "priority", "kind", "verdict", "action", "predicted_gain",
-                        "step_time_before_s", "step_time_after_s", "details_json"}
+    table = to_tables(rs, ("job-1", 2, 40), 123)["remedy"]
+    assert table.schema == S.REMEDY and table.num_rows == len(rs)
+    row = table.to_pylist()[0]
+    assert set(row) == {"job_id", "attempt", "window_id", "advised_ns", "priority", "kind", "verdict", "action",
+                        "predicted_gain", "step_time_before_s", "step_time_after_s", "details_json"}
     assert all(isinstance(v, (str, int, float)) for v in row.values())
     assert json.loads(row["details_json"])["partition_after"] == rs[0].details["partition_after"]
     assert (row["job_id"], row["attempt"], row["window_id"], row["priority"]) == ("job-1", 2, 40, 1)
+    assert row["advised_ns"] == 123
 
 
 def test_rank_filters_small_gains_but_keeps_safety_actions():

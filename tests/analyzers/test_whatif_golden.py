@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analyzers.whatif import analyze, load_golden, run_cli
+from analyzers.whatif import analyze, run_cli
+from core.golden import load_golden
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "whatif"
 TOL = 0.005

@@ -1,7 +1,7 @@
 """Hang detection on generated incidents and on hand-made edge cases."""
 import pytest
 
-from analyzers.hang import HangParams, HangTracker, _Rank
+from analyzers.hang import HangParams, HangTracker, _Rank, to_tables
 from analyzers.stacks import merge_stacks
 from generators.faultgen import hang_incident
 
@@ -55,7 +55,7 @@ def test_row_and_wait_chain():
     inc = hang_incident("comm_hang", 16, 3)
     hang = tracker_for(inc).evaluate(inc.now_ns)
     culprit = inc.truth["missing"][0]
-    row = hang.row(inc.now_ns)
+    [row] = to_tables([hang], inc.now_ns)["hang"].to_pylist()
     assert row["missing_ranks"] == str(culprit)
     chain = hang.evidence["wait_chain"]
     assert chain["root"] == str(culprit)
@@ -145,7 +145,7 @@ def test_a_lagging_input_is_judged_as_of_its_newest_heartbeat():
     mon.add_ccl(inc.ccl, 0.0)
     mon.add_heartbeats(inc.heartbeats, 0.0)
     # The same data evaluated ten minutes of wall clock later: the input lags, nothing is hung.
-    assert mon.evaluate(1.0, inc.now_ns + 600 * 10**9) == []
+    assert mon.evaluate(1.0, inc.now_ns + 600 * 10**9).num_rows == 0
 
 
 def test_a_starting_job_gets_the_startup_threshold_not_the_floor():

@@ -65,7 +65,7 @@ def test_advise_defaults_to_the_latest_window_with_kept_spans(store_url, capsys)
     job = _job_with("heavy_last_stage")
     store = open_store(store_url)
     try:
-        store.insert("window_result", window_rows(1, job=job, first_window=90))
+        store.insert("window", window_rows(1, job=job, first_window=90))
     finally:
         store.close()
     assert main(["advise", job, "--store", store_url]) == 0

@@ -87,7 +87,7 @@ def test_the_campaign_through_a_real_pipeline(ray_local, tmp_path):
             assert want[1] in windows[key]["verdict"], (name, windows[key])
             assert windows[key]["gpu_hours"] == 0 and math.isnan(windows[key]["slowdown"])
     alone = analyze_window(ops("good"), Registration.from_row(spec("good").registration(T0, 2).to_pylist()[0]),
-                           ("good", 0, 0), True, "")["window_result"].to_pylist()[0]
+                           ("good", 0, 0), True, "")["window"].to_pylist()[0]
     assert windows["good"]["slowdown"] == pytest.approx(alone["slowdown"], rel=1e-12), str((windows["good"], alone))
     assert windows["good"]["n_ops"] == alone["n_ops"] and windows["good"]["complete"]
     # The good rows of partly refused batches of job "bad" go on and may make a window of their own (its

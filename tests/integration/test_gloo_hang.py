@@ -49,7 +49,7 @@ def test_sigstopped_rank_is_the_missing_rank_of_a_comm_hang(broker):
                     monitor.add_heartbeats(t, time.monotonic())
                 elif kind == "ccl_record":
                     monitor.add_ccl(t, time.monotonic())
-            hangs = monitor.evaluate(time.monotonic())
+            hangs = monitor.evaluate(time.monotonic()).to_pylist()
             assert proc.poll() is None or hangs, proc.stdout.read().decode()[-3000:]
     finally:
         os.killpg(proc.pid, signal.SIGKILL)

@@ -47,6 +47,6 @@ def test_a_message_that_segfaults_the_shard_is_quarantined_after_three_deaths(tm
     rows, offsets = pickle.loads(store.read_bytes())
     (dead,) = [r for r in rows["dead_letter"] if r["source_offset"] == 1]
     assert dead["source_topic"] == topics.TOPIC_OPS and "quarantined" in dead["reason"] and "3 times" in dead["reason"]
-    stored = sorted(r["job_id"] for r in rows["window_result"])
+    stored = sorted(r["job_id"] for r in rows["window"])
     assert stored == ["after", "before"], "the messages on both sides of the poison are analysed"
     assert offsets["crashing"][(topics.TOPIC_OPS, 0)] == 3, "the partition moved past the poison"

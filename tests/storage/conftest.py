@@ -85,7 +85,7 @@ def window_rows(n: int = 4, *, job: str = "job-a", attempt: int = 0, first_windo
             launch_slowdown=1.02, waste_fraction=1 - 1 / s, step_time_actual=1.02 * s, step_time_sim=s,
             step_time_ideal=1.0, gpu_hours=gpu_hours, wasted_gpu_hours=gpu_hours * (1 - 1 / s), m_w=0.5, m_s=0.1,
             verdict=verdict, verdicts_json='[{"kind": "worker"}]', complete=True, note="", n_ops=1000))
-    return codec.from_rows(S.WINDOW_RESULT, rows)
+    return codec.from_rows(S.WINDOW, rows)
 
 
 def optype_rows(job: str, window_ids, attempt: int = 0, types=(("forward-compute", 1.1), ("gc", 1.3))) -> pa.Table:
@@ -95,7 +95,7 @@ def optype_rows(job: str, window_ids, attempt: int = 0, types=(("forward-compute
 
 
 def registration(job: str, attempt: int = 0, ts_ns: int = 1, team: str = "llm", n_gpus: int = 64) -> pa.Table:
-    return codec.from_rows(S.JOB_REGISTRATION, [dict(
+    return codec.from_rows(S.JOB, [dict(
         job_id=job, attempt=attempt, ts_ns=ts_ns, team=team, model="gpt-7b", n_gpus=n_gpus, dp_size=n_gpus // 8,
         pp_size=8, tp_size=1, cp_size=1, vpp_size=1, num_microbatches=8, profiled_steps=10, gpu_type="H100",
         peak_flops=9.9e14, flops_per_token=6e9, tokens_per_step=1 << 20)])

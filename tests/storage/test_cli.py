@@ -45,7 +45,7 @@ def test_run_sql(tmp_path):
     url = f"chdb://{tmp_path / 's'}"
     s = open_store(url)
     s.setup()
-    s.insert("window_result", window_rows(3, job="j"))
+    s.insert("window", window_rows(3, job="j"))
     s.close()
     rows = json.loads(run_sql(url, name="fleet_summary", params=[], fmt="json"))
     assert rows[0]["jobs"] == 1 and rows[0]["windows"] == 3

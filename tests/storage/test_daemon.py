@@ -38,8 +38,8 @@ def test_two_processes_share_a_chdb_path_through_the_daemon(tmp_path):
             from tests.storage.conftest import window_rows
             s = open_store({url!r})
             s.setup()
-            s.insert("window_result", window_rows(3, job="w"))
-            s.insert("window_result", window_rows(3, job="w"))
+            s.insert("window", window_rows(3, job="w"))
+            s.insert("window", window_rows(3, job="w"))
             s.store_offsets("src", {{("ss.ops", 0): 42}})
             print(type(s).__name__, s.window_stored(("w", 0, 10)))
         """)
@@ -75,11 +75,11 @@ def test_daemon_api_matches_the_embedded_store(tmp_path):
     with StoreDaemon(f"chdb://{tmp_path / 's'}") as daemon:
         s = open_store(daemon.url)
         s.setup()
-        s.insert("window_result", window_rows(2, job="x"))
+        s.insert("window", window_rows(2, job="x"))
         assert s.window_stored(("x", 0, 0)) and not s.window_stored(("x", 0, 5))
         from tests.storage.conftest import registration
 
-        s.insert("job_registration", registration("x"))
+        s.insert("job", registration("x"))
         assert [j["job_id"] for j in s.load_jobs()] == ["x"]
         assert s.run_named("top_wasting_jobs", {"limit": 1, "since": "2020-01-01"}).num_rows == 1
         assert s.enforce_retention() == []

@@ -111,9 +111,9 @@ def test_every_remote_call_round_trips(loop):
     assert loop.setup(3) is None and store.calls[-1] == ("setup", (3,))
     rows = pa.table({"a": [1, 2]})
     for sent in (rows, rows.to_batches()[0]):  # a RecordBatch travels as a table
-        loop.insert("window_result", sent)
+        loop.insert("window", sent)
         name, (kind, table) = store.calls[-1]
-        assert (name, kind) == ("insert", "window_result") and table.equals(rows)
+        assert (name, kind) == ("insert", "window") and table.equals(rows)
     assert loop.query("SELECT {d:Date}", {"d": dt.date(2024, 1, 2)}).to_pylist() == [{"n": 1}, {"n": 2}]
     assert store.calls[-1] == ("query", ("SELECT {d:Date}", {"d": "2024-01-02"}, SQLLimits(10.0, 100, 1000)))
     assert loop.run_named("fleet", {"team": "llm"}).column_names == ["q"]
@@ -132,11 +132,11 @@ def test_every_remote_call_round_trips(loop):
 
 
 def test_the_client_sends_nothing_for_empty_writes_and_refuses_what_is_not_a_table(loop):
-    loop.insert("window_result", pa.table({"a": pa.array([], pa.int64())}))
+    loop.insert("window", pa.table({"a": pa.array([], pa.int64())}))
     loop.store_offsets("src", {})
     assert loop.sent == [] and loop.store.calls == []
-    with pytest.raises(StoreError, match=r"insert\('window_result'\) needs a pyarrow Table, got list"):
-        loop.insert("window_result", [1, 2])
+    with pytest.raises(StoreError, match=r"insert\('window'\) needs a pyarrow Table, got list"):
+        loop.insert("window", [1, 2])
     with pytest.raises(TypeError):
         loop.load_offsets("src")  # a missing argument fails as it would on any Store
 
@@ -160,7 +160,7 @@ def test_the_server_refuses_every_other_name(name):
 def test_broken_requests_run_nothing():
     store = _Recording()
     with pytest.raises(StoreError, match="insert needs an Arrow table"):
-        dispatch(store, "insert", {"kind": "window_result"}, None)
+        dispatch(store, "insert", {"kind": "window"}, None)
     with pytest.raises(KeyError):
         dispatch(store, "store_offsets", {"offsets": [["t", 0, 1]]}, None)
     with pytest.raises(KeyError):

@@ -58,7 +58,7 @@ def test_only_requests_with_the_token_are_served(tmp_path):
 
         store = open_store(daemon.url)
         store.setup()
-        insert = encode({"kind": "window_result"}, window_rows(2, job="intruder"))
+        insert = encode({"kind": "window"}, window_rows(2, job="intruder"))
         for headers, status in (({}, 401), ({"Authorization": "Bearer wrong"}, 403),
                                 ({"Authorization": f"Bearer {token[:-1]}"}, 403),
                                 ({"Authorization": f"Basic {token}"}, 403), ({"Authorization": token}, 403)):
@@ -121,7 +121,7 @@ def test_a_daemon_restarted_on_the_same_port_has_a_new_token_and_clients_follow(
         port, url = first.port, first.url
         client = open_store(url)
         client.setup()
-        client.insert("window_result", window_rows(1, job="before"))
+        client.insert("window", window_rows(1, job="before"))
         old = json.loads((path / TOKEN_FILE).read_text())["token"]
     with StoreDaemon(f"chdb://{path}", port=port) as second:
         assert second.url == url
@@ -130,7 +130,7 @@ def test_a_daemon_restarted_on_the_same_port_has_a_new_token_and_clients_follow(
         code, _ = _raw(port, "window_stored", encode({"key": ["before", 0, 0]}), {"Authorization": f"Bearer {old}"})
         assert code == 403  # the old daemon's token opens nothing
         # The client opened against the first daemon reads the file again once refused, and goes on.
-        client.insert("window_result", window_rows(1, job="after"))
+        client.insert("window", window_rows(1, job="after"))
         assert client.window_stored(("before", 0, 0)) and client.window_stored(("after", 0, 0))
         client.close()
 
@@ -149,7 +149,7 @@ def test_another_local_user_can_neither_read_the_token_nor_write():
             path.chmod(0o755)
             store = open_store(daemon.url)
             store.setup()
-            body = encode({"kind": "window_result"}, window_rows(1, job="nobody"))
+            body = encode({"kind": "window"}, window_rows(1, job="nobody"))
             (base / "body").write_bytes(body)
             (base / "body").chmod(0o644)
             code = textwrap.dedent(f"""

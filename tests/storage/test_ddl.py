@@ -70,7 +70,7 @@ def test_insert_settings_only_where_the_engine_has_them():
 
 
 def test_every_stored_kind_has_a_table():
-    wanted = set(S.RESULT_SCHEMAS) | {"job_registration", "op_span"}
+    wanted = set(S.RESULT_SCHEMAS) | {"job", "op_span"}
     assert wanted <= set(ddl.TABLE_OF_KIND)
 
 

@@ -12,9 +12,9 @@ def test_failed_and_flagged_windows_leave_fleet_statistics_alone(store):
     before = _summary(store)
     nan = float("nan")
     # A failed window of a known job, and a job whose only window was flagged (clock skew).
-    store.insert("window_result", window_rows(1, job="a", first_window=1000, slowdown=nan, gpu_hours=0.0,
+    store.insert("window", window_rows(1, job="a", first_window=1000, slowdown=nan, gpu_hours=0.0,
                                               verdict="analysis_failed"))
-    store.insert("window_result", window_rows(1, job="skewed", slowdown=nan, gpu_hours=0.0, verdict="clock_skew"))
+    store.insert("window", window_rows(1, job="skewed", slowdown=nan, gpu_hours=0.0, verdict="clock_skew"))
     after = _summary(store)
     assert not math.isnan(after["mean_slowdown"]) and not math.isnan(after["p90_slowdown"])
     assert after == pytest.approx(before)

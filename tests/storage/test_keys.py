@@ -117,16 +117,16 @@ def test_chdb_replays_below_the_mark_are_still_checked(tmp_path):
     url = f"chdb://{tmp_path / 'store'}"
     a = open_store(url)
     a.setup()
-    a.insert("window_result", window_rows(5, job="j"))  # windows 0..40
+    a.insert("window", window_rows(5, job="j"))  # windows 0..40
     b = open_store(url)  # the same path: the same session and marks
-    b.insert("window_result", window_rows(3, job="j", first_window=30))  # 30, 40 stored; 50 new
-    b.insert("window_result", window_rows(1, job="j", first_window=10))  # a late replay below the mark
+    b.insert("window", window_rows(3, job="j", first_window=30))  # 30, 40 stored; 50 new
+    b.insert("window", window_rows(1, job="j", first_window=10))  # a late replay below the mark
     count = "SELECT count() AS n FROM windows_data WHERE job_id = 'j'"
     assert a.query(count).column("n")[0].as_py() == 6
     b.close()
     a.close()
     # Reopened: the marks are learned from the stored rows again.
     c = open_store(url)
-    c.insert("window_result", window_rows(7, job="j"))  # 0..60: only 60 is new
+    c.insert("window", window_rows(7, job="j"))  # 0..60: only 60 is new
     assert c.query(count).column("n")[0].as_py() == 7
     c.close()

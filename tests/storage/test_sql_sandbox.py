@@ -41,13 +41,13 @@ def sbx(request, tmp_path_factory, ch_server):
         url = ch_server.store_url("t_sandbox")
     s = open_store(url)
     s.setup()
-    s.insert("window_result", window_rows(4, job="a", slowdown=1.5, gpu_hours=10.0, verdict="worker"))
-    s.insert("window_result", window_rows(2, job="b", slowdown=1.05, gpu_hours=20.0, verdict=""))
-    s.insert("window_result", window_rows(3, job="c", team="vision", model="vit", n_gpus=8, slowdown=1.2,
+    s.insert("window", window_rows(4, job="a", slowdown=1.5, gpu_hours=10.0, verdict="worker"))
+    s.insert("window", window_rows(2, job="b", slowdown=1.05, gpu_hours=20.0, verdict=""))
+    s.insert("window", window_rows(3, job="c", team="vision", model="vit", n_gpus=8, slowdown=1.2,
                                           gpu_hours=5.0, verdict="stage", analyzed_ns=BASE_NS + DAY_NS))
     s.insert("optype_slowdown", optype_rows("a", [0, 10]))
     for job in ("a", "b", "c"):
-        s.insert("job_registration", registration(job, team="vision" if job == "c" else "llm"))
+        s.insert("job", registration(job, team="vision" if job == "c" else "llm"))
     s.backend = request.param
     yield s
     if request.param == "server":
@@ -475,7 +475,7 @@ def _writes_beside(store, query: str, limits: SQLLimits, n_writes: int = 5) -> t
     latencies, last_write = [], 0.0
     for i in range(n_writes):
         t0 = time.monotonic()
-        store.insert("window_result", window_rows(2, job=f"beside-{i}-{time.time_ns()}"))
+        store.insert("window", window_rows(2, job=f"beside-{i}-{time.time_ns()}"))
         store.store_offsets("beside", {("ss.results", 0): i})
         last_write = time.monotonic()
         latencies.append(last_write - t0)
@@ -502,7 +502,7 @@ def test_daemon_serves_writes_during_a_long_free_query(tmp_path):
     with StoreDaemon(f"chdb://{tmp_path / 'store'}", sql_limits=daemon_limits) as d:
         store = open_store(d.url)
         store.setup()
-        store.insert("window_result", window_rows(4, job="warm"))
+        store.insert("window", window_rows(4, job="warm"))
         greedy = SQLLimits(max_execution_time_s=600, max_memory_mb=100_000, max_result_rows=10_000_000)
         latencies, ran, error = _writes_beside(store, TIME_ATTACK["chdb"], greedy, n_writes=8)
         assert "max_execution_time_s limit (5 s)" in error

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.integration
 
 def _fleet(store):
     """Three jobs: a is slow (S 1.5), b mildly (1.05), c on another team and day (1.2)."""
-    store.insert("window_result", window_rows(4, job="a", slowdown=1.5, gpu_hours=10.0, verdict="worker"))
-    store.insert("window_result", window_rows(2, job="b", slowdown=1.05, gpu_hours=20.0, verdict=""))
-    store.insert("window_result", window_rows(3, job="c", team="vision", model="vit", n_gpus=8, slowdown=1.2,
+    store.insert("window", window_rows(4, job="a", slowdown=1.5, gpu_hours=10.0, verdict="worker"))
+    store.insert("window", window_rows(2, job="b", slowdown=1.05, gpu_hours=20.0, verdict=""))
+    store.insert("window", window_rows(3, job="c", team="vision", model="vit", n_gpus=8, slowdown=1.2,
                                               gpu_hours=5.0, verdict="stage", analyzed_ns=BASE_NS + DAY_NS))
 
 
@@ -29,7 +29,7 @@ def _summary(store, **params):
 
 def test_insert_and_window_stored(store):
     assert not store.window_stored(("a", 0, 0))
-    store.insert("window_result", window_rows(3, job="a"))
+    store.insert("window", window_rows(3, job="a"))
     assert store.window_stored(("a", 0, 0)) and store.window_stored(("a", 0, 20))
     assert not store.window_stored(("a", 0, 30)) and not store.window_stored(("a", 1, 0))
 
@@ -39,9 +39,9 @@ def test_reinserting_never_double_counts(store):
     before = _summary(store)
     # A crash replays: the same windows again, a batch overlapping stored and new ones, duplicates in one batch.
     _fleet(store)
-    store.insert("window_result", window_rows(6, job="a", slowdown=1.5, gpu_hours=10.0))
+    store.insert("window", window_rows(6, job="a", slowdown=1.5, gpu_hours=10.0))
     dup = window_rows(1, job="d", first_window=0)
-    store.insert("window_result", pa.concat_tables([dup, dup, dup]))
+    store.insert("window", pa.concat_tables([dup, dup, dup]))
     after = _summary(store)
     assert after["windows"] == before["windows"] + 2 + 1
     assert after["jobs"] == before["jobs"] + 1
@@ -61,7 +61,7 @@ def test_engine_inserts_without_its_own_merge_and_views_still_read_once(store):
     the setting is applied and that the views' FINAL still counts such a key once.
     """
     rows = window_rows(1, job="dup")
-    spec = ddl.TABLE_OF_KIND["window_result"]
+    spec = ddl.TABLE_OF_KIND["window"]
     twice = store._with_stored_ns(spec, pa.concat_tables([rows, rows]))
     store._insert(spec.data, twice)
     raw = store.query("SELECT count() AS n FROM windows_data WHERE job_id = 'dup'").column("n")[0].as_py()
@@ -130,9 +130,9 @@ def test_job_drilldown_queries(store):
     store.insert("worker_slowdown", cells)
     got = store.run_named("job_workers", {"job_id": "a", "window_id": 10}).to_pylist()
     assert len(got) == 8 and got[0]["dp_rank"] == 0 and got[-1]["s_w"] == 2.0
-    steps = codec.from_rows(S.STEP_RESULT, [dict(job_id="a", attempt=0, window_id=10, step=st, actual_s=1.1, sim_s=1.0,
-                                                 ideal_s=0.8, slowdown=1.25) for st in range(10, 20)])
-    store.insert("step_result", steps)
+    steps = codec.from_rows(S.STEP_SLOWDOWN, [dict(job_id="a", attempt=0, window_id=10, step=st, actual_s=1.1,
+                                                   sim_s=1.0, ideal_s=0.8, slowdown=1.25) for st in range(10, 20)])
+    store.insert("step_slowdown", steps)
     trend = store.run_named("job_step_trend", {"job_id": "a"})
     assert trend.column("step").to_pylist() == list(range(10, 20))
     assert store.run_named("job_step_trend", {"job_id": "a", "window_id": 0}).num_rows == 0
@@ -147,8 +147,8 @@ def test_wasted_by_optype_in_either_write_order(store, count_min_rows, monkeypat
     if count_min_rows is not None:
         monkeypatch.setattr("storage.store.DERIVE_COUNT_MIN_ROWS", count_min_rows)
     store.insert("optype_slowdown", optype_rows("a", [0, 10]))  # the pipeline's order: op types, then windows
-    store.insert("window_result", window_rows(2, job="a", gpu_hours=10.0))
-    store.insert("window_result", window_rows(1, job="b", gpu_hours=20.0))  # windows first, then op types
+    store.insert("window", window_rows(2, job="a", gpu_hours=10.0))
+    store.insert("window", window_rows(1, job="b", gpu_hours=20.0))  # windows first, then op types
     store.insert("optype_slowdown", optype_rows("b", [0]))
     store.insert("optype_slowdown", optype_rows("b", [0]))
     rows = {r["optype"]: r for r in store.run_named("wasted_by_optype").to_pylist()}
@@ -159,12 +159,12 @@ def test_wasted_by_optype_in_either_write_order(store, count_min_rows, monkeypat
     assert store.run_named("wasted_by_optype", {"team": "nobody"}).num_rows == 0
 
 
-@pytest.mark.parametrize("second", ["window_result", "optype_slowdown"])
+@pytest.mark.parametrize("second", ["window", "optype_slowdown"])
 def test_a_replay_derives_what_a_failed_derivation_left_out(store, second, monkeypatch):
     """The writer stored its rows, then died (here: failed) before deriving ``optype_waste``; the replay
     finds every row stored, and still leaves the derived rows complete, once each."""
-    batches = {"optype_slowdown": optype_rows("a", [0, 10]), "window_result": window_rows(2, job="a", gpu_hours=10.0)}
-    first = "optype_slowdown" if second == "window_result" else "window_result"
+    batches = {"optype_slowdown": optype_rows("a", [0, 10]), "window": window_rows(2, job="a", gpu_hours=10.0)}
+    first = "optype_slowdown" if second == "window" else "window"
     store.insert(first, batches[first])
 
     def killed(**_kw):
@@ -186,7 +186,7 @@ def test_a_replay_derives_what_a_failed_derivation_left_out(store, second, monke
 def test_an_insert_that_failed_part_way_is_replayed_without_duplicates(store, monkeypatch):
     """The engine wrote the rows and then failed (as when a later block of a large insert fails): the
     replay must find them stored, high-water marks or not."""
-    store.insert("window_result", window_rows(2, job="a"))
+    store.insert("window", window_rows(2, job="a"))
     real = store._insert
 
     def stored_then_failed(table, rows):
@@ -195,9 +195,9 @@ def test_an_insert_that_failed_part_way_is_replayed_without_duplicates(store, mo
 
     monkeypatch.setattr(store, "_insert", stored_then_failed)
     with pytest.raises(StoreError):
-        store.insert("window_result", window_rows(3, job="a", first_window=20))
+        store.insert("window", window_rows(3, job="a", first_window=20))
     monkeypatch.undo()
-    store.insert("window_result", window_rows(3, job="a", first_window=20))
+    store.insert("window", window_rows(3, job="a", first_window=20))
     assert store.query("SELECT count() AS n FROM windows_data WHERE job_id = 'a'").column("n")[0].as_py() == 5
 
 
@@ -240,15 +240,15 @@ def test_offsets_latest_stored_value_wins(store):
 
 
 def test_load_jobs_latest_registration(store):
-    store.insert("job_registration", registration("a", ts_ns=1, team="old"))
-    store.insert("job_registration", registration("a", ts_ns=5, team="new"))
-    store.insert("job_registration", registration("a", ts_ns=2, team="stale"))
-    store.insert("job_registration", registration("a", attempt=1, ts_ns=9))
-    store.insert("job_registration", registration("b"))
+    store.insert("job", registration("a", ts_ns=1, team="old"))
+    store.insert("job", registration("a", ts_ns=5, team="new"))
+    store.insert("job", registration("a", ts_ns=2, team="stale"))
+    store.insert("job", registration("a", attempt=1, ts_ns=9))
+    store.insert("job", registration("b"))
     jobs = store.load_jobs()
     assert [(j["job_id"], j["attempt"], j["team"]) for j in jobs] == [("a", 0, "new"), ("a", 1, "llm"),
                                                                       ("b", 0, "llm")]
-    assert set(jobs[0]) == set(S.JOB_REGISTRATION.names)
+    assert set(jobs[0]) == set(S.JOB.names)
 
 
 @pytest.mark.parametrize("sql", [
@@ -261,14 +261,14 @@ def test_load_jobs_latest_registration(store):
     "SELECT * FROM file('/etc/passwd', 'LineAsString')",
 ])
 def test_free_sql_is_read_only(store, sql):
-    store.insert("window_result", window_rows(2, job="a"))
+    store.insert("window", window_rows(2, job="a"))
     with pytest.raises(StoreError):
         store.query(sql)
     assert store.query("SELECT count() AS n FROM windows").column("n")[0].as_py() == 2
 
 
 def test_parameters_are_bound_not_spliced(store):
-    store.insert("window_result", window_rows(2, job="a"))
+    store.insert("window", window_rows(2, job="a"))
     evil = "a' OR '1'='1"
     assert store.query("SELECT count() AS n FROM windows WHERE job_id = {j:String}", {"j": evil}) \
         .column("n")[0].as_py() == 0
@@ -288,7 +288,7 @@ def test_errors_are_one_line_store_errors(store):
     with pytest.raises(StoreError, match="unknown record kind 'windows'"):
         store.insert("windows", window_rows(1))
     with pytest.raises(StoreError, match="missing column 'slowdown'"):
-        store.insert("window_result", window_rows(1).drop_columns(["slowdown"]))
+        store.insert("window", window_rows(1).drop_columns(["slowdown"]))
     with pytest.raises(StoreError) as e:
         store.query("SELECT no_such_column FROM windows")
     assert "\n" not in str(e.value)
@@ -345,7 +345,7 @@ def test_windows_with_kept_spans(store):
 
 
 def test_setup_is_idempotent(store):
-    store.insert("window_result", window_rows(2))
+    store.insert("window", window_rows(2))
     store.setup()
     store.setup()
     assert store.query("SELECT count() AS n FROM windows").column("n")[0].as_py() == 2
@@ -377,7 +377,7 @@ def test_migration_from_version_1_keeps_data(store_url):
         got = st.run_named("job_windows", {"job_id": "old"}).to_pylist()
         assert [r["window_id"] for r in got] == [0, 10, 20]
         assert [(r["m_w"], r["m_s"], r["slowdown"]) for r in got] == [(0.0, 0.0, 1.25)] * 3
-        st.insert("window_result", window_rows(1, job="new"))
+        st.insert("window", window_rows(1, job="new"))
         assert st.run_named("job_windows", {"job_id": "new"}).column("m_w").to_pylist() == [0.5]
         # A column the schema module has but the table lost is added back by setup().
         st._execute("ALTER TABLE windows_data DROP COLUMN note")
@@ -448,15 +448,15 @@ def test_one_chdb_path_per_process(tmp_path):
 
 def test_where_the_gpu_hours_went_stragglers_and_faults_together(store):
     """One query answers the week's bill: straggler waste and every C4 downtime category, matching truth."""
-    from analyzers.downtime import account_downtime, downtime_table
+    from analyzers.downtime import account_downtime, to_tables
     from generators.downtimegen import generate_downtime_fleet
 
     fleet = generate_downtime_fleet(n_jobs=4, days=3.0, seed=2)
     rows = account_downtime(fleet.tables())
-    store.insert("downtime", downtime_table(rows))
-    store.insert("downtime", downtime_table(rows))  # idempotent per incident
+    store.insert("downtime", to_tables(rows)["downtime"])
+    store.insert("downtime", to_tables(rows)["downtime"])  # idempotent per incident
     windows = window_rows(4)
-    store.insert("window_result", windows)
+    store.insert("window", windows)
     got = store.run_named("gpu_hours_lost").to_pylist()
     by_cause: dict[str, float] = {}
     for r in got:
@@ -480,7 +480,7 @@ def test_mfu_distribution_weights_windows_by_time(store):
     w = window_rows(2, job="m")
     w = w.set_column(w.schema.get_field_index("mfu"), "mfu", pa.array([0.2, 0.4]))
     w = w.set_column(w.schema.get_field_index("mfu_ideal"), "mfu_ideal", pa.array([0.5, 0.5]))
-    store.insert("window_result", w)
+    store.insert("window", w)
     (row,) = store.run_named("mfu_distribution").to_pylist()
     t = [a * n for a, n in zip(w.column("step_time_actual").to_pylist(), w.column("n_steps").to_pylist())]
     assert row["mfu"] == pytest.approx((0.2 * t[0] + 0.4 * t[1]) / sum(t))

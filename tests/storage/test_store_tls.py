@@ -100,8 +100,8 @@ def test_store_over_tls_with_the_ca_round_trips_project_tables(tls_server, pki):
         assert ("IP Address", "127.0.0.1") in sock.getpeercert()["subjectAltName"]
         assert store.address == f"127.0.0.1:{tls_server.tcp_port_secure}"
         store.setup()
-        store.insert("window_result", window_rows(3, job="tls"))
-        store.insert("window_result", window_rows(3, job="tls"))  # idempotent, as on a plain connection
+        store.insert("window", window_rows(3, job="tls"))
+        store.insert("window", window_rows(3, job="tls"))  # idempotent, as on a plain connection
         assert store.window_stored(("tls", 0, 0)) and not store.window_stored(("tls", 0, 30))
         assert store.run_named("fleet_summary").to_pylist()[0]["windows"] == 3
         n = store.query("SELECT count() AS n FROM windows WHERE job_id = {j:String}", {"j": "tls"})
@@ -193,7 +193,7 @@ def test_client_certificate(mtls_server, pki):
     store = open_store(mtls_server.store_url(db, secure=True, ca_certs=pki.ca, certfile=pki.client_cert,
                                              keyfile=pki.client_key))
     store.setup()
-    store.insert("window_result", window_rows(1, job="mtls"))
+    store.insert("window", window_rows(1, job="mtls"))
     assert store.window_stored(("mtls", 0, 0))
     _drop(store)
     # A certificate is not a login on 18.16: the password still decides.

@@ -24,7 +24,7 @@ def cause_of(n_jobs: int = 12, seed: int = 3) -> dict[str, str]:
 
 
 def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) -> list[str]:
-    from analyzers.hang import HangParams, HangTracker
+    from analyzers import downtime, hang
     from core.config import AlertConfig
     from core.registration import Registration
     from generators.faultgen import hang_incident, link_incident
@@ -34,7 +34,7 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
 
     now = time.time_ns()
     jobs = [dataclasses.replace(j, job_id=f"ui-{i:03d}") for i, j in enumerate(make_fleet(n_jobs, seed, 8, 256))]
-    store.insert("job_registration", pa.concat_tables([j.registration(now, 3) for j in jobs]))
+    store.insert("job", pa.concat_tables([j.registration(now, 3) for j in jobs]))
     rules = AlertRules(AlertConfig(min_gpus=1, cooldown_s=0))
     by_kind: dict[str, list[pa.Table]] = {}
     for spec, wid, ops in fleet_windows(jobs, windows, 3, now - 3600 * 10**9):
@@ -45,7 +45,7 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
             c = c.set_column(c.schema.get_field_index("window_id"), "window_id", pa.array([wid] * c.num_rows, pa.int64()))
             ccl = c
         tables = analyze_window(ops, info, (spec.job_id, 0, wid), True, "", ccl)
-        row = tables["window_result"].to_pylist()[0]
+        row = tables["window"].to_pylist()[0]
         alerts = rules.evaluate_window(row, 0.0, now)
         if tables["link_fault"].num_rows:
             alerts += rules.evaluate_links(tables["link_fault"].to_pylist(), 0.0, now)
@@ -54,19 +54,19 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
         for kind, t in tables.items():
             by_kind.setdefault(kind, []).append(t)
     inc = hang_incident("comm_hang", 32, 1, job_id="ui-002")
-    tr = HangTracker("ui-002", params=HangParams(floor_s=60))
+    tr = hang.HangTracker("ui-002", params=hang.HangParams(floor_s=60))
     tr.add_ccl(inc.ccl)
     tr.add_heartbeats(inc.heartbeats)
-    hang = tr.evaluate(inc.now_ns, input_alive=True)
-    row = hang.row(now)
-    by_kind.setdefault("hang", []).append(codec.from_rows(S.HANG, [row]))
-    row["summary"] = hang.summary()
+    found = tr.evaluate(inc.now_ns, input_alive=True)
+    hangs = hang.to_tables([found], now)["hang"]
+    by_kind.setdefault("hang", []).append(hangs)
+    [row] = hangs.to_pylist()
+    row["summary"] = found.summary()
     by_kind["alert"].append(codec.from_rows(S.ALERT, rules.evaluate_hang(row, 0.0, now)))
-    from analyzers.downtime import account_downtime, downtime_table
     from generators.downtimegen import generate_downtime_fleet
 
     faults = generate_downtime_fleet(n_jobs=3, days=2.0, seed=1)
-    by_kind["downtime"] = [downtime_table(account_downtime(faults.tables()))]
+    by_kind["downtime"] = [downtime.to_tables(downtime.account_downtime(faults.tables()))["downtime"]]
     for kind, ts in by_kind.items():
         t = pa.concat_tables([x for x in ts if x.num_rows] or ts[:1])
         if t.num_rows:

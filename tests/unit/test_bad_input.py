@@ -242,7 +242,7 @@ GOOD = [(JOBS, "good", raw(spec("good").registration(T0, STEPS))), (OPS, "good",
 @pytest.fixture(scope="module")
 def baseline():
     _, sink = run_shard(GOOD)
-    (row,) = sink.rows["window_result"]
+    (row,) = sink.rows["window"]
     return row
 
 
@@ -261,7 +261,7 @@ def test_the_campaign_has_at_least_fifty_kinds_of_bad_input():
 
 def test_bad_input_never_costs_the_good_job_its_exact_result(campaign, baseline):
     w, sink = campaign
-    (good,) = [r for r in sink.rows["window_result"] if r["job_id"] == "good"]
+    (good,) = [r for r in sink.rows["window"] if r["job_id"] == "good"]
     assert good["complete"] and good["verdict"] != "analysis_failed"
     assert good["slowdown"] == pytest.approx(baseline["slowdown"], rel=1e-12)
     assert good["gpu_hours"] == pytest.approx(baseline["gpu_hours"], rel=1e-12)
@@ -277,7 +277,7 @@ def test_each_bad_input_has_its_outcome(campaign, case):
         got = letter_of(sink.rows.get("dead_letter", []), topic, key, _payload)
         assert got and want in got, f"{name}: dead letter {got!r} does not say {want!r}"
     elif want[0] == "window":
-        rows = [r for r in sink.rows["window_result"] if r["job_id"] == key]
+        rows = [r for r in sink.rows["window"] if r["job_id"] == key]
         assert rows and all(want[1] in r["verdict"] for r in rows), rows
         assert all(r["gpu_hours"] == 0 and math.isnan(r["slowdown"]) for r in rows), "kept out of fleet statistics"
     else:
@@ -287,14 +287,14 @@ def test_each_bad_input_has_its_outcome(campaign, case):
 
 def test_no_absurd_value_is_stored(campaign):
     _, sink = campaign
-    for r in sink.rows["window_result"]:
+    for r in sink.rows["window"]:
         assert r["gpu_hours"] < 1.0 and r["wasted_gpu_hours"] < 1.0, r
         assert math.isnan(r["slowdown"]) or r["slowdown"] < 10, r
         assert r["n_gpus"] <= 16
     assert len(sink.rows.get("worker_slowdown", [])) < 1000
     for r in sink.rows.get("hang", []):
         assert r["duration_s"] < 7200, r
-    for r in sink.rows.get("job_registration", []):
+    for r in sink.rows.get("job", []):
         assert r["job_id"] in ("good", "skewed")
 
 
@@ -310,10 +310,10 @@ def test_every_offset_moves_past_the_bad_input(campaign):
 def test_a_stored_registration_that_does_not_validate_is_skipped_at_start():
     """It used to raise in every shard start: Ray gave the actor up and `run` exited with a traceback."""
     sink = FakeSink()
-    sink.rows["job_registration"] = reg("old", dp_size=0).to_pylist() + reg("fine").to_pylist()
+    sink.rows["job"] = reg("old", dp_size=0).to_pylist() + reg("fine").to_pylist()
     w, sink = run_shard([(OPS, "fine", raw(ops("fine")))], sink=sink)
     assert w.stats.bad_stored_jobs == 1
-    (row,) = sink.rows["window_result"]
+    (row,) = sink.rows["window"]
     assert row["job_id"] == "fine" and row["complete"]
 
 
@@ -334,7 +334,7 @@ def test_an_analysis_that_raises_is_a_failed_window_and_the_others_are_stored():
     w.setup()
     for _ in range(10):
         w.step(poll_timeout_ms=0)
-    by_job = {r["job_id"]: r for r in sink.rows["window_result"]}
+    by_job = {r["job_id"]: r for r in sink.rows["window"]}
     assert set(by_job) == {"x", "y", "z"}
     assert by_job["y"]["verdict"] == "analysis_failed" and "OverflowError" in by_job["y"]["note"]
     assert by_job["x"]["complete"] and by_job["z"]["complete"]
@@ -349,7 +349,7 @@ class RefusingSink(FakeSink):
         self.refuse = refuse
 
     def flush(self):
-        for t in self._buf.get("window_result", []):
+        for t in self._buf.get("window", []):
             if any(r["job_id"] == self.refuse and r["verdict"] != "analysis_failed" for r in t.to_pylist()):
                 self._buf = {}
                 raise ValueError("Code: 53. Type mismatch")
@@ -360,7 +360,7 @@ def test_a_window_the_store_keeps_refusing_is_stored_as_failed_and_its_offset_mo
     entries = [(JOBS, j, raw(spec(j).registration(T0, STEPS))) for j in ("p", "q")]
     entries += [(OPS, "p", raw(ops("p"))), (OPS, "q", raw(ops("q")))]
     w, sink = run_shard(entries, sink=RefusingSink("q"))
-    by_job = {r["job_id"]: r for r in sink.rows["window_result"]}
+    by_job = {r["job_id"]: r for r in sink.rows["window"]}
     assert by_job["p"]["complete"]
     assert by_job["q"]["verdict"] == "analysis_failed" and "refused" in by_job["q"]["note"]
     assert sink.offsets["bad-input"][(OPS, 0)] == 2

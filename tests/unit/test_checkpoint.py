@@ -70,17 +70,17 @@ def test_results_are_stored_before_their_callbacks_and_before_the_offsets():
     sink = Journal()
     cp, _ = checkpoint(sink)
     seen = []
-    cp.add(Unit("a", {"window_result": table()}, on_stored=lambda: seen.append(list(sink.log))))
+    cp.add(Unit("a", {"window": table()}, on_stored=lambda: seen.append(list(sink.log))))
     cp.commit(0.0)
-    assert sink.log == [("flush", ["window_result"]), ("offsets", {("t", 0): 5})]
-    assert seen == [[("flush", ["window_result"])]], "on_stored ran after the flush, before the offsets"
+    assert sink.log == [("flush", ["window"]), ("offsets", {("t", 0): 5})]
+    assert seen == [[("flush", ["window"])]], "on_stored ran after the flush, before the offsets"
 
 
 def test_a_store_outage_keeps_every_unit_and_holds_the_offsets_until_it_returns():
     sink = Journal()
     cp, _ = checkpoint(sink)
     done = []
-    for kind in ("hang", "dead_letter", "job_registration", "downtime"):
+    for kind in ("hang", "dead_letter", "job", "downtime"):
         cp.add(Unit(kind, {kind: table()}, on_stored=lambda k=kind: done.append(k)))
     sink.down = True
     for t in range(10):  # ten passes with the store away: nothing given up, nothing stored
@@ -89,7 +89,7 @@ def test_a_store_outage_keeps_every_unit_and_holds_the_offsets_until_it_returns(
     assert "store away" in cp.last_error
     sink.down = False
     cp.commit(10.0)
-    assert sorted(done) == ["dead_letter", "downtime", "hang", "job_registration"]
+    assert sorted(done) == ["dead_letter", "downtime", "hang", "job"]
     assert all(len(sink.rows[k]) == 1 for k in done)
     assert sink.offsets["src"] == {("t", 0): 5}
 
@@ -98,7 +98,7 @@ def test_rows_a_live_store_keeps_refusing_are_given_up_and_stop_pinning_the_offs
     sink = Journal()
     sink.refuse = {"hang"}
     cp, _ = checkpoint(sink)
-    instead = Unit("failed window", {"window_result": table()})
+    instead = Unit("failed window", {"window": table()})
     cp.add(Unit("window", {"hang": table()}, give_up=lambda reason: instead))
     cp.add(Unit("dead letter", {"dead_letter": table()}))
     cp.commit(0.0)
@@ -107,7 +107,7 @@ def test_rows_a_live_store_keeps_refusing_are_given_up_and_stop_pinning_the_offs
     cp.commit(2.0)  # the third refusal: replaced by what give_up returned
     assert cp.pending == [instead]
     cp.commit(3.0)
-    assert sink.rows["window_result"] and sink.offsets["src"] == {("t", 0): 5}
+    assert sink.rows["window"] and sink.offsets["src"] == {("t", 0): 5}
     # Without give_up: dropped after the third refusal, counted, and the offsets move.
     cp.add(Unit("hangs", {"hang": table()}))
     for t in range(3):
@@ -120,11 +120,11 @@ def test_best_effort_rows_never_hold_anything_back():
     cp, _ = checkpoint(sink)
     stored = []
     cp.add(Unit("spans", {"op_span": table()}, on_stored=lambda: stored.append("spans"), best_effort=True))
-    cp.add(Unit("window", {"window_result": table()}, on_stored=lambda: stored.append("window")))
+    cp.add(Unit("window", {"window": table()}, on_stored=lambda: stored.append("window")))
     sink.refuse = {"op_span"}
     cp.commit(0.0)
     assert stored == ["window"] and cp.pending == [] and sink.offsets["src"] == {("t", 0): 5}
-    assert sink.log[0] == ("flush", ["window_result"]), "results first: alerts never wait for raw spans"
+    assert sink.log[0] == ("flush", ["window"]), "results first: alerts never wait for raw spans"
 
 
 def test_offsets_are_stored_at_most_once_per_interval_unless_forced():
@@ -163,8 +163,8 @@ def test_a_shard_loses_nothing_to_a_store_outage():
     for i in range(8):
         clock.t = 20.0 + 1.5 * i
         w.step(poll_timeout_ms=0)
-    assert [r["job_id"] for r in sink.rows["job_registration"]] == ["a"]
-    assert [r["job_id"] for r in sink.rows["window_result"]] == ["a"]
+    assert [r["job_id"] for r in sink.rows["job"]] == ["a"]
+    assert [r["job_id"] for r in sink.rows["window"]] == ["a"]
     assert [r["kind"] for r in sink.rows["hang"]] == ["comm_hang"]
     assert sorted(r["rule"] for r in sink.rows["alert"]) == ["hang", "slowdown"]
     assert w.stats.windows_stored == 1 and w.stats.hangs == 1 and w.stats.alerts == 2

@@ -10,7 +10,7 @@ ALLOWED = {
     "core": {"core"},
     "analyzers": {"core", "analyzers"},
     "generators": {"core", "generators"},
-    "ingest": {"core", "analyzers", "ingest"},  # analyzers: the golden-trace reader, for `import`
+    "ingest": {"core", "ingest"},
     "ray_jobs": {"core", "analyzers", "ray_jobs"},
     "storage": {"core", "storage"},
     "ui": {"core", "analyzers", "storage", "ui"},  # the console reads the store and re-simulates

@@ -90,7 +90,7 @@ def test_failed_delivery_is_counted():
 def test_rejects_what_is_not_an_input_record():
     p = TelemetryProducer("x", kafka_factory=FakeKafka)
     with pytest.raises(ValueError, match="not an input record kind"):
-        p.send(codec.empty(S.WINDOW_RESULT))
+        p.send(codec.empty(S.WINDOW))
     p.close(5)
 
 

@@ -160,18 +160,18 @@ def test_version_1_records_still_decode_with_defaults():
     from generators.fleetgen import JobSpec
 
     reg = JobSpec("job-a", JobLayout(dp_size=2, pp_size=2), num_microbatches=4).registration(5, 2)
-    kind, back = codec.decode(codec.encode(_as_version_1(reg, S.JOB_REGISTRATION)))
-    assert kind == "job_registration" and back.column("params").to_pylist() == [0]
+    kind, back = codec.decode(codec.encode(_as_version_1(reg, S.JOB)))
+    assert kind == "job" and back.column("params").to_pylist() == [0]
     assert back.column("seq_len").to_pylist() == [0] and back.column("n_gpus").to_pylist() == [4]
 
-    win = codec.from_rows(S.WINDOW_RESULT, [dict(
+    win = codec.from_rows(S.WINDOW, [dict(
         job_id="j", attempt=0, window_id=0, first_step=0, last_step=1, n_steps=2, start_ns=0, end_ns=1,
         analyzed_ns=2, team="", model="", n_gpus=8, dp_size=8, pp_size=1, slowdown=1.2, launch_slowdown=1.0,
         waste_fraction=0.1, step_time_actual=1.0, step_time_sim=1.0, step_time_ideal=0.8, gpu_hours=1.0,
         wasted_gpu_hours=0.1, m_w=0.5, m_s=0.1, verdict="", verdicts_json="[]", complete=True, note="", n_ops=1)])
     assert math.isnan(win.column("mfu")[0].as_py())  # from_rows fills what a row leaves out
-    kind, back = codec.decode(codec.encode(_as_version_1(win, S.WINDOW_RESULT)))
-    assert kind == "window_result" and math.isnan(back.column("mfu_ideal")[0].as_py())
+    kind, back = codec.decode(codec.encode(_as_version_1(win, S.WINDOW)))
+    assert kind == "window" and math.isnan(back.column("mfu_ideal")[0].as_py())
 
     hb = codec.from_rows(S.HEARTBEAT, [dict(job_id="j", attempt=0, rank=0, host="h", pid=1, ts_ns=1, step=3,
                                             last_op="", last_op_end_ns=0, inflight_op="", inflight_group="",
@@ -181,10 +181,52 @@ def test_version_1_records_still_decode_with_defaults():
 
 
 def test_versions_outside_the_readable_range_are_rejected():
-    for v in (b"0", b"3", b"x"):
+    for v in (b"0", str(S.SCHEMA_VERSION + 1).encode(), b"x"):
         t = _spans().replace_schema_metadata({b"stragglerscope.kind": b"op_span", b"stragglerscope.version": v})
         with pytest.raises(codec.DecodeError, match="unsupported schema version"):
             codec.decode(codec.encode(t))
+
+
+def _ipc(table: pa.Table, kind: bytes, version: bytes) -> bytes:
+    """An IPC stream written by hand (not by ``codec.encode``) with the given kind and version metadata."""
+    table = table.replace_schema_metadata({b"stragglerscope.kind": kind, b"stragglerscope.version": version})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _window_row() -> pa.Table:
+    return codec.from_rows(S.WINDOW, [dict(
+        job_id="j", attempt=0, window_id=0, first_step=0, last_step=1, n_steps=2, start_ns=0, end_ns=1,
+        analyzed_ns=2, team="", model="", n_gpus=8, dp_size=8, pp_size=1, slowdown=1.2, launch_slowdown=1.0,
+        waste_fraction=0.1, step_time_actual=1.0, step_time_sim=1.0, step_time_ideal=0.8, gpu_hours=1.0,
+        wasted_gpu_hours=0.1, m_w=0.5, m_s=0.1, verdict="", verdicts_json="[]", complete=True, note="", n_ops=1,
+        mfu=0.4, mfu_ideal=0.5)])
+
+
+def test_the_old_kind_names_decode_as_the_kinds_named_as_their_tables():
+    """Producers of versions 1 and 2 (exporters not yet upgraded, spooled and dead-lettered messages)
+    stamp job_registration, window_result and step_result; they decode as job, window and step_slowdown."""
+    reg = JobSpec("job-a", JobLayout(dp_size=2, pp_size=2), num_microbatches=4).registration(5, 2)
+    step = codec.from_rows(S.STEP_SLOWDOWN, [dict(job_id="j", attempt=0, window_id=0, step=3, actual_s=1.1,
+                                                  sim_s=1.0, ideal_s=0.8, slowdown=1.25)])
+    sent = {"job": reg, "window": _window_row(), "step_slowdown": step}
+    assert set(codec.KIND_ALIASES.values()) == set(sent)
+    for old, new in codec.KIND_ALIASES.items():
+        assert old not in S.ALL_SCHEMAS and new in S.ALL_SCHEMAS
+        kind, back = codec.decode(_ipc(sent[new], old.encode(), b"2"))
+        assert kind == new and S.kind_of(back.schema) == new and back.equals(sent[new]), old
+    # A version-1 registration under its old name: the alias and the defaults of later fields together.
+    old_reg = _as_version_1(reg, S.JOB)
+    kind, back = codec.decode(_ipc(old_reg, b"job_registration", b"1"))
+    assert kind == "job" and back.column("params").to_pylist() == [0]
+
+
+@pytest.mark.parametrize("kind", [b"job_registrations", b"window_results", b"results", b"JOB", b""])
+def test_a_kind_neither_known_nor_an_old_name_is_still_refused(kind):
+    with pytest.raises(codec.DecodeError, match="unknown record kind"):
+        codec.decode(_ipc(_window_row(), kind, b"2"))
 
 
 def test_a_new_field_still_needs_a_default():

@@ -21,7 +21,7 @@ def fake_analysis(calls):
         calls.append((key, complete, ops.num_rows))
         row = _window_row(info, key, ops, complete, note)
         row.update(slowdown=1.5, waste_fraction=1 / 3, launch_slowdown=1.0, verdict="worker")
-        return _tables(row, {"optype_slowdown": [], "worker_slowdown": [], "step_result": []})
+        return _tables(row)
     return submit
 
 
@@ -47,6 +47,21 @@ def run(w, n=50):
         w.step(poll_timeout_ms=0)
 
 
+def test_a_registration_under_its_old_kind_name_registers_the_job():
+    """An exporter of schema version 2 stamps its registrations job_registration: the shard reads a job."""
+    a = job("a")
+    reg = a.registration(0, STEPS)
+    old = reg.replace_schema_metadata({**reg.schema.metadata, b"stragglerscope.kind": b"job_registration",
+                                       b"stragglerscope.version": b"2"})
+    msgs = messages_for([reg, generate_window(a, 0, STEPS, 0)])
+    msgs[0] = Message(msgs[0].topic, msgs[0].partition, msgs[0].offset, msgs[0].key, codec.encode(old))
+    calls = []
+    w, _, sink = make_worker(msgs, calls=calls)
+    run(w)
+    assert [r["job_id"] for r in sink.rows["job"]] == ["a"] and "dead_letter" not in sink.rows
+    assert calls == [(("a", 0, 0), True, generate_window(a, 0, STEPS, 0).num_rows)]
+
+
 def test_complete_windows_are_analysed_stored_and_committed():
     a, b = job("a"), job("b", dp=4, pp=1)
     tables = [a.registration(0, STEPS), b.registration(0, STEPS),
@@ -57,12 +72,12 @@ def test_complete_windows_are_analysed_stored_and_committed():
     keys = sorted(c[0] for c in calls)
     assert keys == [("a", 0, 0), ("a", 0, 100), ("b", 0, 0)]
     assert all(c[1] for c in calls), "every window was complete"
-    stored = sorted((r["job_id"], r["window_id"]) for r in sink.rows["window_result"])
+    stored = sorted((r["job_id"], r["window_id"]) for r in sink.rows["window"])
     assert stored == [("a", 0), ("a", 100), ("b", 0)]
     # Every message is covered by stored results: the offsets reach the end of each topic.
     assert sink.offsets["src-1"][(topics.TOPIC_OPS, 0)] == 3
     assert sink.offsets["src-1"][(topics.TOPIC_JOBS, 0)] == 2
-    assert len(sink.rows["job_registration"]) == 2
+    assert len(sink.rows["job"]) == 2
     assert w.stats.windows_stored == 3
     assert [a["rule"] for a in sink.rows["alert"]] == ["slowdown", "slowdown"]  # a is cooled down once
     # Raw spans of these small windows with a verdict are kept for the timeline drill-down: one window per
@@ -80,13 +95,13 @@ def test_kept_spans_one_window_per_job_and_interval_plus_each_new_verdict():
     def submit(ops, info, key, complete, note, ccl=None):
         row = _window_row(info, key, ops, complete, note)
         row.update(slowdown=1.5, waste_fraction=1 / 3, launch_slowdown=1.0, verdict=verdicts[key[2]])
-        return _tables(row, {"optype_slowdown": [], "worker_slowdown": [], "step_result": []})
+        return _tables(row)
 
     def kept(**pipeline):
         w, _, sink = make_worker(messages_for(tables), **pipeline)
         w.windows._submit = submit
         run(w)
-        assert len(sink.rows["window_result"]) == len(starts)
+        assert len(sink.rows["window"]) == len(starts)
         return sorted({r["window_id"] for r in sink.rows.get("op_span", [])})
 
     # 0: the first; 100: same verdict 60 s later (no); 200: a new verdict; 300: same verdict, 1,780 s after
@@ -100,7 +115,7 @@ def test_large_windows_do_not_keep_raw_spans():
     w, _, sink = make_worker(messages_for([a.registration(0, STEPS), generate_window(a, 0, STEPS, 0)]),
                              keep_op_spans_max_rows=10)
     run(w)
-    assert len(sink.rows["window_result"]) == 1 and "op_span" not in sink.rows
+    assert len(sink.rows["window"]) == 1 and "op_span" not in sink.rows
 
 
 def test_a_window_missing_a_worker_waits_for_the_idle_timeout():
@@ -117,7 +132,7 @@ def test_a_window_missing_a_worker_waits_for_the_idle_timeout():
     clock.t = 11.0
     run(w, 3)
     assert len(calls) == 1 and calls[0][1] is False
-    row = sink.rows["window_result"][0]
+    row = sink.rows["window"][0]
     assert row["complete"] is False and "worker-steps did not finish" in row["note"]
     assert sink.offsets["src-1"][(topics.TOPIC_OPS, 0)] == 1
 
@@ -163,7 +178,7 @@ def test_restart_replays_without_storing_twice():
     sink.offsets["src-1"][(topics.TOPIC_OPS, 0)] = 0
     w2, _, _ = make_worker(msgs, sink=sink)
     run(w2)
-    stored = sorted(r["job_id"] for r in sink.rows["window_result"])
+    stored = sorted(r["job_id"] for r in sink.rows["window"])
     assert stored == ["a", "b"], "nothing lost, nothing twice"
     assert w2.stats.late_records > 0
 
@@ -205,7 +220,7 @@ class FailingOnceSink(FakeSink):
         self.failed = False
 
     def flush(self):
-        if not self.failed and "window_result" in self._buf:
+        if not self.failed and "window" in self._buf:
             self.failed = True
             self._buf = {}
             raise ConnectionError("store away")
@@ -218,7 +233,7 @@ def test_a_failed_store_write_is_retried_with_the_same_alerts():
     w, _, _ = make_worker(messages_for([a.registration(0, STEPS), generate_window(a, 0, STEPS, 0)]), sink=sink)
     run(w)
     assert sink.failed
-    assert [r["job_id"] for r in sink.rows["window_result"]] == ["a"]
+    assert [r["job_id"] for r in sink.rows["window"]] == ["a"]
     assert [r["rule"] for r in sink.rows["alert"]] == ["slowdown"], "the alert survived the retry"
     assert sink.offsets["src-1"][(topics.TOPIC_OPS, 0)] == 1
 
@@ -259,7 +274,7 @@ def test_ccl_records_of_a_window_get_link_diagnosis():
     run(w, 5)
     clock.t = 6.0
     run(w, 3)
-    (row,) = sink.rows["window_result"]
+    (row,) = sink.rows["window"]
     assert row["verdict"] == "no_op_spans"
     top = max(sink.rows["link_fault"], key=lambda r: r["confidence"])
     assert (top["kind"], top["src"]) == ("source", inc.truth["src"])
@@ -339,8 +354,8 @@ def test_windows_done_together_are_stored_in_one_flush():
                     submit=fake_analysis([]), clock=ManualClock())
     w.setup()
     run(w, 3)
-    assert len(sink.rows["window_result"]) == 20 and w.stats.windows_stored == 20
-    with_windows = [k for k in sink.flushed_kinds if "window_result" in k]
+    assert len(sink.rows["window"]) == 20 and w.stats.windows_stored == 20
+    with_windows = [k for k in sink.flushed_kinds if "window" in k]
     assert len(with_windows) == 1, sink.flushed_kinds
     assert sum("op_span" in k for k in sink.flushed_kinds) == 1
 
@@ -362,7 +377,7 @@ def test_a_big_poll_is_handled_over_several_iterations_within_the_budget():
     assert sink.offsets["s"].get((topics.TOPIC_OPS, 0), 0) == 0
     run(w, 10)
     assert w.stats.messages == len(tables)
-    assert sorted(r["window_id"] for r in sink.rows["window_result"]) == [0, 100, 200, 300, 400]
+    assert sorted(r["window_id"] for r in sink.rows["window"]) == [0, 100, 200, 300, 400]
     assert sink.offsets["s"][(topics.TOPIC_OPS, 0)] == 5
 
 
@@ -377,3 +392,23 @@ def test_lag_counts_as_caught_up_only_after_a_poll():
     assert w.stats.loops == 1
     run(w)
     assert w.stats.lag == 0 and Pipeline.caught_up([w.status()])
+
+
+def test_the_production_sink_opens_the_configured_store_with_the_pipelines_open_store():
+    """The shard takes only a sink factory; the pipeline's is a ResultWriter over ``open_store(cfg.store.url)``."""
+    from ray_jobs.io import ResultWriter
+    from ray_jobs.pipeline import result_sink
+
+    opened = []
+
+    def open_store(url):
+        opened.append(url)
+        return FakeSink()
+
+    cfg = Config().replace(store={"url": "chdb:///somewhere/store"})
+    factory = result_sink(cfg, open_store)
+    assert opened == [], "nothing is opened before the shard's setup"
+    sink = factory()
+    assert isinstance(sink, ResultWriter)
+    sink.setup()
+    assert opened == ["chdb:///somewhere/store"] and isinstance(sink.store, FakeSink)
