@@ -462,10 +462,6 @@ RESULT_SCHEMAS: dict[str, pa.Schema] = {
 }
 ALL_SCHEMAS: dict[str, pa.Schema] = {**INPUT_SCHEMAS, **RESULT_SCHEMAS}
 
-JOB_REGISTRATION = JOB
-"""The old name of ``JOB``, kept only for ingest/autotrace/tracer.py, which another branch is changing;
-remove it with that file's last use. Everything else says ``JOB``."""
-
 
 def kind_of(schema: pa.Schema) -> str:
     return (schema.metadata or {}).get(b"stragglerscope.kind", b"").decode()

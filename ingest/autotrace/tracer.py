@@ -152,7 +152,7 @@ class Tracer:
                    num_microbatches=self.num_microbatches, profiled_steps=st.sampling.profile_steps,
                    gpu_type=_gpu_type(), peak_flops=0.0, flops_per_token=0.0, tokens_per_step=0,
                    params=self.params if lay.pp_size == 1 else 0, seq_len=0, num_layers=0)
-        self.exp._send(pa.Table.from_pylist([row], schema=S.JOB_REGISTRATION))
+        self.exp._send(pa.Table.from_pylist([row], schema=S.JOB))
 
     # -- install --------------------------------------------------------------
     def install(self) -> None:
