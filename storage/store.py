@@ -507,9 +507,3 @@ class SQLStore(Store):
         with self._lock:
             return self._select(f"SELECT {cols} FROM jobs ORDER BY job_id, attempt").to_pylist()
 
-    def optimize(self) -> None:
-        """Merge parts of every data table now (benchmarks; ClickHouse does it in the background)."""
-        with self._lock:
-            for spec in ddl.TABLES:
-                self._execute(f"OPTIMIZE TABLE {ddl.quote(spec.data)} FINAL")
-
