@@ -30,7 +30,7 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bump on any change of a schema below; add a forward migration in storage/ where a table changes.
 
 2: CHECKPOINT records, DOWNTIME and REMEDY results; JOB ``params``,
@@ -39,6 +39,10 @@ SCHEMA_VERSION = 3
 3: kinds named as their tables: ``job``, ``window`` and ``step_slowdown`` (were
 ``job_registration``, ``window_result`` and ``step_result``; ``codec.KIND_ALIASES``
 reads the old names). No table changed.
+4: LINK_CELL results (the whole link matrix of a window). CCL_RECORD's
+``peer_transfer_ns`` is empty where the library did not time each peer, and
+``recv_wait_ns`` is -1 where unknown (the exporter used to repeat the op's
+duration for every peer).
 """
 MIN_READ_VERSION = 1
 """The oldest version ``decode`` still reads (fields added since get their defaults)."""
@@ -121,9 +125,10 @@ CCL_RECORD = _schema(
         _f("enter_ns", pa.int64(), "ns", "when this rank entered the op"),
         _f("exit_ns", pa.int64(), "ns", "when this rank completed the op; -1 while in flight", nullable=False),
         _f("peers", pa.list_(pa.int32()), "", "global ranks this rank exchanged data with"),
-        _f("peer_transfer_ns", pa.list_(pa.int64()), "ns", "transfer time per peer, same order as peers"),
-        _f("peer_bytes", pa.list_(pa.int64()), "bytes", "bytes per peer, same order as peers"),
-        _f("recv_wait_ns", pa.int64(), "ns", "time spent waiting for the first byte from a peer"),
+        _f("peer_transfer_ns", pa.list_(pa.int64()), "ns",
+           "transfer time per peer as the library timed it, same order as peers; empty when not timed"),
+        _f("peer_bytes", pa.list_(pa.int64()), "bytes", "bytes per peer, same order as peers; empty when unknown"),
+        _f("recv_wait_ns", pa.int64(), "ns", "time spent waiting for the first byte from a peer; -1 when unknown"),
     ],
 )
 
@@ -336,6 +341,25 @@ LINK_FAULT = _schema(
     ],
 )
 
+LINK_CELL = _schema(
+    "link_cell",
+    "One cell of a window's link matrix: a directed pair, or one member of a collective group.",
+    [
+        _JOB,
+        _ATTEMPT,
+        _WINDOW,
+        _f("group", pa.string(), "", "p2p (pairs matched across ranks), a collective group and op, or a reported group"),
+        _f("src", pa.int32(), "", "sending rank, or the member of a collective group"),
+        _f("dst", pa.int32(), "", "receiving rank; -1 for a collective member"),
+        _f("ns_per_byte", pa.float64(), "ns", "median time per byte (a collective: the group's comm time / bytes)"),
+        _f("median_ns", pa.float64(), "ns", "median transfer (or comm) time; NaN where the library reported rates"),
+        _f("wait_ns", pa.float64(), "ns", "median receiver wait (p2p) or the member's lateness (collective); -1 unknown"),
+        _f("samples", pa.int64(), "", "transfers or collectives behind the cell"),
+        _f("ratio", pa.float64(), "ratio", "ns_per_byte over the reference of its class; NaN without one"),
+        _f("status", pa.string(), "", "slow, ok or unknown"),
+    ],
+)
+
 ALERT = _schema(
     "alert",
     "An alert raised by a rule; deduplicated per (job, rule) with a cool-down.",
@@ -457,7 +481,8 @@ INPUT_SCHEMAS: dict[str, pa.Schema] = {
 }
 RESULT_SCHEMAS: dict[str, pa.Schema] = {
     s.metadata[b"stragglerscope.kind"].decode(): s
-    for s in (WINDOW, OPTYPE_SLOWDOWN, WORKER_SLOWDOWN, STEP_SLOWDOWN, HANG, LINK_FAULT, ALERT, DEAD_LETTER,
+    for s in (WINDOW, OPTYPE_SLOWDOWN, WORKER_SLOWDOWN, STEP_SLOWDOWN, HANG, LINK_FAULT, LINK_CELL, ALERT,
+              DEAD_LETTER,
               DOWNTIME, REMEDY)
 }
 ALL_SCHEMAS: dict[str, pa.Schema] = {**INPUT_SCHEMAS, **RESULT_SCHEMAS}

@@ -266,12 +266,13 @@ class RankExporter:
         self._last_op = (op, exit_ns)
         if self._window is None:
             return
-        dur = exit_ns - enter_ns
         row = dict(
             job_id=self.job_id, attempt=self.attempt, rank=self.rank, window_id=self._window, step=self._step,
             group=group, group_ranks=list(group_ranks), seq=seq, op=op, algorithm=algorithm, nbytes=nbytes,
-            enter_ns=enter_ns, exit_ns=exit_ns, peers=list(peers), peer_transfer_ns=[dur] * len(peers),
-            peer_bytes=[nbytes // max(1, len(peers))] * len(peers), recv_wait_ns=0,
+            # Per-peer timing is the library's to report; from Python only enter and exit are seen,
+            # and the link diagnosis pairs them across ranks (analyzers/links/measured.py).
+            enter_ns=enter_ns, exit_ns=exit_ns, peers=list(peers), peer_transfer_ns=[], peer_bytes=[],
+            recv_wait_ns=-1,
         )
         with self._lock:
             self._ccl.append(row)

@@ -60,7 +60,7 @@ def _flops_info(info: Registration, n_gpus: int) -> dict:
 def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int], complete: bool,
                    note: str, ccl: pa.Table | None = None) -> dict[str, pa.Table]:
     """What-if analysis and link diagnosis of one window; returns {result kind: table} for the sink."""
-    links = _link_faults(ccl, key)
+    links = _links(ccl, key)
     if ops.num_rows == 0:
         row = _window_row(info, key, ccl if ccl is not None else ops, complete, note)
         row["verdict"] = "no_op_spans"
@@ -109,8 +109,8 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
                                               [times["actual"][s] for s in steps],
                                               [times["ideal"].get(s, float("nan")) for s in steps])
     out = to_tables(result, key)
-    if verdicts or links.num_rows:
-        remedies = _remedies(ops, info, result, links, key)
+    if verdicts or links["link_fault"].num_rows:
+        remedies = _remedies(ops, info, result, links["link_fault"], key)
         if remedies is not None:
             out["remedy"] = remedies
     return _tables(row, links, out)
@@ -146,17 +146,18 @@ def _main_verdict(verdicts) -> str:
     return ""
 
 
-def _link_faults(ccl: pa.Table | None, key) -> pa.Table:
-    """Link diagnosis of the window's CCL records (LINK_FAULT rows); never raises."""
+def _links(ccl: pa.Table | None, key) -> dict[str, pa.Table]:
+    """Link diagnosis of the window's CCL records (LINK_FAULT and LINK_CELL rows); never raises."""
+    empty = {"link_fault": codec.empty(S.LINK_FAULT), "link_cell": codec.empty(S.LINK_CELL)}
     if ccl is None or ccl.num_rows == 0:
-        return codec.empty(S.LINK_FAULT)
-    from analyzers.links import diagnose, to_tables
+        return empty
+    from analyzers.links import diagnose_window, to_tables
 
     try:
-        return to_tables(diagnose(ccl), key)["link_fault"]
+        return to_tables(diagnose_window(ccl), key)
     except Exception as e:  # bad records must not cost the window its what-if result
         log.warning("link diagnosis of %s failed: %s", key, e)
-        return codec.empty(S.LINK_FAULT)
+        return empty
 
 
 _ALWAYS = {"optype_slowdown": S.OPTYPE_SLOWDOWN, "worker_slowdown": S.WORKER_SLOWDOWN,
@@ -164,11 +165,13 @@ _ALWAYS = {"optype_slowdown": S.OPTYPE_SLOWDOWN, "worker_slowdown": S.WORKER_SLO
 """The what-if's tables: every window has them, empty where the analysis did not run."""
 
 
-def _tables(row: dict, links: pa.Table | None = None, out: dict[str, pa.Table] | None = None) -> dict[str, pa.Table]:
+def _tables(row: dict, links: dict[str, pa.Table] | None = None,
+            out: dict[str, pa.Table] | None = None) -> dict[str, pa.Table]:
     """The window's row and the analyzers' tables (``to_tables``) for the sink; a remedy table only with rows."""
     out = out or {}
     tables = {"window": codec.from_rows(S.WINDOW, [row])}
-    tables["link_fault"] = links if links is not None else codec.empty(S.LINK_FAULT)
+    for kind, schema in (("link_fault", S.LINK_FAULT), ("link_cell", S.LINK_CELL)):
+        tables[kind] = (links or {}).get(kind, codec.empty(schema))
     for kind, schema in _ALWAYS.items():
         tables[kind] = out.get(kind, codec.empty(schema))
     if "remedy" in out and out["remedy"].num_rows:

@@ -234,6 +234,8 @@ TABLES: tuple[TableSpec, ...] = (
     TableSpec("hangs", S.HANG, ("job_id", "attempt", "hang_id"), "first", kind="hang", partition_ns="hang_id"),
     TableSpec("link_faults", S.LINK_FAULT, ("job_id", "attempt", "window_id", "group", "kind", "src", "dst"),
               "first", kind="link_fault"),
+    TableSpec("link_cells", S.LINK_CELL, ("job_id", "attempt", "window_id", "group", "src", "dst"), "first",
+              kind="link_cell"),
     TableSpec("alerts", S.ALERT, ("alert_id",), "first", kind="alert", partition_ns="ts_ns"),
     TableSpec("dead_letters", S.DEAD_LETTER, ("source_topic", "source_partition", "source_offset", "reason"),
               "first", kind="dead_letter", partition_ns="ts_ns",

@@ -1,7 +1,9 @@
-"""Link diagnosis: a source x destination latency matrix per communication group and window.
+"""Link diagnosis from per-peer timings that the collective library reports itself.
 
-Input: CCL records (``core.schema.CCL_RECORD``) of one job window. Each
-record contributes directed edges: a receive-type op (``recv``, ``irecv``)
+Input: CCL records (``core.schema.CCL_RECORD``) of one job window whose
+``peer_transfer_ns`` has one entry per peer (a library such as C4D's patched
+NCCL, or generated incidents, time each connection). Each such record
+contributes directed edges: a receive-type op (``recv``, ``irecv``)
 gives ``peer -> rank`` with its transfer time, bytes and the receiver's wait
 for the first byte; any other op gives ``rank -> peer`` edges with their
 transfer times and bytes. Per edge we keep the median time per byte
@@ -30,8 +32,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from core import codec, jsonutil
-from core import schema as S
+from analyzers.links.fault import LinkFault
+
 
 RECV_OPS = ("recv", "irecv")
 
@@ -50,17 +52,6 @@ class LinkParams:
     """Receiver wait at least this multiple of the median wait (and min_wait_ns above it) marks a late sender."""
     min_wait_ns: int = 1_000_000
     """Waits shorter than this never count as late (1 ms)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkFault:
-    group: str
-    kind: str  # link | source | destination | noncomm_slow
-    src: int
-    dst: int
-    confidence: float
-    slowdown: float
-    evidence: dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +76,8 @@ class Edges:
 
 
 def edges_from_ccl(ccl: pa.Table) -> list[Edges]:
-    """Group the window's CCL records into per-group edge sets."""
+    """Group the window's CCL records that carry per-peer timings into per-group edge sets."""
+    ccl = reported_rows(ccl)
     if ccl.num_rows == 0:
         return []
     flat = pa.table({
@@ -115,6 +107,13 @@ def edges_from_ccl(ccl: pa.Table) -> list[Edges]:
         if sel.any():
             out.append(_aggregate(str(name), src[sel], dst[sel], t[sel] / b[sel], wait[sel]))
     return out
+
+
+def reported_rows(ccl: pa.Table) -> pa.Table:
+    """The records whose library timed each peer: one transfer time per peer (the others are empty)."""
+    n_peers = pc.list_value_length(ccl["peers"])
+    return ccl.filter(pc.and_(pc.greater(n_peers, 0),
+                              pc.equal(pc.list_value_length(ccl["peer_transfer_ns"]), n_peers)))
 
 
 def _sorted_within(pair: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -222,19 +221,3 @@ def _late_senders(edges: Edges, hot: np.ndarray, params: LinkParams) -> list[Lin
 def _confidence(fraction: float, z: float, params: LinkParams) -> float:
     """0..1: how much of the row/column agrees, times how far beyond the threshold the cells are."""
     return float(min(1.0, fraction) * (1 - math.exp(-max(z, 0.0) / params.min_z)))
-
-
-def diagnose(ccl: pa.Table, params: LinkParams = LinkParams()) -> list[LinkFault]:
-    """Every group of the window; faults most severe first."""
-    out = []
-    for e in edges_from_ccl(ccl):
-        out += diagnose_group(e, params)
-    out.sort(key=lambda f: (-f.confidence, -f.slowdown))
-    return out
-
-
-def to_tables(faults: list[LinkFault], key: tuple[str, int, int]) -> dict[str, pa.Table]:
-    """{"link_fault": LINK_FAULT rows} of one window ``key`` (job, attempt, window)."""
-    return {"link_fault": codec.from_rows(S.LINK_FAULT, [dict(
-        job_id=key[0], attempt=key[1], window_id=key[2], group=f.group, kind=f.kind, src=f.src, dst=f.dst,
-        confidence=f.confidence, slowdown=f.slowdown, evidence_json=jsonutil.dumps(f.evidence)) for f in faults])}

@@ -1,0 +1,120 @@
+"""Name the slow link, NIC or receiver by intersecting what slow and healthy observations share.
+
+Each observation (``measured.Observation``) depends on a set of elements: the
+NIC egress and ingress of ranks and the directed links between them. A p2p
+pair s>d depends on s's egress, d's ingress and the link s>d; a collective on
+every member's egress and ingress and the links of its ring. With one fault
+at a time, the faulty element is in every slow observation and in no healthy
+one. DP, TP and PP groups overlap, so a job has many observations to
+intersect:
+
+- one link left: ``link``; one egress: ``source`` (a slow NIC sending); one
+  ingress: ``destination`` (a slow receiver);
+- a rank's egress and ingress together (only collectives, which go both
+  ways, saw it): ``endpoint``;
+- the elements of one p2p pair that nothing healthy cleared: ``link``, at a
+  third of the confidence;
+- nothing in common: ``comm_slow`` per slow observation (several faults, or
+  one the observations cannot place).
+
+Late senders (``noncomm_slow``) are ranks that come late, not transfers that
+are slow: receivers wait for them, they are the last into their collectives.
+A rank that was itself waiting for a late or slow peer is not blamed.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from analyzers.links.fault import LinkFault
+from analyzers.links.measured import MeasuredParams, Observation
+
+
+def _strength(ratio: float) -> float:
+    """0..1 from how far beyond healthy the slow observations are (ratio 3: 0.63, ratio 10: 0.99)."""
+    return float(1 - math.exp(-max(ratio - 1, 0.0) / 2))
+
+
+def _name(element: tuple) -> str:
+    return f"{element[0]} {element[1]}" if len(element) == 2 else f"link {element[1]}>{element[2]}"
+
+
+def comm_faults(observations: list[Observation], params: MeasuredParams = MeasuredParams()) -> list[LinkFault]:
+    """Faults of slow communication, localised by intersection."""
+    slow = [o for o in observations if o.status == "slow"]
+    if not slow:
+        return []
+    cleared = set().union(*(o.elements() for o in observations if o.status == "ok"))
+    candidates = set.intersection(*(o.elements() for o in slow)) - cleared
+    ratio = float(np.median([o.ratio for o in slow]))
+    evidence = {
+        "slow": [o.evidence() for o in slow],
+        "cleared_by": sorted(o.name for o in observations if o.status == "ok")[:50],
+        "candidates": sorted(_name(c) for c in candidates),
+        # A residual clock offset shorter than this cannot have made these observations slow.
+        "skew_margin_ns": float(min(o.excess_ns() for o in slow)),
+    }
+    group = slow[0].name.split(" ", 1)[0] if len(slow) == 1 else "+".join(sorted({o.name for o in slow}))[:200]
+    conf = _strength(ratio)
+    egress = {c[1] for c in candidates if c[0] == "egress"}
+    ingress = {c[1] for c in candidates if c[0] == "ingress"}
+    links = [c for c in candidates if c[0] == "link"]
+    if len(candidates) == 1:
+        (c,) = candidates
+        kind = {"egress": "source", "ingress": "destination", "link": "link"}[c[0]]
+        src = c[1] if c[0] in ("egress", "link") else -1
+        dst = c[2] if c[0] == "link" else (c[1] if c[0] == "ingress" else -1)
+        return [LinkFault(group, kind, int(src), int(dst), conf, ratio, evidence)]
+    if not links and len(egress) == 1 and egress == ingress:
+        (r,) = egress
+        return [LinkFault(group, "endpoint", int(r), int(r), conf * 0.8, ratio, evidence)]
+    if len(links) == 1 and {("egress", links[0][1]), ("ingress", links[0][2])} >= candidates - set(links):
+        _, s, d = links[0]
+        return [LinkFault(group, "link", int(s), int(d), conf / len(candidates), ratio, evidence)]
+    # No single element explains it all: say where it was slow, unlocalised.
+    out = []
+    for o in slow:
+        s, d = o.members if o.kind == "p2p" else (-1, -1)
+        out.append(LinkFault(o.name.split(" ", 1)[0], "comm_slow", int(s), int(d), _strength(o.ratio) * 0.3,
+                             o.ratio, {**evidence, "slow": [o.evidence()]}))
+    return out
+
+
+def late_senders(observations: list[Observation], params: MeasuredParams = MeasuredParams()) -> list[LinkFault]:
+    """Ranks that come late to send: receivers wait for them and they enter collectives last."""
+    p2p = [o for o in observations if o.kind == "p2p"]
+    coll = [o for o in observations if o.kind == "collective"]
+    med_wait = float(np.median([o.wait_ns for o in p2p])) if p2p else 0.0
+    items: dict[int, int] = {}
+    late: dict[int, list[float]] = {}
+    for o in p2p:
+        s = o.members[0]
+        items[s] = items.get(s, 0) + 1
+        if o.status != "slow" and o.wait_ns >= max(params.min_wait_ns, params.wait_ratio * med_wait):
+            late.setdefault(s, []).append(o.wait_ns)
+    for o in coll:
+        for r in o.members:
+            items[r] = items.get(r, 0) + 1
+            others = [v for q, v in o.lateness_ns.items() if q != r]
+            lat = o.lateness_ns.get(r, 0.0)
+            if (o.status != "slow" and o.last_share.get(r, 0.0) >= 0.5 and lat >= params.min_wait_ns
+                    and lat >= params.wait_ratio * max(float(np.median(others)) if others else 0.0, 1.0)):
+                late.setdefault(r, []).append(lat)
+    blamed = {r for r, v in late.items() if len(v) / items[r] >= params.late_fraction}
+    # Not the root: a rank that waited on a blamed rank's sends, or that receives over a slow transfer.
+    waited = {o.members[1] for o in p2p if o.members[0] in blamed and o.members[0] != o.members[1]
+              and o.wait_ns >= max(params.min_wait_ns, params.wait_ratio * med_wait)}
+    fed_slowly = {o.members[1] for o in p2p if o.status == "slow"}
+    roots = blamed - waited - fed_slowly
+    if not roots and blamed - fed_slowly:  # they waited on each other: the latest of them
+        roots = {max(blamed - fed_slowly, key=lambda r: float(np.median(late[r])))}
+    out = []
+    for r in sorted(roots):
+        wait = float(np.median(late[r]))
+        frac = len(late[r]) / items[r]
+        conf = min(1.0, frac) * (1 - math.exp(-wait / (params.wait_ratio * max(med_wait, params.min_wait_ns))))
+        out.append(LinkFault("", "noncomm_slow", int(r), -1, float(conf), wait / max(med_wait, params.min_wait_ns), {
+            "late_observations": len(late[r]), "observations": items[r], "median_wait_ns": wait,
+            "median_p2p_wait_ns": med_wait, "skew_margin_ns": wait - params.min_wait_ns}))
+    return out

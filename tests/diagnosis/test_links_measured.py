@@ -1,0 +1,134 @@
+"""Link diagnosis from enter/exit times alone (what a Python exporter records), on built records.
+
+The records are built as a dp x pp job's ranks would write them: pipeline
+sends and receives (``p2p:a>b``, numbered per direction) and one gradient
+all-reduce per DP group and step. A fault slows the transfers that cross it
+(a rank's egress, its ingress, one directed link) or delays one rank's sends
+(a late sender). The real-network counterpart is tests/netfaults.
+"""
+import numpy as np
+import pytest
+
+from analyzers.links import diagnose_window, to_tables
+from analyzers.links.measured import p2p_observations
+from core import codec
+from core import schema as S
+
+
+def _record(rank, group, ranks, seq, op, nbytes, enter, exit_):
+    return dict(job_id="j", attempt=0, rank=rank, window_id=0, step=0, group=group, group_ranks=list(ranks), seq=seq,
+                op=op, algorithm="", nbytes=nbytes, enter_ns=int(enter), exit_ns=int(exit_), peers=[],
+                peer_transfer_ns=[], peer_bytes=[], recv_wait_ns=-1)
+
+
+def pipeline_job(fault=None, dp=2, pp=2, steps=6, mbs=4, seed=0, factor=20.0):
+    """Records of a dp x pp job; rank = dp_rank * pp + stage. ``fault``: (kind, rank...) or None."""
+    rng = np.random.default_rng(seed)
+    rows, seqs = [], {}
+
+    def rate(s, d):
+        slow = fault is not None and ((fault[0] == "egress" and s == fault[1]) or
+                                      (fault[0] == "ingress" and d == fault[1]) or
+                                      (fault[0] == "link" and (s, d) == tuple(fault[1:])))
+        return (factor if slow else 1.0) * rng.uniform(0.9, 1.2)
+
+    def late(r):
+        return 30e6 if fault is not None and fault[0] == "late" and fault[1] == r else 0.0
+
+    def nxt(key):
+        seqs[key] = seqs.get(key, -1) + 1
+        return seqs[key]
+
+    t = 0.0
+    for _ in range(steps):
+        for d in range(dp):
+            stages = [d * pp + s for s in range(pp)]
+            for mb in range(mbs):
+                for a, b in zip(stages, stages[1:]):
+                    for s_, r_ in ((a, b), (b, a)):
+                        key = f"p2p:{s_}>{r_}"
+                        n = nxt(key)
+                        se = t + mb * 50e6 + late(s_)
+                        re_ = t + mb * 50e6 - 5e6 + rng.uniform(0, 2e6)
+                        xfer = 64_000 * rate(s_, r_)
+                        rows.append(_record(s_, key, (s_, r_), n, "isend", 64_000, se, se + xfer))
+                        rows.append(_record(r_, key, (s_, r_), n, "irecv", 64_000, re_, max(se, re_) + xfer))
+        for s in range(pp):
+            g = [d * pp + s for d in range(dp)]
+            key = "ranks:" + ",".join(map(str, g))
+            n = nxt(key)
+            enters = {r: t + 300e6 + rng.uniform(0, 1e6) + late(r) * 1.3 for r in g}
+            dur = 2 * 256_000 * max(rate(a, b) for a in g for b in g if a != b)
+            for r in g:
+                rows.append(_record(r, key, g, n, "all_reduce", 256_000, enters[r], max(enters.values()) + dur))
+        t += 1e9
+    return codec.from_rows(S.CCL_RECORD, rows)
+
+
+CASES = [("egress", 0), ("ingress", 1), ("link", 0, 1), ("late", 0), ("egress", 3), ("ingress", 2), ("link", 3, 2)]
+
+
+@pytest.mark.parametrize("fault", CASES, ids=lambda f: "-".join(map(str, f)))
+def test_names_the_fault_in_a_dp_x_pp_job(fault):
+    for seed in range(3):
+        faults = diagnose_window(pipeline_job(fault, seed=seed)).faults
+        assert faults, f"{fault}: nothing found"
+        top = faults[0]
+        want = {"egress": ("source", fault[1], -1), "ingress": ("destination", -1, fault[1]),
+                "link": ("link", fault[1], fault[-1]), "late": ("noncomm_slow", fault[1], -1)}[fault[0]]
+        assert (top.kind, top.src, top.dst) == want, faults
+        assert len(faults) == 1, faults
+        assert 0 < top.confidence <= 1
+        assert top.evidence["skew_margin_ns"] > 0
+
+
+def test_a_healthy_job_has_no_fault_and_every_observation_is_judged():
+    for seed in range(5):
+        d = diagnose_window(pipeline_job(None, seed=seed))
+        assert d.faults == []
+        assert {o.status for o in d.observations} == {"ok"}
+
+
+def test_a_late_sender_does_not_make_its_downstream_stage_look_late():
+    # rank 0 (stage 0) is slow: stage 1 of its pipeline (rank 1) also comes late to its all-reduce
+    d = diagnose_window(pipeline_job(("late", 0), pp=3, dp=2))
+    assert [(f.kind, f.src) for f in d.faults] == [("noncomm_slow", 0)]
+
+
+def test_deeper_pipelines_and_wider_dp():
+    for fault, want in [(("egress", 4), ("source", 4, -1)), (("link", 5, 4), ("link", 5, 4)),
+                        (("ingress", 7), ("destination", -1, 7))]:
+        top = diagnose_window(pipeline_job(fault, dp=3, pp=4)).faults[0]
+        assert (top.kind, top.src, top.dst)[:len(want)] == want
+
+
+def test_p2p_pairs_match_by_group_and_sequence_and_measure_from_the_later_enter():
+    ccl = codec.from_rows(S.CCL_RECORD, [
+        _record(0, "p2p:0>1", (0, 1), 0, "isend", 1000, 100, 150),
+        _record(1, "p2p:0>1", (0, 1), 0, "irecv", 1000, 40, 400),   # receiver waited 60 for the sender
+        _record(0, "p2p:0>1", (0, 1), 1, "isend", 1000, 500, 520),
+        _record(1, "p2p:0>1", (0, 1), 1, "irecv", 1000, 600, 700),  # receiver came later: no wait
+        _record(0, "p2p:0>1", (0, 1), 2, "isend", 1000, 900, 950),  # its receive is not in the window
+    ])
+    (o,) = p2p_observations(ccl)
+    assert o.members == (0, 1) and o.samples == 2
+    assert o.median_ns == (300 + 100) / 2   # 400 - 100 and 700 - 600
+    assert o.wait_ns == (60 + 0) / 2
+
+
+def test_a_collective_with_nothing_to_compare_stays_unknown():
+    d = diagnose_window(pipeline_job(("egress", 0), dp=2, pp=1))  # one DP group, no pipeline
+    assert [o.status for o in d.observations] == ["unknown"]
+    assert d.faults == []
+
+
+def test_the_whole_matrix_goes_to_link_cells():
+    d = diagnose_window(pipeline_job(("link", 0, 1)))
+    t = to_tables(d, ("j", 0, 0))
+    cells = t["link_cell"].to_pylist()
+    p2p = {(c["src"], c["dst"]): c for c in cells if c["group"] == "p2p"}
+    assert set(p2p) == {(0, 1), (1, 0), (2, 3), (3, 2)}
+    assert p2p[(0, 1)]["status"] == "slow" and p2p[(1, 0)]["status"] == "ok"
+    members = [c for c in cells if c["dst"] == -1]
+    assert sorted(c["src"] for c in members) == [0, 1, 2, 3]
+    assert t["link_fault"].num_rows == 1
