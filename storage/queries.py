@@ -189,6 +189,17 @@ _QUERIES = [
         "slow links, sources, destinations and late senders found in one job's latency matrices",
     ),
     NamedQuery(
+        "job_link_cells",
+        "SELECT attempt, group, src, dst, ns_per_byte, median_ns, wait_ns, samples, ratio, status FROM link_cells "
+        "WHERE job_id = {job_id:String} AND window_id = {window_id:Int64} "
+        "AND attempt = if({attempt:Int32} >= 0, {attempt:Int32}, (SELECT max(attempt) FROM link_cells "
+        "WHERE job_id = {job_id:String} AND window_id = {window_id:Int64})) "
+        "ORDER BY group, src, dst LIMIT {limit:UInt64}",
+        (_job_required(), ParamSpec("window_id", "Int64", None, "the window (its first step)"),
+         ParamSpec("attempt", "Int32", -1, "the attempt (-1: the latest with this window)"), _limit(20_000)),
+        "every cell of one window's link matrix: p2p pairs, collective members, reported per-peer rates",
+    ),
+    NamedQuery(
         "job_hangs",
         "SELECT attempt, hang_id, kind, group, seq, op, stuck_ranks, missing_ranks, suspect_hosts, since_ns, "
         "duration_s, evidence_json FROM hangs WHERE job_id = {job_id:String} "

@@ -6,7 +6,11 @@ Frameworks: ``pipelining`` (torch.distributed.pipelining, Schedule1F1B, DP x PP
 with a hand-written gradient all-reduce over the DP group), ``interleaved``
 (ScheduleInterleaved1F1B, 2 stages per rank), ``gpipe`` (ScheduleGPipe),
 ``ddp`` (DistributedDataParallel), ``fsdp`` (FSDP2 ``fully_shard``) and
-``plain`` (a loop with a manual all_reduce of the flattened gradients).
+``plain`` (a loop with a manual all_reduce of the flattened gradients) and
+``hier`` (data parallel with a two-level all-reduce: inside each "node" of
+``--node-size`` ranks, then across nodes between the ranks of the same
+local index, as hierarchical all-reduces do; its groups overlap, which the
+link diagnosis needs to place a fault).
 
 Accelerator time is simulated with sleeps inside the compute (a layer whose
 forward sleeps ``--gpu-ms`` and backward twice that), so the shared 2 cores do
@@ -74,7 +78,7 @@ def set_grads(params, flat) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--framework", required=True,
-                   choices=("pipelining", "interleaved", "gpipe", "ddp", "fsdp", "plain"))
+                   choices=("pipelining", "interleaved", "gpipe", "ddp", "fsdp", "plain", "hier"))
     p.add_argument("--dp", type=int, default=2, help="data-parallel size of pipelined jobs (pp = world / dp)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--microbatches", type=int, default=4)
@@ -90,6 +94,7 @@ def main() -> int:
     p.add_argument("--gc-between-chunks-rank", type=int, default=-1,
                    help="pipelining: this rank collects garbage after each backward chunk (between chunks)")
     p.add_argument("--crash-at-step", type=int, default=-1)
+    p.add_argument("--node-size", type=int, default=4, help="ranks per node of --framework hier")
     p.add_argument("--out", help="folder for rankN.json (losses, step times)")
     args = p.parse_args()
 
@@ -192,6 +197,13 @@ def main() -> int:
                     fully_shard(layer)
             fully_shard(model)
         params = list(model.parameters())
+        if args.framework == "hier":
+            k = args.node_size
+            if world % k:
+                raise SystemExit(f"--node-size {k} does not divide the world size {world}")
+            node_groups = [dist.new_group(list(range(n * k, (n + 1) * k))) for n in range(world // k)]
+            cross_groups = [dist.new_group(list(range(i, world, k))) for i in range(k)]
+            node_group, cross_group = node_groups[rank // k], cross_groups[rank % k]
         opt = torch.optim.SGD(params, lr=0.05)
         loss_fn = nn.MSELoss()
         shard = slice(rank * rows * m // world, (rank + 1) * rows * m // world) if args.framework != "plain" else \
@@ -204,10 +216,15 @@ def main() -> int:
             loss = loss_fn(model(x), y)
             loss.backward()
             after_backward(params)
-            if args.framework == "plain":
+            if args.framework in ("plain", "hier"):
                 # One bucket, as hand-written loops (and DDP) do: a flat copy of every gradient.
                 flat = torch.cat([prm.grad.reshape(-1) for prm in params])
-                dist.all_reduce(flat)
+                if args.framework == "hier":  # the sum inside each node, then the sum of the node sums
+                    dist.all_reduce(flat, group=node_group)
+                    if world > args.node_size:
+                        dist.all_reduce(flat, group=cross_group)
+                else:
+                    dist.all_reduce(flat)
                 flat /= world
                 set_grads(params, flat)
             opt.step()

@@ -126,19 +126,39 @@ else:
                                file_name=f"{job}-w{wid}-timeline.json.gz", mime="application/gzip")
 
 st.subheader("Link matrix")
+st.caption("Time per byte of every directed pair (pipeline sends matched with their receives, or per-peer times "
+           "the library reported), and each collective group's time per byte once all members were in. "
+           "Ratio: over the lower quartile of its class; slow at 3x. A fault is named by intersecting the slow "
+           "and the healthy observations.")
 links = named("job_links", job_id=job, window_id=int(wid))
+_WHERE = {"link": "link {src} → {dst}", "source": "rank {src} sends slowly (NIC egress)",
+          "destination": "rank {dst} receives slowly (ingress)",
+          "endpoint": "rank {src}'s network (only collectives saw it: direction unknown)",
+          "noncomm_slow": "rank {src} late to send (its own compute, not the network)",
+          "comm_slow": "slow communication in {group}, not localised"}
 if links.empty:
     st.write("No link fault found in this window (or no collective records were sampled).")
+for _, f in links.iterrows():
+    where = _WHERE.get(f["kind"], f["kind"]).format(src=f["src"], dst=f["dst"], group=f["group"])
+    st.markdown(f"**{where}**: {f['slowdown']:.2f}x, confidence {f['confidence']:.2f}")
+    with st.expander("evidence"):
+        st.json(json.loads(f.get("evidence_json") or "{}"))
+cells = named("job_link_cells", job_id=job, window_id=int(wid))
+if cells.empty:
+    st.write("No communication records in this window.")
 else:
-    for _, f in links.iterrows():
-        where = {"link": f"link {f['src']} → {f['dst']}", "source": f"source rank {f['src']} (a row)",
-                 "destination": f"destination rank {f['dst']} (a column)",
-                 "noncomm_slow": f"rank {f['src']} late to send (non-communication slow)"}.get(f["kind"], f["kind"])
-        st.markdown(f"**{where}** in group `{f['group']}`: {f['slowdown']:.2f}x, confidence {f['confidence']:.2f}")
-    cells = []
-    for _, f in links.iterrows():
-        cells.append({"src": int(f["src"]), "dst": int(f["dst"]), "slowdown": float(f["slowdown"]), "kind": f["kind"]})
-    heatmap(pd.DataFrame(cells), "dst", "src", "slowdown", title="flagged cells (src x dst)")
+    pairs = cells[cells["dst"] >= 0]
+    for group, g in pairs.groupby("group"):
+        heatmap(g.assign(ratio=g["ratio"].fillna(0)), "dst", "src", "ratio",
+                title=f"{group}: time per byte over the reference (src x dst)")
+    members = cells[cells["dst"] < 0]
+    if not members.empty:
+        st.markdown("**Collective groups** (ratio: the group's time per byte over its class; wait: the member's "
+                    "median lateness)")
+        heatmap(members.assign(ratio=members["ratio"].fillna(0), wait_ms=members["wait_ns"] / 1e6),
+                "src", "group", "ratio", title="collective groups x members")
+    with st.expander("all cells"):
+        st.dataframe(cells, width="stretch", hide_index=True)
 
 st.subheader("Hangs")
 hangs = named("job_hangs", job_id=job)
