@@ -102,6 +102,7 @@ class AlertRules:
             return []
         where = {"link": f"link {top['src']}->{top['dst']}", "source": f"sender rank {top['src']}",
                  "destination": f"receiver rank {top['dst']}",
+                 "endpoint": f"network of rank {top['src']}", "comm_slow": "communication (not localised)",
                  "noncomm_slow": f"rank {top['src']} late to send (its own compute)"}.get(top["kind"], top["kind"])
         return [dict(
             alert_id=f"{top['job_id']}/{top['attempt']}/link/{top['window_id']}", job_id=top["job_id"],

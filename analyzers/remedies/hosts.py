@@ -150,7 +150,7 @@ def _crossing(info: JobFacts, kind: str, src: int, dst: int) -> list[tuple[str, 
     """Communication groups of the op trace that cross the fault: (what, stage, dp, other stage)."""
     lay = info.layout
     out: list[tuple[str, int, int, int]] = []
-    ends = {"source": [src], "destination": [dst], "link": [src, dst]}.get(kind, [])
+    ends = {"source": [src], "destination": [dst], "endpoint": [src], "link": [src, dst]}.get(kind, [])
     ws = [info.worker_of_rank(r) for r in ends if 0 <= r < lay.world_size]
     if kind == "link" and len(ws) == 2:
         (d1, p1), (d2, p2) = ws
@@ -204,9 +204,9 @@ def advise_link(tc: TraceCells, info: JobFacts, fault: dict[str, Any], verdict: 
         w = info.worker_of_rank(src)
         return advise_swap(tc, info, [w], verdict=verdict,
                            reason={w: f"(rank {src} late to send: its own compute)"})
-    if kind not in ("link", "source", "destination"):
-        return None
-    need = {"link": (src, dst), "source": (src,), "destination": (dst,)}[kind]
+    if kind not in ("link", "source", "destination", "endpoint"):
+        return None  # comm_slow: not localised, nothing to drain
+    need = {"link": (src, dst), "source": (src,), "destination": (dst,), "endpoint": (src,)}[kind]
     if any(not 0 <= r < lay.world_size for r in need):
         return None  # not a rank of this job
     groups = _crossing(info, kind, src, dst)
@@ -226,6 +226,10 @@ def advise_link(tc: TraceCells, info: JobFacts, fault: dict[str, Any], verdict: 
             action = (f"drain the link {hs} -> {hd} (rank {src} -> rank {dst}, {sd:.1f}x slower per byte): "
                       f"reroute around it or reseat the cable/NIC port; the hosts' other links are healthy")
             drain = []
+    elif kind == "endpoint":
+        action = (f"drain {hs} (rank {src}'s network is {sd:.1f}x slower per byte in every group it is in; "
+                  f"whether it sends or receives slowly the collectives cannot say) and swap in {spare}")
+        drain = [hs]
     elif kind == "source":
         action = (f"drain {hs} (rank {src}'s NIC sends {sd:.1f}x slower per byte on most of its links) and "
                   f"swap in {spare}")

@@ -19,7 +19,6 @@ the 2 shared cores do not decide the result. One level per framework here;
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -78,33 +77,13 @@ def step_time(out: Path) -> float:
 @pytest.fixture(scope="module")
 def fleet(broker, tmp_path_factory):
     """A real `stragglerscope run` on the session broker, its chDB store behind the daemon."""
-    d = tmp_path_factory.mktemp("trace-fleet")
-    cfg = d / "fleet.toml"
-    cfg.write_text(f'[kafka]\nbootstrap = "{broker.bootstrap}"\npartitions = 4\n'
-                   f'[store]\nurl = "chdb://{d / "store"}"\n[pipeline]\nmetrics_port = -1\n')
-    log = open(d / "run.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "stragglerscope", "run", "--config", str(cfg)], stdout=log,
-                            stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-    deadline = time.monotonic() + 180
-    text = ""
-    while "running; Ctrl-C stops" not in text:
-        assert proc.poll() is None and time.monotonic() < deadline, f"pipeline did not start:\n{text[-3000:]}"
-        time.sleep(0.5)
-        log.seek(0)
-        text = log.read()
-    # The daemon's URL names its token file (?token_file=...): the store refuses requests without the token.
-    url = re.search(r"served to the pipeline and console at (http://127\.0\.0\.1:\d+\S*)\)", text).group(1)
-    from storage import open_store
+    from tests.fleet import fleet_config, start_fleet, stop_fleet
 
-    store = open_store(url)
+    d = tmp_path_factory.mktemp("trace-fleet")
+    cfg = fleet_config(d, broker.bootstrap)
+    proc, store = start_fleet(cfg, d / "run.log")
     yield cfg, store
-    store.close()
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    stop_fleet(proc, store)
 
 
 def wait_window(store, job: str, timeout=120) -> dict:
