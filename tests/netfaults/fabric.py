@@ -11,7 +11,8 @@ shaped per rank; so each rank gets its own network namespace:
 The ranks reach each other through the bridge only. Shaping is ``htb`` on a veth: on the rank's
 ``eth0`` it limits what the rank sends, on the hub end ``v<i>`` what the rank receives (the hub
 end's egress is the rank's ingress), and a ``u32`` filter on the destination address limits one
-directed link. ``expose`` makes a loopback service of the root namespace (the Kafka broker)
+directed link. Each ``eth0`` sends wire-size packets (no segmentation offload), so a shaper delays
+every message by its own size, as a switch port would. ``expose`` makes a loopback service of the root namespace (the Kafka broker)
 reachable at the same 127.0.0.1 address inside every rank namespace, relayed over loopback
 (``forward.py``), so telemetry never crosses a shaped link.
 
@@ -92,7 +93,8 @@ def netns_unavailable() -> str | None:
     return None
 
 
-def _list_netns() -> list[str]:
+def netns_names() -> list[str]:
+    """Every named network namespace on the machine (``ip netns list``), ours or not."""
     return [line.split()[0] for line in _cmd([_IP, "netns", "list"]).stdout.splitlines() if line.strip()]
 
 
@@ -123,7 +125,7 @@ def remove_stale() -> list[str]:
     processes still inside them (orphaned ranks) are killed first. Returns the names removed.
     """
     removed = []
-    for name in _list_netns():
+    for name in netns_names():
         m = _OURS.match(name)
         if m is None or _alive(int(m.group(1))):
             continue

@@ -132,8 +132,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch: network namespaces unavailable: {reason}", file=sys.stderr)
         return 2
     remove_stale()
+    try:
+        return run_job(args.ranks, command, fault, args.fault_after_s, ports, args.timeout)
+    except KeyboardInterrupt:  # Ctrl-C (passed on by `stragglerscope trace`): the fabric is down already
+        return 130
 
-    with Fabric(args.ranks) as fabric:
+
+def run_job(n_ranks: int, command: list[str], fault: tuple[str, list[int], str] | None, fault_after_s: float,
+            ports: list[int], timeout_s: float) -> int:
+    """The ranks on a fresh fabric, the fault applied at its time; the exit status of ``wait_ranks``."""
+    with Fabric(n_ranks) as fabric:
         for port in ports:
             fabric.expose(port)
 
@@ -144,18 +152,18 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
 
         timer = None
-        if fault is not None and args.fault_after_s <= 0:
+        if fault is not None and fault_after_s <= 0:
             apply_fault()
         elif fault is not None:
-            timer = threading.Timer(args.fault_after_s, apply_fault)
+            timer = threading.Timer(fault_after_s, apply_fault)
             timer.daemon = True
         master_port = free_fixed_port()
         procs = [fabric.run(r, [sys.executable, *command], env=rank_env(fabric, r, master_port))
-                 for r in range(args.ranks)]
+                 for r in range(n_ranks)]
         if timer is not None:
             timer.start()
         try:
-            return wait_ranks(procs, args.timeout)
+            return wait_ranks(procs, timeout_s)
         finally:
             if timer is not None:
                 timer.cancel()

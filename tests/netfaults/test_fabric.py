@@ -15,11 +15,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.netfaults.fabric import Fabric, FabricError, _list_netns, netns_unavailable, remove_stale
+from tests.netfaults.fabric import Fabric, FabricError, netns_names, netns_unavailable, remove_stale
 
 pytestmark = pytest.mark.integration
 
@@ -47,13 +48,13 @@ def test_teardown_removes_everything_even_when_the_body_raises():
     with pytest.raises(RuntimeError, match="boom"):
         with Fabric(2) as fab:
             ours = {fab.hub, *fab.namespaces}
-            assert ours <= set(_list_netns())
+            assert ours <= set(netns_names())
             fab.slow_link(0, 1, RATE)
             fab.slow_ingress(1, RATE)
             fab.expose(SERVE_PORT)
             sleeper = fab.run(0, [sys.executable, "-c", "import time; time.sleep(120)"])
             raise RuntimeError("boom")
-    assert not ours & set(_list_netns())
+    assert not ours & set(netns_names())
     assert sleeper.returncode is not None
 
 
@@ -73,7 +74,7 @@ def test_a_killed_owner_leaves_nothing_once_stale_ones_are_removed(sig):
                              env=env_with_root(), cwd=ROOT)
     try:
         ours = set(owner.stdout.readline().split())
-        assert len(ours) == 3 and ours <= set(_list_netns())
+        assert len(ours) == 3 and ours <= set(netns_names())
         assert not ours & set(remove_stale())  # the owner lives: none of its namespaces is stale
         owner.send_signal(sig)
         owner.wait(30)
@@ -82,11 +83,11 @@ def test_a_killed_owner_leaves_nothing_once_stale_ones_are_removed(sig):
             owner.kill()
             owner.wait()
     if sig == signal.SIGTERM:
-        assert not ours & set(_list_netns())  # the owner tore its fabric down itself
+        assert not ours & set(netns_names())  # the owner tore its fabric down itself
     else:
-        assert ours <= set(_list_netns())
+        assert ours <= set(netns_names())
         assert ours <= set(remove_stale())
-        assert not ours & set(_list_netns())
+        assert not ours & set(netns_names())
 
 
 # -- running inside, and reaching the root namespace's loopback -----------------------------------
@@ -221,12 +222,12 @@ def launch(*args: str, env: dict[str, str] | None = None, timeout: float = 90) -
     (["--framework", "pipelining", "--dp", "2"], ["--fault", "link:0:2:50mbit", "--fault-after-s", "1"]),
 ], ids=["plain", "pipelining-slow-link"])
 def test_launcher_runs_a_4_rank_gloo_job_to_completion(zoo_args, launch_args):
-    before = set(_list_netns())
+    before = set(netns_names())
     r = launch("--ranks", "4", "--timeout", "80", *launch_args, "--", ZOO, *zoo_args, "--steps", "4",
                "--gpu-ms", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     assert ("fault-start" in r.stdout) == bool(launch_args)
-    assert set(_list_netns()) <= before
+    assert set(netns_names()) <= before
 
 
 def test_launcher_stops_the_job_when_a_rank_fails():
@@ -251,3 +252,26 @@ def test_launcher_exposes_the_trace_bootstrap_and_passes_the_environment(echo_po
     r = launch("--ranks", "3", "--timeout", "30", "--", "-c", RANK_HELLO, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(r.stdout.splitlines()) == [f"{rank} 3 eth0 m" for rank in range(3)]
+
+
+def test_launcher_sigterm_stops_the_ranks_and_removes_the_fabric():
+    launcher = subprocess.Popen([sys.executable, "-m", "tests.netfaults.launch", "--ranks", "2", "--timeout", "60",
+                                 "--", "-c", "import time; time.sleep(60)"], env=env_with_root(), cwd=ROOT)
+    prefix = f"ssnf{launcher.pid}-"
+    try:
+        deadline = time.monotonic() + 20
+        ranks: list[str] = []
+        while len(ranks) < 2 and time.monotonic() < deadline:  # both ranks started in their namespaces
+            ranks = [pid for ns in netns_names() if ns.startswith(prefix) and not ns.endswith("hub")
+                     for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                               text=True).stdout.split()]
+            time.sleep(0.1)
+        assert len(ranks) == 2
+        launcher.terminate()
+        assert launcher.wait(30) == 128 + signal.SIGTERM
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert not [ns for ns in netns_names() if ns.startswith(prefix)]
+    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
