@@ -57,7 +57,7 @@ BURST = "1600b"
 # connection opens, so a later change would miss the job's connections. The price is CPU: a healthy
 # link carries about 60 MB/s instead of 500 on this 2-core machine, far above what the jobs send.
 SEGMENTS = "1"
-QUANTUM = "65536"  # one offloaded packet per round among siblings; given, so tc neither derives nor warns
+QUANTUM = "65536"  # bytes per round among borrowing siblings; given, so tc neither derives it nor warns
 _MIN_RATE = "8kbit"  # a shaped child's guaranteed rate: it borrows the rest, so the parent's cap holds
 
 
@@ -104,7 +104,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # someone else's live process
     return True
 
 
@@ -149,7 +149,7 @@ def _exit_on_signal(signum, frame):
 
 
 def _install_safety_net() -> None:
-    """Tear down on interpreter exit, and turn SIGTERM/SIGHUP into an exit where nobody handles them."""
+    """Turn SIGTERM/SIGHUP into an exit where nobody handles them, so `with` blocks and atexit tear down."""
     if threading.current_thread() is not threading.main_thread():
         return
     for sig in (signal.SIGTERM, signal.SIGHUP):
