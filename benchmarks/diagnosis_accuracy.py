@@ -1,6 +1,7 @@
 """Accuracy and speed of the hang detector and the link diagnosis against generated ground truth.
 
     .venv/bin/python benchmarks/diagnosis_accuracy.py [--per-kind 200] [--max-ranks 8192]
+    .venv/bin/python benchmarks/diagnosis_accuracy.py --real-runs 10 [--real-jobs pipe,hier] [--skip-generated]
 
 For every fault kind, ``--per-kind`` incidents over job sizes from 8 to
 ``--max-ranks`` (powers of two, round-robin), plus as many healthy ones.
@@ -10,6 +11,14 @@ destination's dst, the late sender; for hangs the missing ranks (comm hang,
 node loss) or the stuck rank (non-comm hang). Precision and recall per kind
 are printed as a table; the target is 0.95 for both. Then the time to
 diagnose the link matrix of one 8,192-rank group (median of 5; target <= 1 s).
+
+``--real-runs N``: also N real gloo training runs per class and job, each
+rank in its own network namespace with one fault shaped by ``tc``
+(tests/netfaults/scenarios.py: a slow link, NIC or receiver, a late sender,
+healthy; severe and mild alternate), analysed by a real broker and
+``stragglerscope run``. Needs root and ``ip netns``; about 25 s a run.
+Printed per job: precision and recall per finding kind, and the median time
+from the fault's start to the stored verdict.
 """
 from __future__ import annotations
 
@@ -83,11 +92,61 @@ def score(kinds, make, predict, per_kind: int, ns: list[int]) -> None:
     print("sizes:", ", ".join(f"{n}x{c}" for n, c in sorted(n_by_size.items())))
 
 
+def real_runs(n: int, jobs: list[str]) -> None:
+    """N runs per class of each job with faults in a real network; precision, recall, time to verdict."""
+    import tempfile
+
+    from services.broker import LocalBroker
+    from tests.fleet import fleet_config, start_fleet, stop_fleet
+    from tests.netfaults.fabric import netns_unavailable
+    from tests.netfaults.scenarios import run, scenarios
+
+    reason = netns_unavailable()
+    if reason:
+        print(f"real runs skipped: network namespaces refused ({reason})")
+        return
+    with tempfile.TemporaryDirectory() as d, LocalBroker() as broker:
+        proc, store = start_fleet(fleet_config(Path(d), broker.bootstrap), Path(d) / "run.log")
+        try:
+            for job in jobs:
+                tp, fp, fn, runs = Counter(), Counter(), Counter(), Counter()
+                secs: dict[str, list[float]] = {}
+                t0 = time.perf_counter()
+                for i in range(n):
+                    for scn in scenarios(job, ("severe", "mild")[i % 2]):
+                        out = run(scn, Path(d) / "fleet.toml", store)
+                        want, got = scn.expect[0], out.found[0]
+                        runs[want] += 1
+                        secs.setdefault(want, []).append(out.seconds_to_verdict)
+                        if out.right:
+                            tp[want] += 1
+                        else:
+                            fn[want] += 1
+                            fp[got] += 1
+                        print(f"  {scn.name:<28} {scn.fault:<20} found {out.found} "
+                              f"{'ok' if out.right else 'WRONG'} {out.seconds_to_verdict:.1f} s", flush=True)
+                print(f"== real runs, job {job} ({n} per class, {time.perf_counter() - t0:.0f} s)")
+                print(f"{'expected kind':<16}{'runs':>6}{'precision':>11}{'recall':>9}{'verdict s (median)':>20}")
+                for kind in runs:
+                    p = tp[kind] / max(1, tp[kind] + fp[kind])
+                    r = tp[kind] / max(1, runs[kind])
+                    print(f"{kind:<16}{runs[kind]:>6}{p:>11.3f}{r:>9.3f}{statistics.median(secs[kind]):>20.1f}")
+        finally:
+            stop_fleet(proc, store)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--per-kind", type=int, default=200)
     ap.add_argument("--max-ranks", type=int, default=8192)
+    ap.add_argument("--real-runs", type=int, default=0, help="real gloo runs per class and job (0: none)")
+    ap.add_argument("--real-jobs", default="pipe,hier", help="jobs of the real runs: pipe (dp2 x pp2), hier (dp 8)")
+    ap.add_argument("--skip-generated", action="store_true", help="only the real runs")
     args = ap.parse_args()
+    if args.real_runs:
+        real_runs(args.real_runs, args.real_jobs.split(","))
+    if args.skip_generated:
+        return 0
     ns = sizes(args.max_ranks)
     t0 = time.perf_counter()
     print("== link diagnosis (C4D: link, source, destination, non-communication slow)")

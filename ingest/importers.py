@@ -168,7 +168,7 @@ def flight_recorder_to_ccl(path: str | Path, job_id: str, rank: int | None = Non
             seq=int(e.get("p2p_seq_id" if is_p2p else "collective_seq_id", 0)), op=op, algorithm="",
             nbytes=nbytes, enter_ns=enter, exit_ns=exit_ns,
             # No per-peer timing in Flight Recorder: the members are in group_ranks.
-            peers=[], peer_transfer_ns=[], peer_bytes=[], recv_wait_ns=0,
+            peers=[], peer_transfer_ns=[], peer_bytes=[], recv_wait_ns=-1,
         ))
     return codec.from_rows(S.CCL_RECORD, rows)
 

@@ -1,0 +1,119 @@
+"""Real gloo training runs with one network fault each, and what the link diagnosis should say about them.
+
+Shared by tests/netfaults/test_link_diagnosis.py (a few runs) and
+benchmarks/diagnosis_accuracy.py ``--real-runs`` (ten or more per class).
+
+A run is ``stragglerscope trace`` (exporting to a running fleet pipeline)
+around ``tests.netfaults.launch``, which puts every rank of the unchanged
+training zoo in its own network namespace and shapes one rank's egress, one
+rank's ingress or one directed link with ``tc``; the late-sender control is
+a compute delay on one rank instead (``--slow-rank``). The fault is on from
+the start; the time to verdict runs from the launcher's ``fault-start`` line
+to the moment the checked window was stored.
+
+Two jobs:
+- ``pipe``: torch.distributed.pipelining (1F1B), dp=2 x pp=2. The zoo puts
+  rank = stage * dp + dp_rank: stage 0 is ranks 0, 1 and stage 1 ranks 2, 3;
+  pipeline pairs 0<->2 and 1<->3; gradient all-reduce groups {0, 1}, {2, 3}.
+  P2P gives direction, so a slow NIC (egress), a slow receiver (ingress) and
+  one slow link are told apart.
+- ``hier``: data parallel only, 8 ranks, a two-level all-reduce (nodes of 4,
+  then across nodes). Collectives go both ways, so a slow NIC and a slow
+  receiver are both the rank's ``endpoint``, and one slow link inside a ring
+  of four is slow communication of its group, not a named link.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ZOO = ROOT / "tests" / "training" / "zoo.py"
+STEPS, SAMPLE, WINDOW = 12, "5/6", 6  # windows 0 (warm-up, connections made) and 6 (steps 6-10): 6 is checked
+
+JOBS = {
+    "pipe": (4, ["--framework", "pipelining", "--dp", "2", "--hidden", "256", "--rows", "32", "--gpu-ms", "10"]),
+    "hier": (8, ["--framework", "hier", "--node-size", "4", "--hidden", "256", "--rows", "16", "--gpu-ms", "10"]),
+}
+SEVERITIES = {"severe": ("20mbit", 30.0), "mild": ("100mbit", 12.0)}  # (rate of a network fault, delay ms)
+CLASSES = ("link", "source", "destination", "noncomm_slow", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    job: str          # pipe | hier
+    cls: str          # the injected class (CLASSES)
+    severity: str     # severe | mild | "" for healthy
+    fault: str        # launcher --fault, or "none"
+    slow_rank: int    # late-sender control: rank whose compute is delayed, else -1
+    delay_ms: float
+    expect: tuple     # (kind, src, dst) the top finding must have; ("none",) for no finding
+
+    @property
+    def name(self) -> str:
+        return f"{self.job}-{self.cls}-{self.severity or 'healthy'}"
+
+
+def scenarios(job: str, severity: str) -> list[Scenario]:
+    """One scenario per class at ``severity`` (the healthy one has none)."""
+    rate, delay = SEVERITIES[severity]
+    if job == "pipe":
+        return [
+            Scenario(job, "link", severity, f"link:0:2:{rate}", -1, 0, ("link", 0, 2)),
+            Scenario(job, "source", severity, f"egress:1:{rate}", -1, 0, ("source", 1, -1)),
+            Scenario(job, "destination", severity, f"ingress:2:{rate}", -1, 0, ("destination", -1, 2)),
+            Scenario(job, "noncomm_slow", severity, "none", 0, delay, ("noncomm_slow", 0, -1)),
+            Scenario(job, "none", "", "none", -1, 0, ("none",)),
+        ]
+    return [
+        Scenario(job, "link", severity, f"link:5:6:{rate}", -1, 0, ("comm_slow", -1, -1)),
+        Scenario(job, "source", severity, f"egress:5:{rate}", -1, 0, ("endpoint", 5, 5)),
+        Scenario(job, "destination", severity, f"ingress:6:{rate}", -1, 0, ("endpoint", 6, 6)),
+        Scenario(job, "noncomm_slow", severity, "none", 5, delay, ("noncomm_slow", 5, -1)),
+        Scenario(job, "none", "", "none", -1, 0, ("none",)),
+    ]
+
+
+@dataclasses.dataclass
+class Outcome:
+    scenario: Scenario
+    job_id: str
+    found: tuple          # (kind, src, dst) of the top finding, ("none",) without one
+    right: bool
+    seconds_to_verdict: float
+    faults: list[dict]
+    log: str
+
+
+def run(scn: Scenario, config: Path, store, *, timeout: float = 240) -> Outcome:
+    """One traced run in namespaces; waits for the checked window to be stored and reads its findings."""
+    ranks, args = JOBS[scn.job]
+    job_id = f"net-{scn.name}-{uuid.uuid4().hex[:6]}"
+    zoo = [str(ZOO), *args, "--steps", str(STEPS)]
+    if scn.slow_rank >= 0:
+        zoo += ["--slow-rank", str(scn.slow_rank), "--delay-ms", str(scn.delay_ms)]
+    cmd = [sys.executable, "-m", "stragglerscope", "trace", "--config", str(config), "--job-id", job_id,
+           "--sample", SAMPLE, "--", sys.executable, "-m", "tests.netfaults.launch", "--ranks", str(ranks),
+           "--fault", scn.fault, "--timeout", str(int(timeout - 20)), "--", *zoo]
+    started_ns = time.time_ns()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    log = proc.stdout[-4000:] + proc.stderr[-4000:]
+    if proc.returncode != 0:
+        raise RuntimeError(f"{scn.name}: exit {proc.returncode}\n{log}")
+    m = re.search(r"fault-start (\d+)", proc.stdout)
+    fault_ns = int(m.group(1)) if m else started_ns  # a compute delay (or no fault) is on from the start
+    deadline = time.monotonic() + 120
+    while not store.window_stored((job_id, 0, WINDOW)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{scn.name}: window {WINDOW} of {job_id} was not stored\n{log}")
+        time.sleep(0.5)
+    (row,) = [r for r in store.run_named("job_windows", {"job_id": job_id}).to_pylist() if r["window_id"] == WINDOW]
+    faults = store.run_named("job_links", {"job_id": job_id, "window_id": WINDOW}).to_pylist()
+    found = (faults[0]["kind"], faults[0]["src"], faults[0]["dst"]) if faults else ("none",)
+    right = found[:len(scn.expect)] == scn.expect if faults else scn.expect == ("none",)
+    return Outcome(scn, job_id, found, right, (row["analyzed_ns"] - fault_ns) / 1e9, faults, log)

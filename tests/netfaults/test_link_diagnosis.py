@@ -1,0 +1,59 @@
+"""Real faults injected in a real network name the slow link, NIC or receiver, on unchanged gloo jobs (issue 19).
+
+Every rank of the training zoo runs in its own network namespace behind a
+bridge (tests/netfaults/fabric.py); ``tc`` shapes one rank's egress (a slow
+NIC), its ingress (a slow receiver) or one directed link; a compute delay on
+one rank is the late-sender control. The job runs under ``stragglerscope
+trace`` into the real broker and a real ``stragglerscope run`` pipeline; the
+findings are read back from the store. One run per class at the severe level
+here; benchmarks/diagnosis_accuracy.py ``--real-runs`` scores both levels
+over ten runs per class.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.netfaults.fabric import netns_unavailable
+from tests.netfaults.scenarios import WINDOW, Outcome, Scenario, run, scenarios
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+CASES = scenarios("pipe", "severe") + [s for s in scenarios("hier", "severe") if s.cls == "source"]
+
+
+@pytest.fixture(scope="module")
+def fleet(broker, tmp_path_factory):
+    reason = netns_unavailable()
+    if reason:
+        pytest.skip(f"network namespaces refused on this machine: {reason}")
+    from tests.fleet import fleet_config, start_fleet, stop_fleet
+
+    d = tmp_path_factory.mktemp("netfault-fleet")
+    cfg = fleet_config(d, broker.bootstrap)
+    proc, store = start_fleet(cfg, d / "run.log")
+    yield cfg, store
+    stop_fleet(proc, store)
+
+
+@pytest.fixture(scope="module")
+def report(artifacts):
+    lines: list[str] = []
+    yield lines
+    (artifacts / "netfault_links.txt").write_text("\n".join(lines) + "\n")
+
+
+def _line(o: Outcome) -> str:
+    return (f"{o.scenario.name:<28} fault {o.scenario.fault:<20} expect {o.scenario.expect} found {o.found} "
+            f"{'ok' if o.right else 'WRONG'} in {o.seconds_to_verdict:.1f} s")
+
+
+@pytest.mark.parametrize("scn", CASES, ids=lambda s: s.name)
+def test_the_fault_is_named(scn: Scenario, fleet, report):
+    cfg, store = fleet
+    out = run(scn, cfg, store)
+    report.append(_line(out))
+    assert out.right, f"{scn.name}: found {out.found}, want {scn.expect}\nfaults: {out.faults}\n{out.log[-3000:]}"
+    cells = store.run_named("job_link_cells", {"job_id": out.job_id, "window_id": WINDOW}).to_pylist()
+    if scn.job == "pipe":  # the whole matrix is stored, not only the flagged cells
+        assert {(c["src"], c["dst"]) for c in cells if c["group"] == "p2p"} == {(0, 2), (2, 0), (1, 3), (3, 1)}
+    assert any(c["dst"] == -1 for c in cells), "collective members are in the matrix"
