@@ -260,7 +260,13 @@ class RankExporter:
         return self.now_ns()
 
     def ccl_exit(self, op: str, group: str, group_ranks: list[int], seq: int, enter_ns: int, nbytes: int,
-                 peers: list[int], algorithm: str = "") -> None:
+                 peers: list[int], algorithm: str = "", peer_transfer_ns: list[int] | None = None,
+                 peer_bytes: list[int] | None = None, recv_wait_ns: int = -1) -> None:
+        """Record one call's exit. ``peer_transfer_ns`` and ``peer_bytes`` (one per peer) and
+        ``recv_wait_ns`` only where the collective library timed each peer itself (a profiler plugin):
+        the link diagnosis then reads its matrix directly (analyzers/links/reported.py)."""
+        if peer_transfer_ns is not None and len(peer_transfer_ns) != len(peers):
+            raise ValueError(f"{len(peer_transfer_ns)} per-peer transfer times for {len(peers)} peers")
         exit_ns = self.now_ns()
         self._inflight = None
         self._last_op = (op, exit_ns)
@@ -269,10 +275,10 @@ class RankExporter:
         row = dict(
             job_id=self.job_id, attempt=self.attempt, rank=self.rank, window_id=self._window, step=self._step,
             group=group, group_ranks=list(group_ranks), seq=seq, op=op, algorithm=algorithm, nbytes=nbytes,
-            # Per-peer timing is the library's to report; from Python only enter and exit are seen,
-            # and the link diagnosis pairs them across ranks (analyzers/links/measured.py).
-            enter_ns=enter_ns, exit_ns=exit_ns, peers=list(peers), peer_transfer_ns=[], peer_bytes=[],
-            recv_wait_ns=-1,
+            # Without the library's per-peer timing only enter and exit are known, and the link
+            # diagnosis pairs them across ranks (analyzers/links/measured.py).
+            enter_ns=enter_ns, exit_ns=exit_ns, peers=list(peers), peer_transfer_ns=list(peer_transfer_ns or []),
+            peer_bytes=list(peer_bytes or []), recv_wait_ns=recv_wait_ns,
         )
         with self._lock:
             self._ccl.append(row)

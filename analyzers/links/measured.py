@@ -113,16 +113,17 @@ def measured_rows(ccl: pa.Table) -> pa.Table:
 
 
 def _medians_by(code: np.ndarray, *values: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
-    """(unique codes, [median of each value per code], count per code)."""
+    """(unique codes, [median of each value per code], count per code), vectorised: sort, take the middle."""
     order = np.argsort(code, kind="stable")
     code_s = code[order]
     starts = np.flatnonzero(np.r_[True, code_s[1:] != code_s[:-1]])
-    bounds = np.r_[starts, len(code_s)]
+    counts = np.diff(np.r_[starts, len(code_s)])
+    lo, hi = starts + (counts - 1) // 2, starts + counts // 2
     meds = []
     for v in values:
-        vs = v[order]
-        meds.append(np.array([np.median(vs[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]))
-    return code_s[starts], meds, np.diff(bounds)
+        vs = v[np.lexsort((v, code))]
+        meds.append((vs[lo] + vs[hi]) / 2)
+    return code_s[starts], meds, counts
 
 
 def p2p_observations(ccl: pa.Table) -> list[Observation]:
@@ -157,58 +158,84 @@ def p2p_observations(ccl: pa.Table) -> list[Observation]:
 
 
 def collective_observations(ccl: pa.Table, params: MeasuredParams = MeasuredParams()) -> list[Observation]:
-    """One observation per (group, op): comm time per byte, and each member's lateness."""
+    """One observation per (group, op): comm time per byte, and each member's lateness.
+
+    Vectorised over collectives (a 16,384-rank window holds millions of member records): sort by
+    (group, seq, enter), so each collective is a run of its members in the order they came in.
+    """
     coll = ccl.filter(pc.and_(pc.invert(pc.is_in(ccl["op"], pa.array(SEND_OPS + RECV_OPS))),
                               pc.invert(pc.starts_with(ccl["group"], "p2p:"))))
     if not coll.num_rows:
         return []
     gdict = pc.dictionary_encode(coll["group"]).combine_chunks()
+    odict = pc.dictionary_encode(coll["op"]).combine_chunks()
     gcode = gdict.indices.to_numpy().astype(np.int64)
+    ocode = odict.indices.to_numpy().astype(np.int64)
     seq = coll["seq"].to_numpy().astype(np.int64)
-    rank = coll["rank"].to_numpy().astype(np.int64)
     enter = coll["enter_ns"].to_numpy().astype(np.float64)
-    exit_ = coll["exit_ns"].to_numpy().astype(np.float64)
-    nbytes = coll["nbytes"].to_numpy().astype(np.float64)
-    ops = coll["op"].to_pylist()
-    algos = coll["algorithm"].to_pylist()
-    members = coll["group_ranks"].to_pylist()
-    # Sort by (group, seq, enter): each collective is a run, its members in the order they came in.
     order = np.lexsort((enter, seq, gcode))
-    key = gcode[order] * (int(seq.max()) + 1) + seq[order]
+    gcode, ocode, seq, enter = gcode[order], ocode[order], seq[order], enter[order]
+    rank = coll["rank"].to_numpy().astype(np.int64)[order]
+    exit_ = coll["exit_ns"].to_numpy().astype(np.float64)[order]
+    nbytes = coll["nbytes"].to_numpy().astype(np.float64)[order]
+    size = pc.list_value_length(coll["group_ranks"]).to_numpy(zero_copy_only=False).astype(np.int64)[order]
+    key = gcode * (int(seq.max()) + 1) + seq
     starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-    ends = np.r_[starts[1:], len(key)]
-    per_obs: dict[tuple[int, str], dict] = {}
-    for a, b in zip(starts, ends):
-        idx = order[a:b]
-        first = idx[0]
-        group_ranks = members[first] or []
-        if b - a != len(group_ranks) or b - a < 2:
-            continue  # a member's record is missing (not sampled, or in flight): no side-by-side view
-        e, x = enter[idx], exit_[idx]
-        o = per_obs.setdefault((int(gcode[first]), ops[first]), {
-            "members": tuple(int(r) for r in group_ranks), "algorithm": algos[first] or "",
-            "comm": [], "bytes": [], "late": {}, "last": {}})
-        comm = max(float(x.mean() - e[-1]), 0.0)
-        o["comm"].append(comm)
-        o["bytes"].append(float(nbytes[idx].mean()))
-        for r, lat in zip(rank[idx], e - e[0]):
-            o["late"].setdefault(int(r), []).append(float(lat))
-        margin = e[-1] - e[-2]
-        if margin >= params.min_wait_ns:
-            last = int(rank[idx[-1]])
-            o["last"][last] = o["last"].get(last, 0) + 1
-    names = gdict.dictionary.to_pylist()
+    counts = np.diff(np.r_[starts, len(key)])
+    # Only collectives with every member's record: a missing one (not sampled, in flight) hides who was late.
+    whole = (counts == size[starts]) & (counts >= 2)
+    starts, counts = starts[whole], counts[whole]
+    if not len(starts):
+        return []
+    ends = starts + counts
+    last_enter, first_enter = enter[ends - 1], enter[starts]
+    mean_exit = _run_sums(exit_, starts, counts) / counts
+    comm = np.maximum(mean_exit - last_enter, 0.0)
+    mean_bytes = _run_sums(nbytes, starts, counts) / counts
+    late_margin = last_enter - enter[ends - 2]
+    n_ops = int(ocode.max()) + 1
+    obs_code = gcode[starts] * n_ops + ocode[starts]
+    # Member records of the whole collectives, with their run's observation and lateness.
+    run_of = np.repeat(np.arange(len(starts)), counts)
+    members = _run_indices(starts, counts)
+    lateness = enter[members] - first_enter[run_of]
+    n_ranks = int(rank.max()) + 1
+    m_code = obs_code[run_of] * n_ranks + rank[members]
+    m_keys, (m_late,), _ = _medians_by(m_code, lateness)
+    last_keys, last_counts = np.unique((obs_code * n_ranks + rank[ends - 1])[late_margin >= params.min_wait_ns],
+                                       return_counts=True)
+    o_keys, (o_comm, o_bytes), o_n = _medians_by(obs_code, comm, mean_bytes)
+    with_bytes = mean_bytes > 0
+    sum_comm = np.bincount(np.searchsorted(o_keys, obs_code[with_bytes]), comm[with_bytes], len(o_keys))
+    sum_bytes = np.bincount(np.searchsorted(o_keys, obs_code[with_bytes]), mean_bytes[with_bytes], len(o_keys))
+    first_of = {int(c): int(s) for c, s in zip(obs_code[::-1], starts[::-1])}  # a record of each observation
+    groups, ops = gdict.dictionary.to_pylist(), odict.dictionary.to_pylist()
+    group_ranks, algos = coll["group_ranks"], coll["algorithm"]
     out = []
-    for (g, op), o in per_obs.items():
-        comm, byts = np.array(o["comm"]), np.array(o["bytes"])
-        with_bytes = byts > 0
-        n = len(comm)
-        tpb = float(comm[with_bytes].sum() / byts[with_bytes].sum()) if with_bytes.any() else math.nan
+    for i, c in enumerate(o_keys.tolist()):
+        rec = int(order[first_of[c]])
+        lo, hi = np.searchsorted(m_keys, [c * n_ranks, (c + 1) * n_ranks])
+        llo, lhi = np.searchsorted(last_keys, [c * n_ranks, (c + 1) * n_ranks])
+        n = int(o_n[i])
         out.append(Observation(
-            f"{names[g]} {op}", "collective", o["members"], o["algorithm"], tpb, float(np.median(comm)),
-            float(np.median(byts)), n, lateness_ns={r: float(np.median(v)) for r, v in o["late"].items()},
-            last_share={r: c / n for r, c in o["last"].items()}))
+            f"{groups[c // n_ops]} {ops[c % n_ops]}", "collective",
+            tuple(int(r) for r in group_ranks[rec].as_py()), algos[rec].as_py() or "",
+            float(sum_comm[i] / sum_bytes[i]) if sum_bytes[i] > 0 else math.nan, float(o_comm[i]), float(o_bytes[i]),
+            n, lateness_ns={int(k % n_ranks): float(v) for k, v in zip(m_keys[lo:hi], m_late[lo:hi])},
+            last_share={int(k % n_ranks): int(v) / n for k, v in zip(last_keys[llo:lhi], last_counts[llo:lhi])}))
     return out
+
+
+def _run_sums(values: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Sum of each run values[start:start + count] (runs sorted, non-overlapping, maybe with gaps)."""
+    csum = np.r_[0.0, np.cumsum(values)]
+    return csum[starts + counts] - csum[starts]
+
+
+def _run_indices(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Every index of every run, in order, without a Python loop."""
+    offsets = np.repeat(starts - np.r_[0, np.cumsum(counts)[:-1]], counts)
+    return np.arange(int(counts.sum())) + offsets
 
 
 def judge(observations: list[Observation], params: MeasuredParams = MeasuredParams()) -> None:

@@ -149,3 +149,23 @@ def test_checkpoint_records_and_bad_arguments_never_raise(clock):
     assert exp.stats.checkpoints == 2 and exp.stats.errors == 2
     kind, back = codec.decode(codec.encode(sent[-1]))
     assert kind == "checkpoint" and back.num_rows == 1
+
+
+def test_ccl_records_carry_per_peer_timing_only_where_the_library_gave_it(clock):
+    sent = []
+    exp = _exporter(sent)
+    with exp.step(0):
+        t0 = exp.ccl_enter("all_reduce", "world", [0, 3], 0)
+        clock.advance(0.002)
+        exp.ccl_exit("all_reduce", "world", [0, 3], 0, t0, 4096, [0])  # from Python: enter and exit only
+        t1 = exp.ccl_enter("send", "p2p:3>0", [3, 0], 0)
+        exp.ccl_exit("send", "p2p:3>0", [3, 0], 0, t1, 4096, [0], peer_transfer_ns=[1500], peer_bytes=[4096],
+                     recv_wait_ns=0)  # a library that timed its peer
+        with pytest.raises(ValueError, match="2 per-peer transfer times for 1 peers"):
+            exp.ccl_exit("send", "p2p:3>0", [3, 0], 1, t1, 4096, [0], peer_transfer_ns=[1, 2])
+    exp.close()
+    rows = [r for t in sent if S.kind_of(t.schema) == "ccl_record" for r in t.to_pylist()]
+    plain, timed = sorted(rows, key=lambda r: r["op"])
+    assert (plain["peer_transfer_ns"], plain["peer_bytes"], plain["recv_wait_ns"]) == ([], [], -1)
+    assert plain["exit_ns"] - plain["enter_ns"] >= 2_000_000
+    assert (timed["peer_transfer_ns"], timed["peer_bytes"], timed["recv_wait_ns"]) == ([1500], [4096], 0)
