@@ -10,7 +10,8 @@ the injected rank(s): the link's (src, dst), the source's src, the
 destination's dst, the late sender; for hangs the missing ranks (comm hang,
 node loss) or the stuck rank (non-comm hang). Precision and recall per kind
 are printed as a table; the target is 0.95 for both. Then the time to
-diagnose the link matrix of one 8,192-rank group (median of 5; target <= 1 s).
+diagnose the link matrix of one 8,192-rank group (median of 5; target <= 1 s), and
+to diagnose a 16,384-rank dp x pp window from enter/exit times alone.
 
 ``--real-runs N``: also N real gloo training runs per class and job, each
 rank in its own network namespace with one fault shaped by ``tc``
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from analyzers.hang import HangParams, HangTracker  # noqa: E402
 from analyzers.links import diagnose  # noqa: E402
-from generators.faultgen import HANG_KINDS, LINK_KINDS, hang_incident, link_incident  # noqa: E402
+from generators.faultgen import HANG_KINDS, LINK_KINDS, hang_incident, link_incident, pipeline_window  # noqa: E402
 
 
 def sizes(max_ranks: int) -> list[int]:
@@ -164,6 +165,15 @@ def main() -> int:
     print(f"8,192-rank group, {inc.ccl.num_rows:,} CCL records: diagnosed in "
           f"{statistics.median(times):.3f} s median of 5 (target <= 1 s); top finding {faults[0].kind} "
           f"{faults[0].src}->{faults[0].dst}")
+    ccl = pipeline_window(512, 32, slow_egress=33)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        faults = diagnose(ccl)
+        times.append(time.perf_counter() - t)
+    print(f"16,384-rank dp 512 x pp 32 window, {ccl.num_rows:,} CCL records with enter/exit only: diagnosed in "
+          f"{statistics.median(times):.2f} s median of 3; top finding {faults[0].kind} {faults[0].src} "
+          f"(injected: source 33)")
     inc = hang_incident("comm_hang", 8192, 0)
     times = []
     for _ in range(5):

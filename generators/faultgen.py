@@ -189,3 +189,61 @@ def hang_incident(kind: str, n_ranks: int, seed: int, job_id: str = "hangjob", r
     })
     truth["seq"] = seq_n
     return Incident(kind, n_ranks, codec.conform(ccl, S.CCL_RECORD), codec.conform(hb, S.HEARTBEAT), truth, now)
+
+
+def pipeline_window(dp: int, pp: int, steps: int = 4, microbatches: int = 8, slow_egress: int = -1,
+                    seed: int = 0, job_id: str = "pipejob") -> pa.Table:
+    """The CCL records of one window of a dp x pp pipeline job as a Python exporter writes them (enter and exit
+    only, no per-peer timing): each microbatch's activation and gradient sends with their receives between
+    adjacent stages, and one gradient all-reduce per stage's DP group and step. Rank = dp_rank * pp + stage.
+    ``slow_egress``: a rank whose sends take 10x longer. Vectorised, for the diagnosis' speed at 16,384 ranks."""
+    rng = np.random.default_rng(seed)
+    d, s, st, mb = np.meshgrid(np.arange(dp), np.arange(pp - 1), np.arange(steps), np.arange(microbatches),
+                               indexing="ij")
+    d, s, st, mb = (x.ravel() for x in (d, s, st, mb))
+    src = np.r_[d * pp + s, d * pp + s + 1]           # activations forward, then gradients back
+    dst = np.r_[d * pp + s + 1, d * pp + s]
+    n_seq = np.tile(st * microbatches + mb, 2)
+    t = np.tile(st * _NS + mb * 20_000_000, 2).astype(np.int64)
+    nbytes = 1 << 20
+    xfer = (nbytes * rng.uniform(0.9, 1.1, len(src)) * np.where(src == slow_egress, 10.0, 1.0)).astype(np.int64)
+    s_enter = t + rng.integers(0, 1_000_000, len(src))
+    r_enter = t - 2_000_000
+    r_exit = np.maximum(s_enter, r_enter) + xfer
+    group = np.char.add(np.char.add(np.char.add("p2p:", src.astype(str)), ">"), dst.astype(str))
+    n = len(src)
+    p2p = {
+        "rank": np.r_[src, dst], "group": np.r_[group, group], "seq": np.r_[n_seq, n_seq],
+        "op": np.r_[np.full(n, "isend"), np.full(n, "irecv")], "enter_ns": np.r_[s_enter, r_enter],
+        "exit_ns": np.r_[s_enter + xfer, r_exit], "ranks": [None] * (2 * n),
+    }
+    # Gradient all-reduce: per stage and step, every DP rank; the slow NIC's group takes 10x longer.
+    stg, stp, dr = (x.ravel() for x in np.meshgrid(np.arange(pp), np.arange(steps), np.arange(dp), indexing="ij"))
+    crank = dr * pp + stg
+    slow_stage = slow_egress % pp if slow_egress >= 0 else -1
+    c_enter = stp * _NS + 500_000_000 + rng.integers(0, 1_000_000, len(crank))
+    c_exit = (stp * _NS + 502_000_000 + np.where(stg == slow_stage, 200_000_000, 20_000_000)).astype(np.int64)
+    gnames = np.array([f"ranks:{g}-{(dp - 1) * pp + g}:{pp}" for g in range(pp)])
+    members = [list(range(g, dp * pp, pp)) for g in range(pp)]
+    cols = {
+        "rank": np.r_[p2p["rank"], crank], "group": np.r_[p2p["group"], gnames[stg]],
+        "seq": np.r_[p2p["seq"], stp], "op": np.r_[p2p["op"], np.full(len(crank), "all_reduce")],
+        "enter_ns": np.r_[p2p["enter_ns"], c_enter], "exit_ns": np.r_[p2p["exit_ns"], c_exit],
+    }
+    n_all = len(cols["rank"])
+    p2p_ranks = np.stack([np.r_[src, src], np.r_[dst, dst]], axis=1).astype(np.int32)
+    offsets_p2p = np.arange(0, 2 * len(p2p_ranks) + 1, 2, dtype=np.int32)
+    coll_lists = pa.array([members[g] for g in stg.tolist()], pa.list_(pa.int32()))
+    group_ranks = pa.concat_arrays([pa.ListArray.from_arrays(pa.array(offsets_p2p), pa.array(p2p_ranks.ravel())),
+                                    coll_lists])
+    empty = pa.array([[]] * n_all, pa.list_(pa.int64()))
+    return pa.table({
+        "job_id": pa.array([job_id] * n_all), "attempt": pa.array(np.zeros(n_all, np.int32)),
+        "rank": pa.array(cols["rank"].astype(np.int32)), "window_id": pa.array(np.zeros(n_all, np.int64)),
+        "step": pa.array(np.r_[np.tile(st, 4), stp].astype(np.int64)), "group": pa.array(cols["group"].astype(str)),
+        "group_ranks": group_ranks, "seq": pa.array(cols["seq"].astype(np.int64)), "op": pa.array(cols["op"]),
+        "algorithm": pa.array([""] * n_all), "nbytes": pa.array(np.full(n_all, nbytes, np.int64)),
+        "enter_ns": pa.array(cols["enter_ns"].astype(np.int64)), "exit_ns": pa.array(cols["exit_ns"].astype(np.int64)),
+        "peers": pa.array([[]] * n_all, pa.list_(pa.int32())), "peer_transfer_ns": empty, "peer_bytes": empty,
+        "recv_wait_ns": pa.array(np.full(n_all, -1, np.int64)),
+    }, schema=S.CCL_RECORD)

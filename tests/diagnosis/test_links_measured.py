@@ -132,3 +132,11 @@ def test_the_whole_matrix_goes_to_link_cells():
     members = [c for c in cells if c["dst"] == -1]
     assert sorted(c["src"] for c in members) == [0, 1, 2, 3]
     assert t["link_fault"].num_rows == 1
+
+
+def test_the_vectorised_generator_agrees_with_the_diagnosis():
+    from generators.faultgen import pipeline_window
+
+    assert diagnose_window(pipeline_window(4, 4)).faults == []
+    top = diagnose_window(pipeline_window(4, 4, slow_egress=6)).faults[0]
+    assert (top.kind, top.src) == ("source", 6)
