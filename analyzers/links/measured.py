@@ -18,7 +18,8 @@ of one call give what a per-connection timer would:
 One ``Observation`` per directed p2p pair and per (collective group, op),
 with medians over the window. Observations of one class (all p2p pairs; the
 collectives of one op and group size) are compared with the class's lower
-quartile: ``slow``, ``ok`` or, in between or without a reference, ``unknown``.
+quartile (``reference``): ``slow``, ``ok`` or, in between or without a
+reference, ``unknown``.
 
 Clock skew: ranks stamp with the job clock (their perf counter plus the
 exporter's offset estimate to rank 0). A residual offset d between two ranks
@@ -238,6 +239,17 @@ def _run_indices(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.arange(int(counts.sum())) + offsets
 
 
+def reference(values: list[float]) -> float:
+    """A class's healthy time per byte: its lower quartile, rounded up to a real member.
+
+    Rounded up, so that one unusually fast cell (a receiver that happened to be scheduled at once)
+    does not make every ordinary cell look slow; with two members, the faster one (the median of two
+    would sit halfway to a slow one).
+    """
+    v = sorted(values)
+    return v[0] if len(v) <= 2 else v[math.ceil(0.25 * (len(v) - 1))]
+
+
 def judge(observations: list[Observation], params: MeasuredParams = MeasuredParams()) -> None:
     """Set ratio and status of each observation against its class's lower quartile."""
     classes: dict[tuple, list[Observation]] = {}
@@ -247,7 +259,7 @@ def judge(observations: list[Observation], params: MeasuredParams = MeasuredPara
     for members in classes.values():
         if len(members) < 2:
             continue  # nothing to compare with: stays unknown
-        ref = float(np.percentile([o.ns_per_byte for o in members], 25, method="lower"))
+        ref = reference([o.ns_per_byte for o in members])
         for o in members:
             o.reference_ns_per_byte = ref
             o.ratio = o.ns_per_byte / ref if ref > 0 else math.inf

@@ -140,3 +140,13 @@ def test_the_vectorised_generator_agrees_with_the_diagnosis():
     assert diagnose_window(pipeline_window(4, 4)).faults == []
     top = diagnose_window(pipeline_window(4, 4, slow_egress=6)).faults[0]
     assert (top.kind, top.src) == ("source", 6)
+
+
+def test_one_unusually_fast_cell_does_not_make_ordinary_ones_slow():
+    from analyzers.links.measured import reference
+
+    # Seen on a real run: p2p cells at 0.59, 1.34, 1.78 ms and a slow link at 13 ms. Against the fastest
+    # (0.59) the 1.78 ms cell was 3x and called slow, and the slow link could no longer be placed.
+    assert reference([0.59, 1.34, 1.78, 13.2]) == 1.34
+    assert reference([1.0, 10.0]) == 1.0  # two groups: the faster is the healthy one
+    assert reference([2.0, 1.0, 3.0]) == 2.0
