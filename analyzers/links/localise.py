@@ -98,7 +98,7 @@ def late_senders(observations: list[Observation], params: MeasuredParams = Measu
             items[r] = items.get(r, 0) + 1
             others = [v for q, v in o.lateness_ns.items() if q != r]
             lat = o.lateness_ns.get(r, 0.0)
-            if (o.status != "slow" and o.last_share.get(r, 0.0) >= 0.5 and lat >= params.min_wait_ns
+            if (o.status != "slow" and o.last_share.get(r, 0.0) >= params.last_share and lat >= params.min_wait_ns
                     and lat >= params.wait_ratio * max(float(np.median(others)) if others else 0.0, 1.0)):
                 late.setdefault(r, []).append(lat)
     blamed = {r for r, v in late.items() if len(v) / items[r] >= params.late_fraction}

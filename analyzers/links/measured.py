@@ -52,7 +52,10 @@ class MeasuredParams:
     min_wait_ns: int = 2_000_000
     """... and at least this long (2 ms)."""
     late_fraction: float = 0.6
-    """A rank is a late sender when it is late in this share of the observations it sends in."""
+    """A rank is a late sender when it is late in this share of the observations it sends in ..."""
+    last_share: float = 0.8
+    """... and in a collective group, late means the last one in for this share of its collectives (in a
+    group of two, either member is last half of the time by chance)."""
 
 
 @dataclasses.dataclass
@@ -87,9 +90,9 @@ class Observation:
         out = {("egress", r) for r in m} | {("ingress", r) for r in m}
         if len(m) == 2:
             out |= {("link", m[0], m[1]), ("link", m[1], m[0])}
-        elif self.algorithm in ("", "ring") and len(m) > 2:
-            # A ring in group order (gloo's ring algorithms); a library that orders its ring otherwise
-            # reports its algorithm, and then links inside the group are not named.
+        elif self.algorithm == "ring":
+            # Only where the library says it ran a ring in group order. Otherwise which links a bigger
+            # collective used is unknown (gloo picks ring or halving-doubling by size), and none is named.
             out |= {("link", m[i], m[(i + 1) % len(m)]) for i in range(len(m))}
         return out
 
