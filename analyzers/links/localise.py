@@ -88,17 +88,20 @@ def late_senders(observations: list[Observation], params: MeasuredParams = Measu
     med_wait = float(np.median([o.wait_ns for o in p2p])) if p2p else 0.0
     items: dict[int, int] = {}
     late: dict[int, list[float]] = {}
+    # Lateness counts only where the communication itself was healthy: a rank behind a slow or doubtful
+    # transfer is late because of the network, which comm_faults reports.
     for o in p2p:
         s = o.members[0]
         items[s] = items.get(s, 0) + 1
-        if o.status != "slow" and o.wait_ns >= max(params.min_wait_ns, params.wait_ratio * med_wait):
+        if o.status == "ok" and o.wait_ns >= max(params.min_wait_ns, params.wait_ratio * med_wait):
             late.setdefault(s, []).append(o.wait_ns)
     for o in coll:
         for r in o.members:
             items[r] = items.get(r, 0) + 1
             others = [v for q, v in o.lateness_ns.items() if q != r]
             lat = o.lateness_ns.get(r, 0.0)
-            if (o.status != "slow" and o.last_share.get(r, 0.0) >= params.last_share and lat >= params.min_wait_ns
+            share = params.last_share_pair if len(o.members) == 2 else params.last_share_group
+            if (o.status == "ok" and o.last_share.get(r, 0.0) >= share and lat >= params.min_wait_ns
                     and lat >= params.wait_ratio * max(float(np.median(others)) if others else 0.0, 1.0)):
                 late.setdefault(r, []).append(lat)
     blamed = {r for r, v in late.items() if len(v) / items[r] >= params.late_fraction}

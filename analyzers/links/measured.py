@@ -41,7 +41,7 @@ RECV_OPS = ("recv", "irecv")
 
 @dataclasses.dataclass(frozen=True)
 class MeasuredParams:
-    slow_ratio: float = 3.0
+    slow_ratio: float = 2.5
     """An observation is slow at this multiple of its class's lower quartile (ns per byte) ..."""
     min_excess_ns: int = 1_000_000
     """... and at least this much longer in absolute terms (1 ms: microsecond noise is no fault)."""
@@ -53,9 +53,11 @@ class MeasuredParams:
     """... and at least this long (2 ms)."""
     late_fraction: float = 0.6
     """A rank is a late sender when it is late in this share of the observations it sends in ..."""
-    last_share: float = 0.8
-    """... and in a collective group, late means the last one in for this share of its collectives (in a
-    group of two, either member is last half of the time by chance)."""
+    last_share_pair: float = 0.8
+    """... and in a collective group, late means the last one in for this share of its collectives: in a
+    group of two (either member is last half of the time by chance) ..."""
+    last_share_group: float = 0.5
+    """... and in a bigger group (a member is last 1/n of the time by chance)."""
 
 
 @dataclasses.dataclass
