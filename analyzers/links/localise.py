@@ -101,7 +101,9 @@ def late_senders(observations: list[Observation], params: MeasuredParams = Measu
             others = [v for q, v in o.lateness_ns.items() if q != r]
             lat = o.lateness_ns.get(r, 0.0)
             share = params.last_share_pair if len(o.members) == 2 else params.last_share_group
-            if (o.status == "ok" and o.last_share.get(r, 0.0) >= share and lat >= params.min_wait_ns
+            floor = max(params.min_wait_ns, params.min_period_share * o.period_ns if o.period_ns == o.period_ns else 0)
+            if (o.status == "ok" and o.samples >= params.min_collectives and o.last_share.get(r, 0.0) >= share
+                    and lat >= floor
                     and lat >= params.wait_ratio * max(float(np.median(others)) if others else 0.0, 1.0)):
                 late.setdefault(r, []).append(lat)
     blamed = {r for r, v in late.items() if len(v) / items[r] >= params.late_fraction}

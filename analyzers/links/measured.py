@@ -57,7 +57,12 @@ class MeasuredParams:
     """... and in a collective group, late means the last one in for this share of its collectives: in a
     group of two (either member is last half of the time by chance) ..."""
     last_share_group: float = 0.5
-    """... and in a bigger group (a member is last 1/n of the time by chance)."""
+    """... and in a bigger group (a member is last 1/n of the time by chance) ..."""
+    min_period_share: float = 0.1
+    """... by at least this share of the time between the group's collectives (about a step): a rank a few
+    percent behind is a straggler for the what-if to weigh, not a late sender to page about ..."""
+    min_collectives: int = 3
+    """... over at least this many collectives of the group in the window."""
 
 
 @dataclasses.dataclass
@@ -75,6 +80,7 @@ class Observation:
     wait_ns: float = math.nan  # p2p: median receiver wait
     lateness_ns: dict[int, float] = dataclasses.field(default_factory=dict)  # collective: median per member
     last_share: dict[int, float] = dataclasses.field(default_factory=dict)   # collective: share of ops it was last in
+    period_ns: float = math.nan  # collective: median time between the starts of consecutive ones
     ratio: float = math.nan   # ns_per_byte over the class reference
     status: str = "unknown"   # slow | ok | unknown
     reference_ns_per_byte: float = math.nan
@@ -211,6 +217,13 @@ def collective_observations(ccl: pa.Table, params: MeasuredParams = MeasuredPara
     last_keys, last_counts = np.unique((obs_code * n_ranks + rank[ends - 1])[late_margin >= params.min_wait_ns],
                                        return_counts=True)
     o_keys, (o_comm, o_bytes), o_n = _medians_by(obs_code, comm, mean_bytes)
+    # The time between consecutive collectives of an observation (runs are in seq order within a group).
+    by_obs = np.argsort(obs_code, kind="stable")
+    same = obs_code[by_obs][1:] == obs_code[by_obs][:-1]
+    gaps = np.diff(first_enter[by_obs])[same]
+    p_keys, (p_med,), _ = _medians_by(obs_code[by_obs][1:][same], gaps) if same.any() else (np.array([], np.int64),
+                                                                                              [np.array([])], None)
+    period = dict(zip(p_keys.tolist(), p_med.tolist()))
     with_bytes = mean_bytes > 0
     sum_comm = np.bincount(np.searchsorted(o_keys, obs_code[with_bytes]), comm[with_bytes], len(o_keys))
     sum_bytes = np.bincount(np.searchsorted(o_keys, obs_code[with_bytes]), mean_bytes[with_bytes], len(o_keys))
@@ -228,7 +241,8 @@ def collective_observations(ccl: pa.Table, params: MeasuredParams = MeasuredPara
             tuple(int(r) for r in group_ranks[rec].as_py()), algos[rec].as_py() or "",
             float(sum_comm[i] / sum_bytes[i]) if sum_bytes[i] > 0 else math.nan, float(o_comm[i]), float(o_bytes[i]),
             n, lateness_ns={int(k % n_ranks): float(v) for k, v in zip(m_keys[lo:hi], m_late[lo:hi])},
-            last_share={int(k % n_ranks): int(v) / n for k, v in zip(last_keys[llo:lhi], last_counts[llo:lhi])}))
+            last_share={int(k % n_ranks): int(v) / n for k, v in zip(last_keys[llo:lhi], last_counts[llo:lhi])},
+            period_ns=float(period.get(c, math.nan))))
     return out
 
 

@@ -57,7 +57,7 @@ def pipeline_job(fault=None, dp=2, pp=2, steps=6, mbs=4, seed=0, factor=20.0):
             g = [d * pp + s for d in range(dp)]
             key = "ranks:" + ",".join(map(str, g))
             n = nxt(key)
-            enters = {r: t + 300e6 + rng.uniform(0, 1e6) + late(r) * 1.3 for r in g}
+            enters = {r: t + 300e6 + rng.uniform(0, 1e6) + late(r) * mbs for r in g}  # its delay, per microbatch
             dur = 2 * 256_000 * max(rate(a, b) for a in g for b in g if a != b)
             for r in g:
                 rows.append(_record(r, key, g, n, "all_reduce", 256_000, enters[r], max(enters.values()) + dur))
@@ -150,3 +150,24 @@ def test_one_unusually_fast_cell_does_not_make_ordinary_ones_slow():
     assert reference([0.59, 1.34, 1.78, 13.2]) == 1.34
     assert reference([1.0, 10.0]) == 1.0  # two groups: the faster is the healthy one
     assert reference([2.0, 1.0, 3.0]) == 2.0
+
+
+def _collectives_only(late_rank: int, late_ns: float, n: int = 5, period_ns: float = 1e9):
+    """A DP-only job with overlapping groups (pairs {0,1}, {2,3}, then {0,2}, {1,3}); one rank late by late_ns."""
+    rng = np.random.default_rng(1)
+    rows = []
+    for k in range(n):
+        for j, g in enumerate([(0, 1), (2, 3), (0, 2), (1, 3)]):
+            t = k * period_ns + j * 100e6
+            enters = {r: t + rng.uniform(0, 1e6) + (late_ns if r == late_rank else 0) for r in g}
+            for r in g:
+                rows.append(_record(r, f"ranks:{g[0]},{g[1]}", g, k, "all_reduce", 1 << 20, enters[r],
+                                    max(enters.values()) + 20e6 * rng.uniform(0.95, 1.05)))
+    return codec.from_rows(S.CCL_RECORD, rows)
+
+
+def test_a_rank_a_few_percent_behind_is_not_a_late_sender_but_a_tenth_of_a_step_is():
+    assert diagnose_window(_collectives_only(2, 30e6)).faults == []      # 3% of the time between collectives
+    top = diagnose_window(_collectives_only(2, 150e6)).faults[0]          # 15%
+    assert (top.kind, top.src) == ("noncomm_slow", 2)
+    assert diagnose_window(_collectives_only(2, 150e6, n=2)).faults == []  # two collectives are too few to say
