@@ -88,12 +88,10 @@ def late_senders(observations: list[Observation], params: MeasuredParams = Measu
     med_wait = float(np.median([o.wait_ns for o in p2p])) if p2p else 0.0
     items: dict[int, int] = {}
     late: dict[int, list[float]] = {}
-    # Lateness counts only where the communication itself was healthy: a rank behind a slow or doubtful
-    # transfer is late because of the network, which comm_faults reports.
     for o in p2p:
         s = o.members[0]
         items[s] = items.get(s, 0) + 1
-        if o.status == "ok" and o.wait_ns >= max(params.min_wait_ns, params.wait_ratio * med_wait):
+        if o.status != "slow" and o.wait_ns >= max(params.min_wait_ns, params.wait_ratio * med_wait):
             late.setdefault(s, []).append(o.wait_ns)
     for o in coll:
         for r in o.members:
@@ -102,7 +100,7 @@ def late_senders(observations: list[Observation], params: MeasuredParams = Measu
             lat = o.lateness_ns.get(r, 0.0)
             share = params.last_share_pair if len(o.members) == 2 else params.last_share_group
             floor = max(params.min_wait_ns, params.min_period_share * o.period_ns if o.period_ns == o.period_ns else 0)
-            if (o.status == "ok" and o.samples >= params.min_collectives and o.last_share.get(r, 0.0) >= share
+            if (o.status != "slow" and o.samples >= params.min_collectives and o.last_share.get(r, 0.0) >= share
                     and lat >= floor
                     and lat >= params.wait_ratio * max(float(np.median(others)) if others else 0.0, 1.0)):
                 late.setdefault(r, []).append(lat)
@@ -110,7 +108,9 @@ def late_senders(observations: list[Observation], params: MeasuredParams = Measu
     # Not the root: a rank that waited on a blamed rank's sends, or that receives over a slow transfer.
     waited = {o.members[1] for o in p2p if o.members[0] in blamed and o.members[0] != o.members[1]
               and o.wait_ns >= max(params.min_wait_ns, params.wait_ratio * med_wait)}
+    # A rank in any slow observation is late because of the network, which comm_faults reports.
     fed_slowly = {o.members[1] for o in p2p if o.status == "slow"}
+    fed_slowly |= {r for o in coll if o.status == "slow" for r in o.members}
     roots = blamed - waited - fed_slowly
     if not roots and blamed - fed_slowly:  # they waited on each other: the latest of them
         roots = {max(blamed - fed_slowly, key=lambda r: float(np.median(late[r])))}
