@@ -1,6 +1,6 @@
 """Ingest throughput: op records encoded and sent to the local Tansu broker, per core.
 
-    .venv/bin/python benchmarks/ingest.py [--records 2000000] [--repeats 3]
+    .venv/bin/python benchmarks/ingest_throughput.py [--records 2000000] [--repeats 3]
 
 Builds realistic op-span batches with the fleet generator (one profiled step
 of a 512-GPU job per batch), then times (a) Arrow IPC + zstd encoding alone

@@ -1,0 +1,179 @@
+"""The exporter's CUDA path, without a GPU: a fake ``torch.cuda`` whose events complete when the test says.
+
+What a real GPU run measures (benchmarks/gpu_exporter.py) rests on these
+properties: the training thread only records events and never waits on one;
+the resolver thread turns event pairs into spans in order; a step's records
+leave when the step ends, even while training keeps the queue busy; close()
+waits for the resolver, so the last ops are not lost.
+"""
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+
+from core import schema as S
+from ingest.exporter import RankExporter, Sampling
+
+
+class FakeGpu:
+    """One stream. ``run(ms)`` is GPU work queued between two records; events complete up to
+    ``complete()`` (or at once with ``auto``). Remembers every thread that waited on an event."""
+
+    def __init__(self, auto: bool = True):
+        self.auto = auto
+        self.clock_ms = 0.0
+        self.events: list[FakeEvent] = []
+        self.done = -1
+        self.cv = threading.Condition()
+        self.waiters: set[int] = set()
+        self.module = types.SimpleNamespace(Event=lambda enable_timing=False, blocking=False: FakeEvent(self))
+
+    def run(self, ms: float) -> None:
+        self.clock_ms += ms
+
+    def complete(self, upto: int | None = None) -> None:
+        with self.cv:
+            self.done = len(self.events) - 1 if upto is None else upto
+            self.cv.notify_all()
+
+
+class FakeEvent:
+    def __init__(self, gpu: FakeGpu):
+        self.gpu, self.idx, self.t = gpu, None, None
+
+    def record(self, stream=None) -> None:
+        with self.gpu.cv:
+            self.idx, self.t = len(self.gpu.events), self.gpu.clock_ms
+            self.gpu.events.append(self)
+        if self.gpu.auto:
+            self.gpu.complete()
+
+    def synchronize(self) -> None:
+        self.gpu.waiters.add(threading.get_ident())
+        with self.gpu.cv:
+            assert self.gpu.cv.wait_for(lambda: self.gpu.done >= self.idx, timeout=10)
+
+    def query(self) -> bool:
+        return self.gpu.done >= self.idx
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        self.gpu.waiters.add(threading.get_ident())
+        if max(self.idx, end.idx) > self.gpu.done:
+            raise RuntimeError("cudaErrorNotReady")  # what CUDA says for an event not yet complete
+        return end.t - self.t
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    fake = FakeGpu()
+    monkeypatch.setattr(RankExporter, "_cuda_module", staticmethod(lambda use_cuda: fake.module))
+    return fake
+
+
+def _exporter(sent, sampling=Sampling(1, 1)):
+    return RankExporter("job", 0, 0, 0, sent.append, sampling=sampling, heartbeat_s=3600, send_every_s=0.05)
+
+
+def _rows(sent, kind):
+    return [r for t in sent if S.kind_of(t.schema) == kind for r in t.to_pylist()]
+
+
+def test_spans_come_from_event_pairs_in_order_and_the_training_thread_never_waits(gpu):
+    sent = []
+    exp = _exporter(sent)
+    for step in range(2):
+        with exp.step(step):
+            gpu.run(1.0)
+            for mb, ms in enumerate((3.0, 5.0)):
+                with exp.op("forward-compute", mb_id=mb):
+                    gpu.run(ms)
+                gpu.run(0.5)
+            # a host-timed op (a GC pause of 2 ms, timed on the host clock) between GPU work
+            exp.record_op("gc", 10**12, 10**12 + 2_000_000)
+            gpu.run(0.25)
+            with exp.op("optimizer"):
+                gpu.run(2.0)
+    exp.close()
+    assert threading.get_ident() not in gpu.waiters, "the training thread waited on an event"
+    assert gpu.waiters, "nobody resolved the events"
+    rows = _rows(sent, "op_span")
+    order = (("forward-compute", 0), ("forward-compute", 1), ("gc", -1), ("optimizer", -1))
+    rows.sort(key=lambda r: (r["step"], r["start_ns"]))
+    assert [(r["step"], r["optype"], r["mb_id"]) for r in rows] == [(s, op, mb) for s in range(2) for op, mb in order]
+    assert [r["duration_ns"] for r in rows] == [3_000_000, 5_000_000, 2_000_000, 2_000_000] * 2
+    s0 = rows[:4]
+    # starts keep the GPU's spacing: 3 ms of work and 0.5 ms of gap between the two forwards; the host-timed
+    # op sits where the stream was when it was recorded (not at its host time), before the optimizer
+    assert s0[1]["start_ns"] - s0[0]["start_ns"] == 3_500_000
+    assert s0[2]["start_ns"] - s0[1]["start_ns"] == 5_500_000
+    assert s0[3]["start_ns"] - s0[2]["start_ns"] == 250_000
+    assert exp.stats.errors == 0
+
+
+def test_a_step_is_sent_soon_after_it_ends_while_the_next_one_runs_on_the_gpu(monkeypatch):
+    """Before, the resolver sent only when its queue stayed empty for 0.2 s (or at 4,096 ops), and the
+    host-timed ops and collectives of a CUDA run waited for close(): a busy job sent nothing for hours."""
+    gpu = FakeGpu(auto=False)
+    monkeypatch.setattr(RankExporter, "_cuda_module", staticmethod(lambda use_cuda: gpu.module))
+    sent, got_ccl = [], threading.Event()
+
+    def sink(table):
+        sent.append(table)
+        if S.kind_of(table.schema) == "ccl_record":
+            got_ccl.set()
+    exp = RankExporter("job", 0, 0, 0, sink, sampling=Sampling(1, 1), heartbeat_s=3600, send_every_s=0.05)
+    with exp.step(0):
+        with exp.op("forward-compute"):
+            gpu.run(4.0)
+        exp.record_op("gc", 0, 1000)
+        enter = exp.ccl_enter("all_reduce", "dp0", [0, 1], 0)
+        exp.ccl_exit("all_reduce", "dp0", [0, 1], 0, enter, 1024, [1])
+    step0_events = len(gpu.events)
+    with exp.step(1):  # the next step's work is queued and still running on the GPU
+        with exp.op("forward-compute"):
+            gpu.run(4.0)
+    gpu.complete(upto=step0_events - 1)
+    try:
+        assert got_ccl.wait(5), "step 0 was not sent while step 1 runs"
+        got = {(r["step"], r["optype"]) for r in _rows(sent, "op_span")}
+        assert got == {(0, "forward-compute"), (0, "gc")}
+        assert [r["op"] for r in _rows(sent, "ccl_record")] == ["all_reduce"]
+    finally:
+        gpu.complete()
+        exp.close()
+
+
+def test_close_waits_for_events_still_running_on_the_gpu(monkeypatch):
+    gpu = FakeGpu(auto=False)
+    monkeypatch.setattr(RankExporter, "_cuda_module", staticmethod(lambda use_cuda: gpu.module))
+    sent = []
+    exp = _exporter(sent)
+    with exp.step(0):
+        for mb in range(3):
+            with exp.op("backward-compute", mb_id=mb):
+                gpu.run(7.0)
+    threading.Timer(0.5, gpu.complete).start()  # the GPU finishes after training returned
+    exp.close(timeout=10)
+    rows = _rows(sent, "op_span")
+    assert [(r["mb_id"], r["duration_ns"]) for r in rows] == [(0, 7_000_000), (1, 7_000_000), (2, 7_000_000)]
+
+
+def test_collectives_recorded_while_the_resolver_sends_are_never_lost(gpu):
+    sent = []
+    exp = _exporter(sent)
+    calls = 0
+    for step in range(40):
+        with exp.step(step):
+            for seq in range(25):
+                with exp.op("forward-compute"):
+                    gpu.run(0.1)
+                enter = exp.ccl_enter("all_reduce", "dp0", [0, 1], seq)
+                exp.ccl_exit("all_reduce", "dp0", [0, 1], seq, enter, 8, [1])
+                calls += 1
+    exp.close()
+    rows = _rows(sent, "ccl_record")
+    assert len(rows) == calls
+    assert len({(r["step"], r["seq"]) for r in rows}) == calls
+    assert len(_rows(sent, "op_span")) == calls
