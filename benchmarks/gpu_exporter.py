@@ -228,10 +228,9 @@ def child(a: argparse.Namespace) -> None:
     if captured:
         import pyarrow as pa
 
-        ops = pa.concat_tables(captured)
-        report["ops"] = ops.select(["step", "optype", "mb_id", "start_ns", "duration_ns"]).to_pylist()
         import pyarrow.ipc as ipc
 
+        ops = pa.concat_tables(captured)
         with ipc.new_file(str(Path(a.work) / f"ops-{a.mode}.arrow"), ops.schema) as w:
             w.write_table(ops)
     dist.destroy_process_group()
@@ -309,13 +308,10 @@ def _agreement(rep: dict) -> dict:
     return out
 
 
-def _whatif(rep: dict, work: str) -> dict:
-    import pyarrow.ipc as ipc
-
+def _whatif(rep: dict, ops) -> dict:
     from analyzers.whatif.api import analyze
     from core.layout import JobLayout
 
-    ops = ipc.open_file(str(Path(work) / f"ops-{rep['mode']}.arrow")).read_all()
     res = analyze(ops, JobLayout(dp_size=1, pp_size=1, tp_size=1))
     host = {i: s for i, s in enumerate(rep["step_s"])}
     kept = [s for s in res.steps if s >= DROP]
@@ -354,7 +350,7 @@ def _overhead(reps: dict, summary: dict) -> None:
           f"{summary['first_loss_equal']})")
 
 
-def _check_run(rep: dict, work: str) -> dict:
+def _check_run(rep: dict, ops) -> dict:
     """A checking run: its spans against hand events and the profiler, and its what-if replay."""
     ag = _agreement(rep)
     out = {k: (dict(n=len(v), median=statistics.median(v), max_abs=max(map(abs, v))) if v else None)
@@ -366,7 +362,7 @@ def _check_run(rep: dict, work: str) -> dict:
         if k != "missing" and v:
             print(f"  {k:>20}: {statistics.median(v):+.3%}  {max(map(abs, v)):.3%}  n={len(v)}")
     try:
-        w = _whatif(rep, work)
+        w = _whatif(rep, ops)
         out["whatif"] = w
         print(f"  what-if of the recorded spans: S {w['slowdown']:.4f}, launch slowdown "
               f"{w['launch_slowdown']:.4f}, verdicts {[v['kind'] for v in w['verdicts'] or []]}; median step: "
@@ -399,6 +395,9 @@ def driver(a: argparse.Namespace) -> None:
     from services.broker import LocalBroker
 
     Path(a.out).mkdir(parents=True, exist_ok=True)
+    import pyarrow.ipc as ipc
+
+    tables: dict = {}
     reps: dict[str, list[dict]] = {m: [] for m in MODES}
     with LocalBroker() as b:
         ensure_topics(b.bootstrap, topics.INPUT_TOPICS, 4)
@@ -419,7 +418,11 @@ def driver(a: argparse.Namespace) -> None:
         for mode in ("agree", "slow"):
             if a.only and mode not in a.only:
                 continue
-            reps[mode].append(_run_child(a, mode, 0, b.bootstrap))
+            rep = _run_child(a, mode, 0, b.bootstrap)
+            # the rank's op spans, read once: the checks below and runs.json use them
+            tables[mode] = ipc.open_file(str(Path(a.work) / f"ops-{mode}.arrow")).read_all()
+            rep["ops"] = tables[mode].select(["step", "optype", "mb_id", "start_ns", "duration_ns"]).to_pylist()
+            reps[mode].append(rep)
             Path(a.out, "runs.json").write_text(json.dumps(reps))
             shutil.copy(Path(a.work) / f"ops-{mode}.arrow", a.out)
     summary: dict = {"overhead": {}}
@@ -438,7 +441,7 @@ def driver(a: argparse.Namespace) -> None:
               f"{summary['deterministic_warnings']}")
     for mode in ("agree", "slow"):
         if reps[mode]:
-            summary[mode] = _check_run(reps[mode][0], a.work)
+            summary[mode] = _check_run(reps[mode][0], tables[mode])
     if reps["slow"]:
         _slowed(reps["slow"][0], summary)
     Path(a.out, "summary.json").write_text(json.dumps(summary, indent=1, default=str))

@@ -8,6 +8,10 @@ KINDS = ("link", "source", "destination", "endpoint", "noncomm_slow", "comm_slow
 network, direction not observable (only collectives saw it); noncomm_slow: a late sender (its own
 compute); comm_slow: slow communication that could not be localised."""
 
+SEND_OPS = ("send", "isend")
+RECV_OPS = ("recv", "irecv")
+"""CCL record ops of point-to-point transfers (``op`` as the exporter writes it); every other op is a collective."""
+
 
 @dataclasses.dataclass(frozen=True)
 class LinkFault:

@@ -35,8 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-SEND_OPS = ("send", "isend")
-RECV_OPS = ("recv", "irecv")
+from analyzers.links.fault import RECV_OPS, SEND_OPS
 
 
 @dataclasses.dataclass(frozen=True)

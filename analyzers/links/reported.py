@@ -32,10 +32,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from analyzers.links.fault import LinkFault
-
-
-RECV_OPS = ("recv", "irecv")
+from analyzers.links.fault import RECV_OPS, LinkFault
 
 
 @dataclasses.dataclass(frozen=True)
