@@ -113,6 +113,9 @@ class RankExporter:
         self.host = host or socket.gethostname()
         self.stats = ExporterStats()
         self.clock_offset_ns = 0
+        # The what-if model folds TP and CP into the (dp, pp) worker: one rank of the worker sends its op
+        # spans, the others only collectives and heartbeats (two ranks' spans under one worker make a cycle).
+        self.worker_spans = True
         # perf_counter is monotonic and precise; anchor it to the wall clock once.
         self._anchor_ns = time.time_ns() - time.perf_counter_ns()
         self._cuda = self._cuda_module(use_cuda)
@@ -317,7 +320,7 @@ class RankExporter:
         self._emit_ccl()
 
     def _emit_ops(self, ops: list[tuple]) -> None:
-        if not ops:
+        if not ops or not self.worker_spans:
             return
         cols = list(zip(*ops))
         n = len(ops)

@@ -9,6 +9,9 @@ the hang detector see who never entered collective n), counts the bytes, tells
 the exporter the op is in flight, calls the original and records the exit.
 Async calls (``isend``, ``irecv``, ``batch_isend_irecv``, ``async_op=True``)
 record their exit when the returned work is waited on (or found completed).
+The functional collectives (``torch.distributed._functional_collectives``,
+what DTensor and tensor parallelism call) are wrapped too; their exit is the
+first wait on the ``AsyncCollectiveTensor`` they return.
 
 Transparency is the contract, because frameworks inspect these objects:
 - a wrapper compares equal to (and hashes like) the function it wraps, and the
@@ -52,6 +55,12 @@ COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "reduce", "all_gather", "al
                "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast",
                "barrier", "monitored_barrier")
 P2P = ("send", "recv", "isend", "irecv")
+# Functional collectives (torch.distributed._functional_collectives: DTensor, tensor parallelism): they
+# reach the process group in C++, past every function above. Each returns an AsyncCollectiveTensor that
+# waits on first use; that wait is the call's exit.
+FUNCTIONAL = ("all_reduce", "all_reduce_coalesced", "all_gather_tensor", "all_gather_tensor_autograd",
+              "all_gather_into_tensor_coalesced", "reduce_scatter_tensor", "reduce_scatter_tensor_autograd",
+              "reduce_scatter_tensor_coalesced", "all_to_all_single", "all_to_all_single_autograd", "broadcast")
 
 
 @dataclasses.dataclass(slots=True)
@@ -377,10 +386,126 @@ def instrument_distributed(exporter: RankExporter, observer: Any = None) -> Call
         if getattr(dist, fname, None) is originals[fname]:
             setattr(dist, fname, w)
 
+    undo_functional = _instrument_functional(group_of, enter, make_done, next_seq, run, failed, observer,
+                                             exporter)
+
     def undo() -> None:
         for fname, orig in originals.items():
             if getattr(c10d, fname, None) is wrappers[fname]:
                 setattr(c10d, fname, orig)
             if getattr(dist, fname, None) is wrappers[fname]:
                 setattr(dist, fname, orig)
+        undo_functional()
     return undo
+
+
+def _instrument_functional(group_of, enter, make_done, next_seq, run, failed, observer, exporter
+                           ) -> Callable[[], None]:
+    """Wrap the functional collectives; their exit is recorded when the result's wait runs.
+
+    Under ``torch.compile`` the wrappers step aside (``is_compiling``): the call becomes a node of the
+    graph, which a Python record would break, and inductor schedules its wait, not us.
+    """
+    try:
+        import torch
+        import torch.distributed._functional_collectives as fc
+        import torch.distributed.distributed_c10d as c10d
+
+        act = fc.AsyncCollectiveTensor
+        resolve = fc._resolve_group_name
+        find_pg = c10d._resolve_process_group
+        compiling = torch.compiler.is_compiling
+    except (ImportError, AttributeError):  # an older or trimmed torch: nothing to wrap
+        return lambda: None
+    group_idx = {"all_reduce": 2, "all_reduce_coalesced": 2, "all_gather_tensor": 2,
+                 "all_gather_tensor_autograd": 2, "all_gather_into_tensor_coalesced": 1,
+                 "reduce_scatter_tensor": 3, "reduce_scatter_tensor_autograd": 3,
+                 "reduce_scatter_tensor_coalesced": 3, "all_to_all_single": 3, "all_to_all_single_autograd": 3,
+                 "broadcast": 2}
+
+    def wrap(fname: str, orig: Callable) -> TracedFunction:
+        g_idx = group_idx[fname]
+
+        def impl(*args, **kwargs):
+            if compiling():
+                return orig(*args, **kwargs)
+            call = None
+            try:
+                group = kwargs.get("group", args[g_idx] if len(args) > g_idx else None)
+                gname, ranks = group_of(find_pg(resolve(group, kwargs.get("tag", ""))))
+                tensor = args[0] if args else kwargs.get("self", kwargs.get("inputs"))
+                me = torch.distributed.get_rank()
+                call = enter(Call(fname, gname, ranks, next_seq(gname), _nbytes(tensor),
+                                  [r for r in ranks if r != me], exporter.now_ns(), time.perf_counter_ns(), tensor,
+                                  is_async=True))
+            except Exception as e:
+                failed(f"recording {fname}", e)
+                call = None
+            out = run(orig, args, kwargs)
+            if call is None:
+                return out
+            try:
+                results = out if isinstance(out, (list, tuple)) else [out]
+                waiting = [t for t in results if isinstance(t, act) and not t.completed]
+                done = make_done(call)
+                if not waiting:
+                    done()
+                else:
+                    # Any one wait completes the call; the others find it recorded.
+                    once = _Once(done, call, observer, failed)
+                    for t in waiting:
+                        t.__dict__["_ss_done"] = once
+            except Exception as e:
+                failed(f"recording {fname}'s exit", e)
+            return out
+        return TracedFunction(orig, impl)
+
+    originals = {n: getattr(fc, n) for n in FUNCTIONAL if callable(getattr(fc, n, None))
+                 and not isinstance(getattr(fc, n), TracedFunction)}
+    wrappers = {n: wrap(n, f) for n, f in originals.items()}
+    for n, w in wrappers.items():
+        setattr(fc, n, w)
+
+    orig_trigger, orig_wait = act.trigger_wait, act.wait
+
+    def waited(orig_method):
+        def method(self, *args, **kwargs):
+            state = getattr(self, "__dict__", None)
+            once = state.pop("_ss_done", None) if state else None
+            t0 = time.perf_counter_ns()
+            out = orig_method(self, *args, **kwargs)
+            if once is not None:
+                once(time.perf_counter_ns() - t0)
+            return out
+        method.__wrapped__ = orig_method
+        method.__doc__ = orig_method.__doc__
+        return method
+
+    act.trigger_wait, act.wait = waited(orig_trigger), waited(orig_wait)
+
+    def undo() -> None:
+        for n, f in originals.items():
+            if getattr(fc, n, None) is wrappers[n]:
+                setattr(fc, n, f)
+        act.trigger_wait, act.wait = orig_trigger, orig_wait
+    return undo
+
+
+class _Once:
+    """Record a functional collective's exit at the first wait on any of its results."""
+
+    __slots__ = ("done", "call", "observer", "failed", "fired")
+
+    def __init__(self, done: Callable[[], None], call: Call, observer: Any, failed: Callable) -> None:
+        self.done, self.call, self.observer, self.failed, self.fired = done, call, observer, failed, False
+
+    def __call__(self, blocked_ns: int) -> None:
+        if self.fired:
+            return
+        self.fired = True
+        self.done()  # records its own failures
+        if self.observer is not None:
+            try:
+                self.observer.on_blocked(self.call, blocked_ns)
+            except Exception as e:
+                self.failed("a functional collective's wait", e)

@@ -94,8 +94,11 @@ class StoreDaemon:
             return ""
         self._log.seek(0)
         text = self._log.read().decode(errors="replace").strip().splitlines()
-        errors = [t for t in text if t.strip()]
-        return errors[-1][:500] if errors else "(no output)"
+        lines = [t for t in text if t.strip()]
+        # The daemon's own one-line refusal, not what chDB's teardown may print after it (a crash at exit
+        # once left "<no Python frame>" as the only reason a user saw).
+        ours = [t for t in lines if t.startswith("store daemon: error:")]
+        return (ours or lines or ["(no output)"])[-1][:500]
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None

@@ -5,7 +5,8 @@ description, when). ``migrate`` reads the highest version, applies every
 later step of ``MIGRATIONS`` in order and records each, then reconciles:
 any column the schema module has and a data table lacks is added (a field
 added to ``core.schema`` reaches the tables without a hand-written step),
-and the views readers query are rebuilt from the columns the tables have.
+so is any table ``ddl.TABLES`` has and the store lacks, and the views
+readers query are rebuilt from the columns the tables have.
 
 Every step is idempotent (``CREATE ... IF NOT EXISTS``; a column is added
 only if ``system.columns`` lacks it), so two processes that set up the same
@@ -118,6 +119,12 @@ def migrate(store, target: int | None = None) -> list[int]:
     changed = bool(applied)
     if target == LATEST:
         columns = store.table_columns()  # one catalogue read, not one per table (console start-up)
+        absent = [spec for spec in ddl.TABLES if spec.data not in columns]
+        for spec in absent:  # tables added to the schema module after this store's last step (link_cells was)
+            store._execute(ddl.create_table_sql(spec, store.caps, retention_days=store.retention_days))
+        if absent:
+            changed = True
+            columns = store.table_columns()
         for spec in ddl.TABLES:  # columns added to the schema module since the last step
             have = columns.get(spec.data, {})
             missing = tuple(f.name for f in spec.fields if f.name not in have)

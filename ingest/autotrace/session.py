@@ -204,6 +204,8 @@ class TraceSession:
         self.exporter = RankExporter(settings.job_id, self.rank, dp_rank, pp_rank, self.producer.send,
                                      attempt=settings.attempt, sampling=settings.sampling,
                                      heartbeat_s=settings.heartbeat_s, hang_dump_s=settings.hang_dump_s)
+        inner = self.layout.tp_size * self.layout.cp_size
+        self.exporter.worker_spans = self.rank % inner == 0  # Megatron's order: TP, then CP, fastest
         if dist.get_backend() == "gloo":
             # Every rank is inside init_process_group now, so a collective here cannot deadlock. With a GPU
             # backend this would touch a device the script may not have chosen yet: clocks stay as they are.
@@ -255,21 +257,31 @@ class TraceSession:
             print(f"stragglerscope trace: rank {self.rank}: cannot write its report: {e}", file=sys.stderr)
 
 
-def resolve_layout(named: dict[str, int], world: int, pp: int | None = None, vpp: int | None = None) -> JobLayout:
-    """The job's layout from what the user named and what the framework reports (``pp``, ``vpp``).
+_SIZE_NAMES = {"dp_size": "dp", "pp_size": "pp", "tp_size": "tp", "cp_size": "cp", "vpp_size": "vpp"}
 
-    Data parallel is whatever the world leaves over. A contradiction raises
-    SettingsError; the caller turns it into a warning and keeps the framework's word.
+
+def resolve_layout(named: dict[str, int], world: int, pp: int | None = None, vpp: int | None = None,
+                   reported: dict[str, int] | None = None, source: str = "the framework") -> JobLayout:
+    """The job's layout from what the user named and what the framework reports.
+
+    ``pp`` and ``vpp`` come from the pipeline's stages and schedule, ``reported`` from a DeviceMesh's named
+    dimensions (``{"dp_size": 2, "tp_size": 2, ...}``, told by ``source``). Data parallel is whatever the
+    world leaves over unless reported. A contradiction raises SettingsError; the caller turns it into a
+    warning and keeps the framework's word.
     """
     sizes = dict(named)
+    told = dict(reported or {})
     if pp is not None:
-        if "pp_size" in sizes and sizes["pp_size"] != pp:
-            raise SettingsError(f"--layout says pp={sizes['pp_size']} but the pipeline stages report pp={pp}")
-        sizes["pp_size"] = pp
+        told["pp_size"] = pp
     if vpp is not None:
-        if "vpp_size" in sizes and sizes["vpp_size"] != vpp:
-            raise SettingsError(f"--layout says vpp={sizes['vpp_size']} but the schedule runs {vpp} stages per rank")
-        sizes["vpp_size"] = vpp
+        told["vpp_size"] = vpp
+    for key, value in told.items():
+        if key in sizes and sizes[key] != value:
+            what = ("the pipeline stages report" if key == "pp_size" and pp is not None else
+                    "the schedule runs" if key == "vpp_size" and vpp is not None else f"{source} says")
+            raise SettingsError(f"--layout says {_SIZE_NAMES[key]}={sizes[key]} but {what} "
+                                f"{_SIZE_NAMES[key]}={value}")
+        sizes[key] = value
     rest = sizes.get("pp_size", 1) * sizes.get("tp_size", 1) * sizes.get("cp_size", 1)
     if "dp_size" not in sizes:
         sizes["dp_size"] = max(1, world // rest)
@@ -278,6 +290,50 @@ def resolve_layout(named: dict[str, int], world: int, pp: int | None = None, vpp
         raise SettingsError(f"layout dp={lay.dp_size} pp={lay.pp_size} tp={lay.tp_size} cp={lay.cp_size} "
                             f"is {lay.world_size} ranks, but the job has {world}")
     return lay
+
+
+# DeviceMesh dimension names, as torchtitan and others spell them, to the size they are part of. A name
+# not listed is data parallel, with a warning: every other axis of parallelism must be named to be seen.
+_MESH_NAMES = {"pp": "pp_size", "pipe": "pp_size", "pipeline": "pp_size",
+               "tp": "tp_size", "tensor": "tp_size",
+               "cp": "cp_size", "context": "cp_size",
+               "dp": "dp_size", "data": "dp_size", "dp_replicate": "dp_size", "dp_shard": "dp_size",
+               "dp_shard_cp": "dp_size", "fsdp": "dp_size", "ddp": "dp_size", "hsdp": "dp_size",
+               "replicate": "dp_size", "shard": "dp_size"}
+
+
+def mesh_axis(name: str) -> str:
+    """The layout size (``"tp_size"``, ...) a DeviceMesh dimension of this name is part of; unknown: DP."""
+    return _MESH_NAMES.get(str(name).lower(), "dp_size")
+
+
+def mesh_layout(names: tuple[str, ...], shape: tuple[int, ...], coords: tuple[int, ...] | None
+                ) -> tuple[dict[str, int], int | None, int | None, list[str]]:
+    """What a DeviceMesh over the whole job says: (sizes, this rank's dp_rank, pp_rank, unknown names).
+
+    Sizes of dimensions that map to one axis multiply (HSDP's dp_replicate x dp_shard is the DP size); the
+    rank's DP coordinate runs over its DP dimensions in mesh order, outermost first. Coordinates are None
+    for a rank outside the mesh.
+    """
+    sizes: dict[str, int] = {}
+    unknown = []
+    dp_dims: list[int] = []
+    pp_dim = None
+    for i, (name, n) in enumerate(zip(names, shape)):
+        if str(name).lower() not in _MESH_NAMES:
+            unknown.append(str(name))
+        key = mesh_axis(name)
+        sizes[key] = sizes.get(key, 1) * int(n)
+        if key == "dp_size":
+            dp_dims.append(i)
+        elif key == "pp_size":
+            pp_dim = i
+    if coords is None:
+        return sizes, None, None, unknown
+    dp_rank = 0
+    for i in dp_dims:
+        dp_rank = dp_rank * int(shape[i]) + int(coords[i])
+    return sizes, dp_rank, (int(coords[pp_dim]) if pp_dim is not None else 0), unknown
 
 
 def coords_of(rank: int, layout: JobLayout) -> tuple[int, int]:

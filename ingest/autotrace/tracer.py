@@ -35,6 +35,7 @@ torch.distributed only.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import threading
@@ -46,8 +47,9 @@ from ingest.torch_ccl import Call
 log = logging.getLogger(__name__)
 
 _REDUCTIONS = {"all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_single",
-               "reduce_scatter_tensor"}
-_GATHERS = {"all_gather", "all_gather_coalesced", "all_gather_single", "all_gather_into_tensor"}
+               "reduce_scatter_tensor", "reduce_scatter_tensor_autograd", "reduce_scatter_tensor_coalesced"}
+_GATHERS = {"all_gather", "all_gather_coalesced", "all_gather_single", "all_gather_into_tensor", "all_gather_tensor",
+            "all_gather_tensor_autograd", "all_gather_into_tensor_coalesced"}  # torch.distributed's and functional
 _P2P_TAGS = {"get_fwd_recv_ops": "forward-recv", "get_bwd_recv_ops": "backward-recv",
              "get_fwd_send_ops": "forward-send", "get_bwd_send_ops": "backward-send"}
 
@@ -73,6 +75,9 @@ class Tracer:
         self.p2p_tags: dict[int, tuple[str, int, int]] = {}
         self.pp_group: set[int] | None = None
         self.stage_info: tuple[int, int, int] | None = None  # (pp_size, pp_rank, vpp)
+        self.mesh_sizes: dict[str, int] = {}        # what a DeviceMesh over the job says (see _learn_mesh)
+        self.mesh_coords: tuple[int, int] | None = None   # this rank's (dp_rank, pp_rank) in that mesh
+        self.non_dp_groups: list[frozenset[int]] = []     # this rank's TP and CP groups of that mesh
         self.num_microbatches = 0
         self.roots: weakref.WeakSet = weakref.WeakSet()
         self.hooked_params: weakref.WeakSet = weakref.WeakSet()
@@ -188,6 +193,7 @@ class Tracer:
         when_imported("torch.distributed.pipelining.stage", self._patch_stage)
         when_imported("torch.distributed.pipelining.schedules", self._patch_schedules)
         when_imported("torch.distributed.checkpoint", self._patch_checkpoint)
+        when_imported("torch.distributed.device_mesh", self._patch_device_mesh)
 
     def _narrow_module_hooks(self) -> None:
         """Trade the global forward hooks for hooks on the outermost modules, after the first step.
@@ -268,8 +274,8 @@ class Tracer:
     def _learn_root(self, module) -> None:
         self.roots.add(module)
         if not self.model_name:
-            inner = getattr(module, "module", module)
-            self.model_name = type(inner).__name__
+            inner = _uncompiled(module)
+            self.model_name = type(getattr(inner, "module", inner)).__name__
         self.params = max(self.params, sum(p.numel() for p in module.parameters()))
         for p in module.parameters():
             if p.requires_grad and p not in self.hooked_params and hasattr(p, "register_post_accumulate_grad_hook"):
@@ -402,6 +408,8 @@ class Tracer:
     def _is_dp_group(self, ranks: list[int]) -> bool:
         """A group orthogonal to this rank's pipeline (no other member of it is a pipeline peer)."""
         if len(ranks) < 2:
+            return False
+        if frozenset(ranks) in self.non_dp_groups:
             return False
         if self.pp_group is None:
             return True
@@ -580,14 +588,24 @@ class Tracer:
             list(range(self.session.world))
         self.pp_group = set(ranks)
         sess = self.session
+        mesh = {k: v for k, v in self.mesh_sizes.items() if k != "pp_size"}
         try:
-            sess.layout = resolve_layout(sess.settings.layout, sess.world, pp=pp, vpp=vpp)
+            sess.layout = resolve_layout(sess.settings.layout, sess.world, pp=pp, vpp=vpp, reported=mesh,
+                                         source="the DeviceMesh")
         except SettingsError as e:
             sess.warn(f"{e}; using the pipeline's own pp={pp}, vpp={vpp}")
-            sess.layout = resolve_layout({k: v for k, v in sess.settings.layout.items()
-                                          if k not in ("pp_size", "vpp_size", "dp_size")}, sess.world, pp=pp, vpp=vpp)
+            keep = {"pp_size", "vpp_size", "dp_size", *mesh}
+            try:
+                sess.layout = resolve_layout({k: v for k, v in sess.settings.layout.items() if k not in keep},
+                                             sess.world, pp=pp, vpp=vpp, reported=mesh, source="the DeviceMesh")
+            except SettingsError as e2:  # the mesh and the pipeline disagree: the pipeline runs the schedule
+                sess.warn(f"{e2}; the DeviceMesh's sizes are not used")
+                sess.layout = resolve_layout({k: v for k, v in sess.settings.layout.items() if k not in keep},
+                                             sess.world, pp=pp, vpp=vpp)
         lay = sess.layout
         dp_rank = (min(ranks) // (lay.tp_size * lay.cp_size)) % lay.dp_size
+        if self.mesh_coords is not None and self.mesh_coords[1] == pp_rank:
+            dp_rank = self.mesh_coords[0]
         if (self.exp.dp_rank, self.exp.pp_rank) != (dp_rank, pp_rank) and sess.settings.layout:
             sess.warn(f"rank order of --layout puts this rank at dp {self.exp.dp_rank}, pp {self.exp.pp_rank}; "
                       f"the pipeline says dp {dp_rank}, pp {pp_rank} (used)")
@@ -595,6 +613,74 @@ class Tracer:
         self.exp.mc, self.exp.gmc = 0, int(first.stage_index)
         if self.mod_depth == 0:
             self._narrow_module_hooks()
+
+    # -- DeviceMesh: the job's dimensions where the script names them --------------
+    def _patch_device_mesh(self, dm) -> None:
+        """Read every DeviceMesh over the whole job as it is made (``init_device_mesh`` makes one)."""
+        cls = getattr(dm, "DeviceMesh", None)
+        orig = getattr(cls, "__init__", None)
+        if orig is None or getattr(orig, "_stragglerscope", False):
+            return
+        tracer = self
+
+        def __init__(mesh, *args, **kwargs):
+            orig(mesh, *args, **kwargs)
+            if kwargs.get("_root_mesh") is None:  # a slice or a flattening of a mesh says nothing new
+                try:
+                    tracer._learn_mesh(mesh)
+                except Exception as e:
+                    tracer._failed("reading a DeviceMesh", e)
+        __init__.__wrapped__ = orig
+        __init__.__doc__ = orig.__doc__
+        __init__._stragglerscope = True
+        cls.__init__ = __init__
+        self._undo.append(lambda: setattr(cls, "__init__", orig))
+
+    def _learn_mesh(self, mesh) -> None:
+        """DP, PP, TP and CP sizes and this rank's place from a named mesh over every rank: they beat
+        --layout (a contradiction is a warning), and a pipeline's own stages beat the mesh's pp."""
+        from ingest.autotrace.session import SettingsError, mesh_axis, mesh_layout, resolve_layout
+
+        names = getattr(mesh, "mesh_dim_names", None)
+        sess = self.session
+        if not names or int(mesh.size()) != sess.world:
+            return
+        shape = tuple(int(n) for n in mesh.shape)
+        coords = mesh.get_coordinate()
+        sizes, dp_rank, pp_rank, unknown = mesh_layout(tuple(names), shape, tuple(coords) if coords else None)
+        if unknown:
+            sess.warn(f"DeviceMesh dimension(s) {', '.join(unknown)} read as data parallel")
+        if self.stage_info is not None:
+            sizes.pop("pp_size", None)
+            sizes.pop("dp_size", None)
+        try:
+            lay = resolve_layout(sess.settings.layout, sess.world, reported=sizes, source="the DeviceMesh")
+        except SettingsError as e:
+            sess.warn(f"{e}; using the DeviceMesh's")
+            lay = resolve_layout({k: v for k, v in sess.settings.layout.items() if k not in sizes and k != "dp_size"},
+                                 sess.world, reported=sizes, source="the DeviceMesh")
+        if self.stage_info is not None:
+            lay = dataclasses.replace(lay, pp_size=sess.layout.pp_size, vpp_size=sess.layout.vpp_size)
+        sess.layout = lay
+        self.mesh_sizes = sizes
+        if coords is None:
+            return
+        grid = mesh.mesh
+        self.non_dp_groups = []
+        first_of_worker = True
+        for i, name in enumerate(names):
+            if mesh_axis(name) in ("tp_size", "cp_size"):
+                at = list(coords)
+                at[i] = slice(None)
+                self.non_dp_groups.append(frozenset(int(r) for r in grid[tuple(at)].reshape(-1).tolist()))
+                first_of_worker = first_of_worker and int(coords[i]) == 0
+        self.exp.worker_spans = first_of_worker
+        self.mesh_coords = (dp_rank, pp_rank)
+        if self.stage_info is None:
+            if (self.exp.dp_rank, self.exp.pp_rank) != (dp_rank, pp_rank) and sess.settings.layout:
+                sess.warn(f"rank order of --layout puts this rank at dp {self.exp.dp_rank}, pp {self.exp.pp_rank}; "
+                          f"the DeviceMesh says dp {dp_rank}, pp {pp_rank} (used)")
+            self.exp.dp_rank, self.exp.pp_rank = dp_rank, pp_rank
 
     # -- checkpoints -----------------------------------------------------------
     def _patch_checkpoint(self, dcp) -> None:
@@ -620,9 +706,19 @@ class Tracer:
             self._undo.append(lambda name=name, orig=orig: setattr(dcp, name, orig))
 
 
+def _uncompiled(module):
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) stands for; any other module itself."""
+    return getattr(module, "_orig_mod", module) if type(module).__name__ == "OptimizedModule" else module
+
+
 def _syncs_grads(roots) -> bool:
-    """True when an outermost module is a DDP whose next backward reduces gradients."""
+    """True when an outermost module is a DDP (compiled or not) whose next backward reduces gradients.
+
+    A compiled DDP's outermost module is the ``OptimizedModule``: read as itself, every rank's backward
+    kept its wait for the slowest in compute and a slowed rank went unseen (S 1.02 where 1.21 was right).
+    """
     for m in list(roots):
+        m = _uncompiled(m)
         if type(m).__name__ == "DistributedDataParallel" and getattr(m, "require_backward_grad_sync", False):
             return True
     return False

@@ -49,6 +49,21 @@ def worker(rank: int, port: int, out: str) -> None:
         out_t = torch.empty(8)
         dist.all_gather_into_tensor(out_t, torch.ones(4) * rank)
         facts["all_gather_result"] = out_t.tolist() == [0.0] * 4 + [1.0] * 4
+        # Functional collectives (DTensor, TP): recorded, their results what torch gives.
+        import torch.distributed._functional_collectives as fc
+
+        y = fc.all_reduce(torch.ones(4) * (rank + 1), "sum", dist.group.WORLD)
+        facts["funcol_is_async"] = isinstance(y, fc.AsyncCollectiveTensor)
+        facts["funcol_all_reduce"] = (y + 0).tolist() == [3.0] * 4
+        z = fc.all_gather_tensor(torch.ones(2) * rank, 0, dist.group.WORLD)
+        facts["funcol_all_gather"] = z.tolist() == [0.0, 0.0, 1.0, 1.0]
+        # Compiled, the wrapper steps aside: no graph break, no record (the call is a node of the graph).
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        doubled = torch.compile(lambda x: fc.all_reduce(x, "sum", dist.group.WORLD) * 2, backend="aot_eager")
+        facts["funcol_compiled"] = doubled(torch.ones(2)).tolist() == [4.0, 4.0]
+        facts["funcol_compiled_no_graph_break"] = not counters["graph_break"]
         try:
             dist.all_reduce("not a tensor")
             facts["own_error_passes_through"] = False

@@ -30,7 +30,9 @@ def facts(tmp_path_factory):
 
 @pytest.mark.parametrize("fact", ["batch_works_are_Work", "batch_received", "captured_original_accepted",
                                   "wrapper_equals_original", "async_is_Work", "async_completed_after_wait",
-                                  "all_gather_result", "own_error_passes_through", "undo_restores"])
+                                  "all_gather_result", "own_error_passes_through", "undo_restores",
+                                  "funcol_is_async", "funcol_all_reduce", "funcol_all_gather", "funcol_compiled",
+                                  "funcol_compiled_no_graph_break"])
 def test_frameworks_checks_still_hold(facts, fact):
     assert all(f[fact] for f in facts), [f[fact] for f in facts]
 
@@ -43,6 +45,7 @@ def test_every_call_is_recorded_once_with_its_group_and_sequence(facts):
             ["isend", f"p2p:{rank}>{peer}", 1], ["irecv", f"p2p:{peer}>{rank}", 1],
             ["all_reduce", "world", 0],
             ["all_gather_into_tensor", "world", 1],  # its inner all_gather_single is not recorded again
+            ["all_reduce", "world", 2], ["all_gather_tensor", "world", 3],  # functional collectives
         ]  # the call torch rejected is not recorded as done
 
 

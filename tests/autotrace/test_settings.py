@@ -7,7 +7,8 @@ import types
 import pytest
 
 from core.layout import JobLayout
-from ingest.autotrace.session import SettingsError, TraceSettings, coords_of, parse_layout, parse_sample, resolve_layout
+from ingest.autotrace.session import (SettingsError, TraceSettings, coords_of, mesh_layout, parse_layout, parse_sample,
+                                      resolve_layout)
 from ingest.exporter import Sampling
 from stragglerscope.trace import BOOT_DIR, child_env, default_job_id
 
@@ -32,6 +33,9 @@ def test_layout_from_what_the_user_named_and_the_pipeline_reports():
         resolve_layout({"pp_size": 4}, 8, pp=2)
     with pytest.raises(SettingsError, match="is 6 ranks, but the job has 8"):
         resolve_layout({"dp_size": 3, "pp_size": 2}, 8)
+    assert resolve_layout({}, 8, reported={"dp_size": 2, "tp_size": 4}) == JobLayout(2, 1, tp_size=4)
+    with pytest.raises(SettingsError, match="tp=2 but the DeviceMesh says tp=4"):
+        resolve_layout({"tp_size": 2}, 8, reported={"tp_size": 4}, source="the DeviceMesh")
     # Megatron's order: TP fastest, then CP, DP, PP slowest.
     lay = JobLayout(dp_size=2, pp_size=2, tp_size=2)
     assert [coords_of(r, lay) for r in range(8)] == [(0, 0), (0, 0), (1, 0), (1, 0), (0, 1), (0, 1), (1, 1), (1, 1)]
@@ -163,3 +167,14 @@ def test_module_hooks_narrow_to_the_outermost_module_after_the_first_step():
     assert fwd == [(0, 0), (1, 0), (2, 0)]  # one forward per step: the outermost module, before and after
     assert exp.stats.errors == 0
     assert len(model._forward_pre_hooks) == 0  # close() undoes the narrowed hooks too
+
+
+def test_a_device_mesh_gives_sizes_and_this_ranks_worker():
+    # torchtitan's mesh: pp x dp_replicate x dp_shard x cp x tp; HSDP's two DP dimensions multiply.
+    names, shape = ("pp", "dp_replicate", "dp_shard", "cp", "tp"), (2, 2, 3, 1, 2)
+    sizes, dp, pp, unknown = mesh_layout(names, shape, (1, 1, 2, 0, 1))
+    assert sizes == {"pp_size": 2, "dp_size": 6, "cp_size": 1, "tp_size": 2} and unknown == []
+    assert (dp, pp) == (1 * 3 + 2, 1)
+    assert mesh_layout(names, shape, None)[1:3] == (None, None)  # a rank outside the mesh
+    sizes, dp, pp, unknown = mesh_layout(("ep", "tp"), (4, 2), (3, 0))
+    assert sizes == {"dp_size": 4, "tp_size": 2} and unknown == ["ep"] and (dp, pp) == (3, 0)

@@ -5,7 +5,7 @@ trace`` into the real Tansu broker; a real ``stragglerscope run`` pipeline (Ray
 shard actors, chDB behind its daemon) analyses and stores the windows. The
 training script (``tests/training/zoo.py``) knows nothing of stragglerscope.
 
-For each framework, three runs: uninstrumented, then under ``trace`` with rank
+For each framework (DDP also under ``torch.compile``), three runs: uninstrumented, then under ``trace`` with rank
 0 slowed by a delay d in every forward and backward, then under ``trace`` with
 the control (d / W on every rank). Checks:
 - instrumenting changes no loss value (bitwise) and no exit code;
@@ -46,6 +46,8 @@ FRAMEWORKS = {
     "ddp": (4, (4, 1, 1), ["--gpu-ms", "40"], 32),
     "fsdp": (2, (2, 1, 1), ["--gpu-ms", "40"], 32),
     "plain": (4, (4, 1, 1), ["--gpu-ms", "40"], 32),
+    # torch.compile (inductor) around DDP: the outermost module is the compile wrapper, not the DDP
+    "ddp-compiled": (4, (4, 1, 1), ["--gpu-ms", "40", "--compile"], 32),
 }
 
 
@@ -59,8 +61,8 @@ def torchrun(ranks: int) -> list[str]:
 def run_zoo(framework: str, out: Path, extra: list[str], trace: list[str] | None = None, env=None, timeout=240):
     ranks, _, args, _ = FRAMEWORKS[framework]
     out.mkdir(parents=True, exist_ok=True)
-    cmd = torchrun(ranks) + [str(ZOO), "--framework", framework, "--steps", str(STEPS), "--out", str(out),
-                             *args, *extra]
+    cmd = torchrun(ranks) + [str(ZOO), "--framework", framework.split("-")[0], "--steps", str(STEPS),
+                             "--out", str(out), *args, *extra]
     if trace is not None:
         cmd = [sys.executable, "-m", "stragglerscope", "trace", *trace, "--", *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -197,3 +199,26 @@ def test_collections_between_pipeline_chunks_make_one_gc_op_after_the_last_compu
     row = wait_window(store, job)
     assert row["verdict"] != "analysis_failed", row["note"]
     assert row["complete"] and row["slowdown"] == row["slowdown"], row
+
+
+def test_a_device_mesh_names_the_layout_and_one_rank_speaks_for_each_worker(fleet, tmp_path):
+    """Four ranks in a DeviceMesh ('dp', 'tp') of 2 x 2, the mesh the only place that says TP is 2. The
+    trace reads the mesh over a contradicting --layout (a warning, never an exception); each worker's op
+    spans come from its first TP rank (both ranks' spans under one worker made a dependency cycle)."""
+    cfg, store = fleet
+    slow = ["--slow-rank", "0", "--delay-ms", "32", "--mesh-tp", "2"]
+    bare = run_zoo("plain", tmp_path / "bare", slow)
+    assert bare.returncode == 0, bare.stderr[-3000:]
+    job = f"mesh-{uuid.uuid4().hex[:6]}"
+    r = run_zoo("plain", tmp_path / "traced", slow,
+                trace=["--config", str(cfg), "--job-id", job, "--sample", SAMPLE, "--layout", "dp=4"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "instrumentation errors" not in r.stderr, r.stderr[-3000:]
+    assert "--layout says dp=4 but the DeviceMesh says dp=2" in r.stderr, r.stderr[-3000:]
+    assert losses(tmp_path / "traced") == losses(tmp_path / "bare")
+    got = analysed(store, job)
+    (reg,) = store.query(f"SELECT dp_size, tp_size FROM jobs WHERE job_id = '{job}'").to_pylist()
+    assert reg == {"dp_size": 2, "tp_size": 2}
+    row = got["row"]
+    assert row["complete"] and row["verdict"] == "worker", row
+    assert got["top"] == (0, 0), got

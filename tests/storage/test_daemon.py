@@ -102,3 +102,16 @@ def test_stale_discovery_file_is_removed(tmp_path):
 def test_daemon_refuses_non_chdb_urls():
     with pytest.raises(StoreError, match="serves chdb://PATH"):
         StoreDaemon("clickhouse://x@127.0.0.1:9000/db")
+
+
+def test_a_daemon_that_did_not_start_reports_its_own_error_line():
+    import tempfile
+
+    d = StoreDaemon("chdb:///nowhere")
+    d._log = tempfile.TemporaryFile()
+    d._log.write(b"store daemon: error: Code: 60. DB::Exception: Could not find table: link_cells_data.\n"
+                 b"Fatal Python error: PyGILState_Release\n<no Python frame>\n\n")
+    assert "Could not find table: link_cells_data" in d._stderr_tail()
+    d._log = tempfile.TemporaryFile()
+    d._log.write(b"Traceback ...\nImportError: no chdb\n")
+    assert d._stderr_tail() == "ImportError: no chdb"

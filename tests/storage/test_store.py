@@ -391,6 +391,28 @@ def test_migration_from_version_1_keeps_data(store_url):
         st.close()
 
 
+@pytest.mark.parametrize("store_url", ["chdb", "server"], indirect=True)
+def test_a_store_made_before_a_table_existed_gains_it(store_url):
+    """link_cells came to ddl.TABLES with no migration step: a store set up before it (version 5, no
+    link_cells_data) failed every later setup() with UNKNOWN_TABLE, so `trace` and `demo` would not start on
+    a user's existing .stragglerscope/store (found on this machine's own)."""
+    st = open_store(store_url)
+    try:
+        st.setup()
+        st.insert("window", window_rows(2, job="old"))
+        st._execute("DROP TABLE link_cells")
+        st._execute("DROP TABLE link_cells_data")
+        assert "link_cells_data" not in st.table_columns()
+        st.setup()
+        assert "link_cells_data" in st.table_columns()
+        assert st.query("SELECT count() AS n FROM link_cells").column("n")[0].as_py() == 0
+        assert st.query("SELECT count() AS n FROM windows").column("n")[0].as_py() == 2
+    finally:
+        if hasattr(st, "database"):
+            st._execute(f"DROP DATABASE IF EXISTS `{st.database}`")
+        st.close()
+
+
 def test_same_results_on_both_backends(tmp_path, server_store):
     """Every named query gives the same answer on chDB 26.x and on the 18.16 server."""
     chdb_store = open_store(f"chdb://{tmp_path / 'both'}")

@@ -20,6 +20,8 @@ and backward of rank R; ``--control`` spreads it as D / W over every rank.
 between backward and the optimizer; ``--gc-between-chunks-rank R`` after each of
 its backward chunks (pipelining). ``--out DIR``: each rank writes its losses
 and step times to DIR/rankN.json. ``--crash-at-step N``: rank 0 raises there.
+``--mesh-tp N`` (plain): the ranks form a DeviceMesh ('dp', 'tp'), as
+torchtitan lays them out, and only the mesh says that N of them are TP.
 """
 from __future__ import annotations
 
@@ -47,6 +49,32 @@ class _Sleep(torch.autograd.Function):
         if ctx.bwd_s:
             time.sleep(ctx.bwd_s)
         return g, None, None
+
+
+class _TPMean(torch.autograd.Function):
+    """A tensor-parallel layer's reduction, reduced to its communication: the mean over the TP group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y / dist.get_world_size(group)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g / dist.get_world_size(ctx.group), None
+
+
+class TPMean(nn.Module):
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, x):
+        return _TPMean.apply(x, self.group)
 
 
 class Busy(nn.Module):
@@ -95,6 +123,11 @@ def main() -> int:
                    help="pipelining: this rank collects garbage after each backward chunk (between chunks)")
     p.add_argument("--crash-at-step", type=int, default=-1)
     p.add_argument("--node-size", type=int, default=4, help="ranks per node of --framework hier")
+    p.add_argument("--mesh-tp", type=int, default=0,
+                   help="plain: lay the ranks out in a DeviceMesh ('dp', 'tp') with this TP size; activations are "
+                        "averaged over 'tp' in every forward and backward, gradients over 'dp'")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (not the pipelined frameworks): inductor, as users run it")
     p.add_argument("--out", help="folder for rankN.json (losses, step times)")
     args = p.parse_args()
 
@@ -185,6 +218,15 @@ def main() -> int:
     else:
         torch.manual_seed(99)
         model: nn.Module = mlp(hidden, args.layers, Busy(fwd_s, delay_s))
+        grad_group, grad_size = None, world
+        if args.mesh_tp:
+            if args.framework != "plain" or world % args.mesh_tp:
+                raise SystemExit("--mesh-tp is for --framework plain, with a TP size that divides the world")
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world // args.mesh_tp, args.mesh_tp), mesh_dim_names=("dp", "tp"))
+            grad_group, grad_size = mesh.get_group("dp"), world // args.mesh_tp
+            model = nn.Sequential(*model, TPMean(mesh.get_group("tp")))
         if args.framework == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -197,6 +239,8 @@ def main() -> int:
                     fully_shard(layer)
             fully_shard(model)
         params = list(model.parameters())
+        if args.compile:
+            model = torch.compile(model)
         if args.framework == "hier":
             k = args.node_size
             if world % k:
@@ -224,8 +268,8 @@ def main() -> int:
                     if world > args.node_size:
                         dist.all_reduce(flat, group=cross_group)
                 else:
-                    dist.all_reduce(flat)
-                flat /= world
+                    dist.all_reduce(flat, group=grad_group)
+                flat /= grad_size if args.framework == "plain" else world
                 set_grads(params, flat)
             opt.step()
             opt.zero_grad(set_to_none=False)
