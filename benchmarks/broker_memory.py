@@ -65,13 +65,18 @@ def main() -> int:
         producer = KafkaProducer(bootstrap_servers=broker.bootstrap, linger_ms=5, batch_size=1 << 20)
         print(f"start      rss {rss_mb(pid):7.1f} MB")
 
-        freed = []
-        for r in range(args.rounds):
-            topic = f"records-{r}"
+        def measured(topic: str, drop) -> tuple[float, float]:
+            """Write --mb to a fresh topic, then ``drop(topic)``: RSS before and after."""
             admin.create_topics([NewTopic(topic, 1, 1)])
             fill(producer, topic, args.mb)
             time.sleep(1)
             before = rss_mb(pid)
+            drop(topic)
+            time.sleep(2)
+            return before, rss_mb(pid)
+
+        def delete_records(topic: str) -> None:
+            nonlocal admin, outcome
             tp = TopicPartition(topic, 0)
             end = admin.list_partition_offsets({tp: OffsetSpec.LATEST})[tp].offset
             try:
@@ -81,25 +86,15 @@ def main() -> int:
                 outcome = f"failed: {e!r}"
                 admin.close()
                 admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap, request_timeout_ms=10_000)
-            time.sleep(2)
-            after = rss_mb(pid)
-            freed.append(before - after)
-            print(f"DeleteRecords round {r}: rss {before:7.1f} -> {after:7.1f} MB  ({outcome})")
-        verdicts["DeleteRecords"] = sum(freed) / len(freed)
 
-        freed = []
-        for r in range(args.rounds):
-            topic = f"generation-{r}"
-            admin.create_topics([NewTopic(topic, 1, 1)])
-            fill(producer, topic, args.mb)
-            time.sleep(1)
-            before = rss_mb(pid)
-            admin.delete_topics([topic])
-            time.sleep(2)
-            after = rss_mb(pid)
-            freed.append(before - after)
-            print(f"DeleteTopics  round {r}: rss {before:7.1f} -> {after:7.1f} MB")
-        verdicts["DeleteTopics"] = sum(freed) / len(freed)
+        for name, drop in (("DeleteRecords", delete_records), ("DeleteTopics", lambda t: admin.delete_topics([t]))):
+            freed = []
+            for r in range(args.rounds):
+                outcome = ""
+                before, after = measured(f"{name.lower()}-{r}", drop)
+                freed.append(before - after)
+                print(f"{name:13} round {r}: rss {before:7.1f} -> {after:7.1f} MB  {outcome}")
+            verdicts[name] = sum(freed) / len(freed)
         producer.close()
         admin.close()
     panics = [line.strip() for line in log.read_text(errors="replace").splitlines()
