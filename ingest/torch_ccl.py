@@ -237,6 +237,12 @@ def instrument_distributed(exporter: RankExporter, observer: Any = None) -> Call
             observer.on_enter(call)
         return call
 
+    def begin(fname: str, gname: str, ranks: list[int], tensor: Any, is_async: bool) -> Call:
+        """A collective's record, entered: its sequence number in the group, bytes and peers."""
+        me = dist.get_rank()
+        return enter(Call(fname, gname, ranks, next_seq(gname), _nbytes(tensor), [r for r in ranks if r != me],
+                          exporter.now_ns(), time.perf_counter_ns(), tensor, is_async=is_async))
+
     def make_done(call: Call) -> Callable[[], None]:
         def done():
             try:
@@ -298,12 +304,7 @@ def instrument_distributed(exporter: RankExporter, observer: Any = None) -> Call
                 group = kwargs.get("group", args[g_idx] if g_idx is not None and len(args) > g_idx else None)
                 is_async = bool(kwargs.get("async_op", args[a_idx] if a_idx is not None and len(args) > a_idx
                                            else False))
-                gname, ranks = group_of(group)
-                tensor = args[t_idx] if len(args) > t_idx else None
-                me = dist.get_rank()
-                call = enter(Call(fname, gname, ranks, next_seq(gname), _nbytes(tensor),
-                                  [r for r in ranks if r != me], exporter.now_ns(), time.perf_counter_ns(), tensor,
-                                  is_async=is_async))
+                call = begin(fname, *group_of(group), args[t_idx] if len(args) > t_idx else None, is_async)
             except Exception as e:  # never in training's way
                 failed(f"recording {fname}", e)
                 call, is_async = None, False
@@ -386,8 +387,7 @@ def instrument_distributed(exporter: RankExporter, observer: Any = None) -> Call
         if getattr(dist, fname, None) is originals[fname]:
             setattr(dist, fname, w)
 
-    undo_functional = _instrument_functional(group_of, enter, make_done, next_seq, run, failed, observer,
-                                             exporter)
+    undo_functional = _instrument_functional(begin, group_of, make_done, run, failed, observer)
 
     def undo() -> None:
         for fname, orig in originals.items():
@@ -399,8 +399,7 @@ def instrument_distributed(exporter: RankExporter, observer: Any = None) -> Call
     return undo
 
 
-def _instrument_functional(group_of, enter, make_done, next_seq, run, failed, observer, exporter
-                           ) -> Callable[[], None]:
+def _instrument_functional(begin, group_of, make_done, run, failed, observer) -> Callable[[], None]:
     """Wrap the functional collectives; their exit is recorded when the result's wait runs.
 
     Under ``torch.compile`` the wrappers step aside (``is_compiling``): the call becomes a node of the
@@ -432,12 +431,8 @@ def _instrument_functional(group_of, enter, make_done, next_seq, run, failed, ob
             call = None
             try:
                 group = kwargs.get("group", args[g_idx] if len(args) > g_idx else None)
-                gname, ranks = group_of(find_pg(resolve(group, kwargs.get("tag", ""))))
                 tensor = args[0] if args else kwargs.get("self", kwargs.get("inputs"))
-                me = torch.distributed.get_rank()
-                call = enter(Call(fname, gname, ranks, next_seq(gname), _nbytes(tensor),
-                                  [r for r in ranks if r != me], exporter.now_ns(), time.perf_counter_ns(), tensor,
-                                  is_async=True))
+                call = begin(fname, *group_of(find_pg(resolve(group, kwargs.get("tag", "")))), tensor, True)
             except Exception as e:
                 failed(f"recording {fname}", e)
                 call = None

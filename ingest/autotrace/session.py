@@ -223,6 +223,26 @@ class TraceSession:
         except RuntimeError:  # interpreter already shutting down
             atexit.register(self.close)
 
+    def relayout(self, pp: int | None = None, vpp: int | None = None, mesh: dict[str, int] | None = None) -> None:
+        """The layout again, from --layout and what the processes report: a pipeline's ``pp`` and ``vpp``,
+        a DeviceMesh's sizes. What they report beats --layout (a contradiction is a warning and the
+        contradicted names are dropped); where the mesh and the pipeline disagree, the pipeline, which runs
+        the schedule, wins and the mesh's sizes are not used."""
+        mesh = {k: v for k, v in (mesh or {}).items() if pp is None or k != "pp_size"}
+        told = set(mesh) | {k for k, v in (("pp_size", pp), ("vpp_size", vpp)) if v is not None}
+        unnamed = {k: v for k, v in self.settings.layout.items() if k not in told and k != "dp_size"}
+        attempts = ((self.settings.layout, mesh, "using what the processes report"),
+                    (unnamed, mesh, "the DeviceMesh's sizes are not used"), (unnamed, {}, ""))
+        for named, reported, fallback in attempts:
+            try:
+                self.layout = resolve_layout(named, self.world, pp=pp, vpp=vpp, reported=reported,
+                                             source="the DeviceMesh")
+                return
+            except SettingsError as e:
+                if not fallback:
+                    raise
+                self.warn(f"{e}; {fallback}")
+
     def warn(self, msg: str) -> None:
         """A clear line in the trace log, once per message; never an exception in training."""
         if msg not in self.warnings:

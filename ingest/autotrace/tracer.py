@@ -35,7 +35,6 @@ torch.distributed only.
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import threading
@@ -575,8 +574,6 @@ class Tracer:
         """Pipeline size, this rank's stage and chunks from the schedule: they beat --layout."""
         import torch.distributed as dist
 
-        from ingest.autotrace.session import SettingsError, resolve_layout
-
         stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
         first = stages[0]
         pp = int(first.group_size)
@@ -588,20 +585,7 @@ class Tracer:
             list(range(self.session.world))
         self.pp_group = set(ranks)
         sess = self.session
-        mesh = {k: v for k, v in self.mesh_sizes.items() if k != "pp_size"}
-        try:
-            sess.layout = resolve_layout(sess.settings.layout, sess.world, pp=pp, vpp=vpp, reported=mesh,
-                                         source="the DeviceMesh")
-        except SettingsError as e:
-            sess.warn(f"{e}; using the pipeline's own pp={pp}, vpp={vpp}")
-            keep = {"pp_size", "vpp_size", "dp_size", *mesh}
-            try:
-                sess.layout = resolve_layout({k: v for k, v in sess.settings.layout.items() if k not in keep},
-                                             sess.world, pp=pp, vpp=vpp, reported=mesh, source="the DeviceMesh")
-            except SettingsError as e2:  # the mesh and the pipeline disagree: the pipeline runs the schedule
-                sess.warn(f"{e2}; the DeviceMesh's sizes are not used")
-                sess.layout = resolve_layout({k: v for k, v in sess.settings.layout.items() if k not in keep},
-                                             sess.world, pp=pp, vpp=vpp)
+        sess.relayout(pp=pp, vpp=vpp, mesh=self.mesh_sizes)
         lay = sess.layout
         dp_rank = (min(ranks) // (lay.tp_size * lay.cp_size)) % lay.dp_size
         if self.mesh_coords is not None and self.mesh_coords[1] == pp_rank:
@@ -639,7 +623,7 @@ class Tracer:
     def _learn_mesh(self, mesh) -> None:
         """DP, PP, TP and CP sizes and this rank's place from a named mesh over every rank: they beat
         --layout (a contradiction is a warning), and a pipeline's own stages beat the mesh's pp."""
-        from ingest.autotrace.session import SettingsError, mesh_axis, mesh_layout, resolve_layout
+        from ingest.autotrace.session import mesh_axis, mesh_layout
 
         names = getattr(mesh, "mesh_dim_names", None)
         sess = self.session
@@ -651,17 +635,9 @@ class Tracer:
         if unknown:
             sess.warn(f"DeviceMesh dimension(s) {', '.join(unknown)} read as data parallel")
         if self.stage_info is not None:
-            sizes.pop("pp_size", None)
-            sizes.pop("dp_size", None)
-        try:
-            lay = resolve_layout(sess.settings.layout, sess.world, reported=sizes, source="the DeviceMesh")
-        except SettingsError as e:
-            sess.warn(f"{e}; using the DeviceMesh's")
-            lay = resolve_layout({k: v for k, v in sess.settings.layout.items() if k not in sizes and k != "dp_size"},
-                                 sess.world, reported=sizes, source="the DeviceMesh")
-        if self.stage_info is not None:
-            lay = dataclasses.replace(lay, pp_size=sess.layout.pp_size, vpp_size=sess.layout.vpp_size)
-        sess.layout = lay
+            sess.relayout(pp=self.stage_info[0], vpp=self.stage_info[2], mesh=sizes)
+        else:
+            sess.relayout(mesh=sizes)
         self.mesh_sizes = sizes
         if coords is None:
             return

@@ -178,3 +178,20 @@ def test_a_device_mesh_gives_sizes_and_this_ranks_worker():
     assert mesh_layout(names, shape, None)[1:3] == (None, None)  # a rank outside the mesh
     sizes, dp, pp, unknown = mesh_layout(("ep", "tp"), (4, 2), (3, 0))
     assert sizes == {"dp_size": 4, "tp_size": 2} and unknown == ["ep"] and (dp, pp) == (3, 0)
+
+
+def test_relayout_keeps_what_the_processes_report_and_warns_on_a_contradiction():
+    from ingest.autotrace.session import TraceSession
+
+    sess = object.__new__(TraceSession)  # only what relayout reads: no torch.distributed here
+    sess.settings, sess.world, sess.rank, sess.warnings = TraceSettings(job_id="j", bootstrap="", layout={"dp_size": 4}), 8, 0, []
+    sess.relayout(mesh={"dp_size": 2, "tp_size": 4})
+    assert sess.layout == JobLayout(2, 1, tp_size=4) and "the DeviceMesh says dp=2" in sess.warnings[0]
+    # A mesh learned after the pipeline: the pipeline's pp stands and the sizes still make the world.
+    sess.warnings = []
+    sess.relayout(pp=2, vpp=1, mesh={"pp_size": 4, "dp_size": 2, "tp_size": 2})
+    assert sess.layout == JobLayout(2, 2, tp_size=2)
+    # The mesh and the pipeline disagree: the pipeline wins, the mesh's sizes are not used.
+    sess.settings = TraceSettings(job_id="j", bootstrap="")
+    sess.relayout(pp=2, vpp=1, mesh={"dp_size": 2, "tp_size": 4})
+    assert sess.layout == JobLayout(4, 2) and "the DeviceMesh's sizes are not used" in sess.warnings[-1]

@@ -269,7 +269,7 @@ def main() -> int:
                         dist.all_reduce(flat, group=cross_group)
                 else:
                     dist.all_reduce(flat, group=grad_group)
-                flat /= grad_size if args.framework == "plain" else world
+                flat /= grad_size  # the world, or the DP dimension of --mesh-tp
                 set_grads(params, flat)
             opt.step()
             opt.zero_grad(set_to_none=False)
