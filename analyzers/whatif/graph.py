@@ -24,58 +24,13 @@ import dataclasses
 
 import numpy as np
 
+from . import kernels
 from . import opcodes as T
 from .levels import levels_of_groups
 from .load import PreparedOps
 
 DELAY_CLAMP_NS = -10_000_000
-MAX_SLOTS = 4
 """Launch delays below this are measurement noise (clock skew): set to 0."""
-
-
-@dataclasses.dataclass
-class Segments:
-    """Max over contiguous segments of a level's rows, cheap for the common pairs.
-
-    Rows of segments of size 2 read their partner (``partner``, self for
-    size 1); rows of larger segments (``big_idx``) use a reduceat.
-    """
-
-    partner: np.ndarray | None
-    big_idx: np.ndarray | None
-    big_off: np.ndarray | None
-    big_len: np.ndarray | None
-
-    @staticmethod
-    def of(off: np.ndarray, n: int) -> Segments | None:
-        length = np.diff(np.append(off, n))
-        if len(off) == n:
-            return None
-        partner = np.arange(n)
-        two = off[length == 2]
-        partner[two], partner[two + 1] = two + 1, two
-        bigs = length > 2
-        if bigs.any():
-            bo, bl = off[bigs], length[bigs]
-            idx = np.repeat(bo - np.concatenate([[0], np.cumsum(bl)[:-1]]), bl) + np.arange(int(bl.sum()))
-            return Segments(partner if (length == 2).any() else None, idx,
-                            np.concatenate([[0], np.cumsum(bl)[:-1]]), bl)
-        return Segments(partner, None, None, None)
-
-
-@dataclasses.dataclass
-class Level:
-    """One level: ops [a, b), pred entries [ea, eb), groups and DP-pair sub-groups."""
-
-    a: int
-    b: int
-    ea: int
-    eb: int
-    pred_off: np.ndarray  # reduceat offsets into the pred slice, one per op
-    slots: np.ndarray | None  # [b - a, d] predecessor rows, short lists padded with the first; None: use pred_off
-    groups: Segments | None  # None: all singletons
-    subgroups: Segments | None  # pair mode (DP-wide groups split by DP rank)
-    wide_rows: np.ndarray | None  # rows of DP-wide groups (pair mode joins the two columns there)
 
 
 @dataclasses.dataclass
@@ -97,9 +52,11 @@ class Graph:
     in_group: np.ndarray  # member of a group of two or more (its duration is a transfer)
     g_off: np.ndarray  # offsets of all groups in level order
     g_len: np.ndarray
+    sg_off: np.ndarray  # starts of the pair mode's sub-groups in level order, then n
+    sg_wide: np.ndarray  # bool per sub-group: part of a DP-wide group
     pred_idx: np.ndarray  # rows of E (0 = step start, op i = i + 1)
     pred_ptr: np.ndarray  # CSR offsets into pred_idx, n + 1
-    levels: list[Level]
+    n_levels: int  # longest dependency chain, in groups
     end_pos: np.ndarray  # positions of step-end ops, sorted by (step, dp)
     end_off: np.ndarray  # reduceat offsets of end_pos per step
     end_steps: np.ndarray  # steps (index into PreparedOps.steps) of end_off
@@ -114,6 +71,11 @@ class Graph:
     row_base: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(1, np.int64))  # [B] row offsets
 
     @property
+    def g_bounds(self) -> np.ndarray:
+        """Start rows of the groups in level order, then n (what a compiled pass walks)."""
+        return np.append(self.g_off, self.n).astype(np.int64)
+
+    @property
     def batch(self) -> int:
         return len(self.row_base)
 
@@ -121,72 +83,41 @@ class Graph:
         """[n, b1 - b0] rows in PreparedOps of every op of batch columns [b0, b1)."""
         return self.row_base[None, b0:b1] + self.row_local[:, None]
 
-    def times(self, p: PreparedOps, b0: int = 0, b1: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Actual (start, duration) [n, b1 - b0] ns (``p``'s dtypes) of batch columns [b0, b1), read from ``p``."""
-        b1 = self.batch if b1 is None else b1
-        rl = self.row_local
-        lo = int(rl.min()) if len(rl) else 0
-        hi = int(rl.max()) + 1 if len(rl) else 0
-        local = rl - lo
-        # Column by column from the contiguous rows of one step: cache-friendly, no [n, B] index array.
-        st = np.empty((b1 - b0, len(rl)), p.start.dtype)
-        du = np.empty((b1 - b0, len(rl)), p.dur.dtype)
-        for j, base in enumerate(self.row_base[b0:b1].tolist()):
-            np.take(p.start[base + lo:base + hi], local, out=st[j])
-            np.take(p.dur[base + lo:base + hi], local, out=du[j])
-        return st.T, du.T
-
-    def actual_end(self, p: PreparedOps, b0: int = 0, b1: int | None = None) -> np.ndarray:
-        st, du = self.times(p, b0, b1)
-        st += du
-        return st
-
-    def measure(self, p: PreparedOps, batch: int = 8) -> None:
-        """Original durations and launch delays [n, B] (level order) from the trace times in ``p``.
-
-        Works on ``batch`` columns at a time to bound the temporaries; the actual
-        times are not kept (``times`` re-reads them).
-        """
+    def measure(self, p: PreparedOps) -> None:
+        """Original durations and launch delays [n, B] (level order) from the trace times in ``p``."""
         n, B = self.n, self.batch
         self.orig = np.empty((n, B), np.float64)
         self.delay = np.empty((n, B), np.int32)  # int ns, exact; >= -10 ms after the clamp
-        neg_total = clamp_total = 0
-        over: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        e_act = np.zeros((n + 1, min(batch, B)), np.int64)
-        for b0 in range(0, B, batch):
-            b1 = min(B, b0 + batch)
-            st, du = self.times(p, b0, b1)
-            en = e_act[1:, :b1 - b0]
-            np.add(st, du, out=en)
-            gmax = np.repeat(np.maximum.reduceat(st, self.g_off, axis=0), self.g_len, axis=0)
-            transfer = np.where(self.in_group[:, None], en - gmax, du).astype(np.float64)
-            del gmax
-            neg = transfer < 0
-            neg_total += int(neg.sum())
-            transfer[neg] = 0.0
-            self.orig[:, b0:b1] = np.where(self.is_comm[:, None], transfer, du)
-            del transfer, du
-            ea = e_act[:, :b1 - b0]
-            depmax = np.maximum.reduceat(ea[self.pred_idx], self.pred_ptr[:-1], axis=0)
-            delay = st - depmax
-            del st, depmax
-            clamp = delay < DELAY_CLAMP_NS
-            clamp_total += int(clamp.sum())
-            delay[clamp] = 0
-            big = delay > np.iinfo(np.int32).max  # a delay over 2.1 s: rare, kept exactly on the side
-            if big.any():
-                r, c = np.nonzero(big)
-                over.append((r, c + b0, delay[r, c]))
-                delay[r, c] = 0
-            self.delay[:, b0:b1] = delay
-        if over:
-            r, c, v = (np.concatenate(x) for x in zip(*over))
+        cap = _over_room(self)
+        while True:
+            over = (np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.float64))
+            neg, clamped, n_over = kernels.measure(
+                self.pred_ptr, self.pred_idx, self.g_bounds, self.in_group, self.is_comm, self.row_local,
+                self.row_base, p.start, p.dur, DELAY_CLAMP_NS, self.orig, self.delay, *over)
+            if n_over <= cap:
+                break
+            cap = n_over
+        if n_over:
+            r, c, v = (x[:n_over] for x in over)
             o = np.argsort(r, kind="stable")
-            self.delay_over = (r[o], c[o], v[o].astype(np.float64))
+            self.delay_over = (r[o], c[o], v[o])
         else:
             self.delay_over = None
-        self.counts["negative_transfer"] = neg_total
-        self.counts["delay_clamped"] = clamp_total
+        self.counts["negative_transfer"] = neg
+        self.counts["delay_clamped"] = clamped
+
+    def replay_gap(self, E: np.ndarray, col: int, p: PreparedOps, b0: int = 0) -> float:
+        """Largest |simulated - traced| end (ns) of column ``col`` of a pass on batch columns from ``b0``."""
+        return float(kernels.replay_gap(E, col, self.row_local, self.row_base, b0, p.start, p.dur))
+
+
+def _over_room(g: Graph) -> int:
+    """Room for delays over 2.1 s in a first measuring call (a second one makes room for more).
+
+    They are mostly those of ops that wait only for the step start (a step's first op after a long
+    gap): one for each of those in every batch column.
+    """
+    return g.batch * int(np.count_nonzero(g.pred_idx[g.pred_ptr[:-1]] == 0)) + 1024
 
 
 def _run_starts(sorted_keys: np.ndarray) -> np.ndarray:
@@ -492,29 +423,9 @@ def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool, measur
     gflag_all = _run_starts(gid[order])
     g_off_all = np.flatnonzero(gflag_all)
 
-    lvl_o = lvl[order]
-    sgid_o = sgid[order]
-    wide_o = wide[order]
-    n_levels = int(lvl_o.max()) + 1 if n else 0
-    lptr = np.searchsorted(lvl_o, np.arange(n_levels + 1))
-    gflag = gflag_all
-    sgflag = _run_starts(sgid_o)
-    levels = []
-    for L in range(n_levels):
-        a, b = int(lptr[L]), int(lptr[L + 1])
-        ea, eb = int(pred_ptr[a]), int(pred_ptr[b])
-        pred_off = (pred_ptr[a:b] - ea).astype(np.int64)
-        deg = np.diff(np.append(pred_off, eb - ea))
-        slots = None
-        if deg.max(initial=0) <= MAX_SLOTS:
-            # Fixed-width predecessor lists: a max over a few gathered rows beats reduceat.
-            j = np.minimum(np.arange(int(deg.max()))[None, :], deg[:, None] - 1)
-            slots = pred_idx[ea + pred_off[:, None] + j]
-        n_l = b - a
-        groups = Segments.of(np.flatnonzero(gflag[a:b]), n_l)
-        subgroups = Segments.of(np.flatnonzero(sgflag[a:b] | gflag[a:b]), n_l)
-        wide_rows = np.flatnonzero(wide_o[a:b])
-        levels.append(Level(a, b, ea, eb, pred_off, slots, groups, subgroups, wide_rows if len(wide_rows) else None))
+    # Groups and pair-mode sub-groups as contiguous runs of rows: a pass walks them in this order.
+    sg_start = np.flatnonzero(_run_starts(sgid[order]) | gflag_all)
+    n_levels = int(lvl.max()) + 1 if n else 0
 
     # Step ends: the optimizer ops, or every op of a step without one.
     step_o = lstep[order]
@@ -533,7 +444,8 @@ def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool, measur
         n=n, row_local=rows[order].astype(np.int64), code=code_o.astype(np.int8), dp=dp[order].astype(np.int32),
         pp=pp[order].astype(np.int32), step=(step_o + s0).astype(np.int32), is_comm=T.IS_COMM[code_o],
         in_group=(gsize[gid] > 1)[order], g_off=g_off_all, g_len=np.diff(np.append(g_off_all, n)),
-        pred_idx=pred_idx, pred_ptr=pred_ptr, levels=levels,
+        sg_off=np.append(sg_start, n).astype(np.int64), sg_wide=wide[order][sg_start],
+        pred_idx=pred_idx, pred_ptr=pred_ptr, n_levels=n_levels,
         end_pos=end_pos, end_off=end_off, end_steps=(es[end_off] + s0).astype(np.int64),
         end_sd_off=sd_off, end_sd_step=(es[sd_off] + s0).astype(np.int64), end_sd_dp=dp_o[end_pos[sd_off]],
         counts=counts,

@@ -20,6 +20,7 @@ from core.layout import JobLayout
 from core.memory import release_memory
 from core.optypes import OPTYPES
 
+from . import kernels
 from .opcodes import CODE, STREAM_OF_CODE
 
 REQUIRED = ("dp_rank", "pp_rank", "step", "optype", "start_ns", "duration_ns")
@@ -193,82 +194,25 @@ def prepare_ops(ops: pa.Table, layout: JobLayout, *, allow_incomplete: bool = Tr
     else:
         step_idx = np.searchsorted(steps, step).astype(np.int32)
     del step
-    step_start = np.full(len(steps), np.iinfo(np.int64).max, np.int64)
-    np.minimum.at(step_start, step_idx, start)
-    rel = start - step_start[step_idx]
+    step_start, rel = kernels.relative_starts(step_idx, start, len(steps))
     del start
-
-    order = _sort_order(step_idx, dp, pp, codes, rel, seq, layout)
-    counts = np.bincount(step_idx, minlength=len(steps))
     if max(layout.dp_size, layout.pp_size) > 0xFFFF:
         raise WhatIfInputError(f"layout dp={layout.dp_size} pp={layout.pp_size}: at most 65,535 ranks per dimension")
+    order = _sort_order(step_idx, dp, pp, codes, rel, seq, layout, len(steps))
     rank_t = _narrow(max(layout.dp_size, layout.pp_size))
-    # Two packed int64 gathers instead of eight: (dp, pp, code, mc, gmc) and (seq, mb). The [n] int64
-    # scratch arrays are reused: at 7.5M ops every fresh 60 MB array costs page faults.
-    i64 = np.int64
-    A = np.left_shift(dp, 48, dtype=i64)
-    T_ = np.empty_like(A)
-    for x, shift in ((pp, 32), (codes, 24)):
-        np.left_shift(x, shift, out=T_, dtype=i64)
-        A |= T_
-    np.bitwise_and(mc, 0xFFF, out=T_, dtype=i64)
-    T_ <<= 12
-    A |= T_
-    np.bitwise_and(gmc, 0xFFF, out=T_, dtype=i64)
-    A |= T_
-    del dp, pp, codes, mc, gmc
-    np.take(A, order, out=T_)
-    A, T_ = T_, A  # A: packed, sorted
-    U = np.empty_like(A)
-    np.left_shift(seq, 32, out=T_, dtype=i64)
-    np.bitwise_and(mb, 0xFFFFFFFF, out=U, dtype=i64)
-    T_ |= U
-    del seq, mb
-    np.take(T_, order, out=U)
-    Bp = U  # packed (seq, mb), sorted
-    np.take(rel, order, out=T_)
-    rel, T_ = T_, rel  # T_: the unsorted starts, free now
-    if T_.dtype != i64 or T_.shape != A.shape or not T_.flags.writeable:
-        T_ = np.empty_like(A)
-    dur = dur[order]
-    del order
-    step_idx = np.repeat(np.arange(len(steps), dtype=_narrow(len(steps))), counts)
-    np.right_shift(A, 48, out=T_)
-    dp = T_.astype(rank_t)
-    np.right_shift(A, 32, out=T_)
-    T_ &= 0xFFFF
-    pp = T_.astype(rank_t)
-    np.right_shift(A, 24, out=T_)
-    T_ &= 0xFF
-    codes = T_.astype(np.int8)
-    np.right_shift(A, 12, out=T_)
-    T_ &= 0xFFF
-    mc = T_.astype(np.int16)
-    np.bitwise_and(A, 0xFFF, out=T_)
-    gmc = T_.astype(np.int16)
-    del A
-    mc[mc >= 0x800] -= 0x1000  # sign of the 12-bit fields
-    gmc[gmc >= 0x800] -= 0x1000
-    np.right_shift(Bp, 32, out=T_)
-    seq = _fit(T_.astype(np.int32))
-    mb = _fit(Bp.astype(np.int32))  # the low 32 bits
-    del Bp, T_
-    dur = _fit(dur)
-    # The model has no chunk below 0; a missing global chunk follows from the stage.
-    np.maximum(mc, 0, out=mc)
-    gmc = np.where(gmc < 0, mc * layout.pp_size + pp, gmc).astype(np.int16)
-
-    # Exact re-deliveries: same worker, step, type, seq and start (adjacent after the sort).
-    dup = np.zeros(len(codes), bool)
-    if len(codes) > 1:
-        dup[1:] = ((rel[1:] == rel[:-1]) & (codes[1:] == codes[:-1]) & (seq[1:] == seq[:-1])
-                   & (dp[1:] == dp[:-1]) & (pp[1:] == pp[:-1]) & (step_idx[1:] == step_idx[:-1]))
-    if dup.any():
-        warnings.append(f"{int(dup.sum())} duplicate op spans dropped")
-        k = np.flatnonzero(~dup)
-        step_idx, dp, pp, codes, rel, dur, seq, mc, gmc, mb = (
-            a[k] for a in (step_idx, dp, pp, codes, rel, dur, seq, mc, gmc, mb))
-    del dup
+    n = len(order)
+    # One gather, then the narrowest types that hold the values (a 7.5M-op window: 27 bytes an op). The
+    # gather's own types are few, so its compiled variants are too (kernels.warm compiles them all).
+    out = tuple(np.empty(n, t) for t in (_narrow(len(steps)), rank_t, rank_t, np.int8, np.int64, np.int64,
+                                         np.int32, np.int16, np.int16, np.int32))
+    kept = kernels.gather_rows(order, step_idx, dp, pp, codes, rel, dur, seq, mc, gmc, mb, layout.pp_size, *out)
+    del order, step_idx, dp, pp, codes, rel, dur, seq, mc, gmc, mb
+    if kept < n:
+        warnings.append(f"{n - kept} duplicate op spans dropped")
+        out = tuple(x[:kept].copy() for x in out)
+    step_idx, dp, pp, codes, rel, dur, seq, mc, gmc, mb = out
+    del out
+    dur, seq, mb = _fit(dur), _fit(seq), _fit(mb)
 
     release_memory()  # the sort's temporaries and pyarrow.compute's op-type codes
     present = np.bincount(dp.astype(np.int64) * layout.pp_size + pp,
@@ -304,56 +248,17 @@ def _narrow(n_values: int):
     return np.int16 if n_values < np.iinfo(np.int16).max else np.int32
 
 
-def _sort_order(step_idx, dp, pp, codes, rel, seq, layout: JobLayout) -> np.ndarray:
-    """Row order by (step, dp, pp, stream, start, seq).
+def _sort_order(step_idx, dp, pp, codes, rel, seq, layout: JobLayout, n_steps: int) -> np.ndarray:
+    """Row order by (step, dp, pp, stream, start, seq), equal rows in input order.
 
-    One stable argsort of (major, start) packed into an int64 when they fit
-    (about 2.5x faster than the two passes below on AR x64, where the input is
-    in per-worker runs); else two stable passes of a value sort on packed
-    (key, row) integers; lexsort when neither fits or when equal starts in one
-    stream leave seq to decide.
+    The compiled counting sort needs a counter per stream of every worker-step; past four per op
+    (a few ops spread over very many steps or ranks) a lexsort is cheaper.
     """
-    n = len(codes)
-    idx_bits = max(1, (n - 1).bit_length())
-    major = _major_key(step_idx, dp, pp, codes, layout)
-    rmin, rmax = (int(rel.min()), int(rel.max())) if n else (0, 0)
-    major_bits = int(major.max(initial=0)).bit_length()
-    rel_bits = max(rmax, 0).bit_length()
-    if rmin >= 0 and major_bits + rel_bits <= 62:
-        key = major
-        del major
-        key <<= rel_bits
-        key |= rel
-        order = np.argsort(key, kind="stable")
-        for a in range(0, max(n - 1, 0), _BLOCK):  # equal (major, start): seq decides
-            k = key[order[a:a + _BLOCK + 1]]
-            if np.any(k[1:] == k[:-1]):
-                del key, order
-                return _lexsort(step_idx, dp, pp, codes, rel, seq, layout)
-        return order
-    fits = rmin >= 0 and rmax < (1 << (62 - idx_bits)) and int(major.max(initial=0)) < (1 << (62 - idx_bits))
-    if not fits:
-        return np.lexsort((seq, rel, major))
-    mask = (1 << idx_bits) - 1
-    key = rel << idx_bits
-    _or_rows(key)
-    key.sort()
-    key &= mask
-    first = key  # rows by (start, row)
-    key = major[first]
-    key <<= idx_bits
-    _or_rows(key)
-    key.sort()
-    key &= mask
-    order = first[key]  # by (major, start, row)
-    del key, first
-    # Equal starts in one stream: seq decides (checked in blocks, no [n] temporaries).
-    for a in range(0, max(n - 1, 0), _BLOCK):
-        o = order[a:a + _BLOCK + 1]
-        r, m = rel[o], major[o]
-        if np.any((r[1:] == r[:-1]) & (m[1:] == m[:-1])):
-            return np.lexsort((seq, rel, major))
-    return order
+    n_keys = n_steps * layout.dp_size * layout.pp_size * 8
+    if n_keys <= 4 * len(codes) + (1 << 20):
+        return kernels.sort_rows(step_idx, dp, pp, codes, STREAM_OF_CODE, layout.dp_size, layout.pp_size,
+                                 n_steps, rel, seq)
+    return np.lexsort((seq, rel, _major_key(step_idx, dp, pp, codes, layout)))
 
 
 def _major_key(step_idx, dp, pp, codes, layout: JobLayout) -> np.ndarray:
@@ -366,20 +271,6 @@ def _major_key(step_idx, dp, pp, codes, layout: JobLayout) -> np.ndarray:
     major *= 8
     major += STREAM_OF_CODE[codes]
     return major
-
-
-def _lexsort(step_idx, dp, pp, codes, rel, seq, layout: JobLayout) -> np.ndarray:
-    return np.lexsort((seq, rel, _major_key(step_idx, dp, pp, codes, layout)))
-
-
-_BLOCK = 1 << 20
-
-
-def _or_rows(key: np.ndarray) -> None:
-    """key[i] |= i, in blocks (no [n] index array)."""
-    for a in range(0, len(key), _BLOCK):
-        b = min(len(key), a + _BLOCK)
-        key[a:b] |= np.arange(a, b, dtype=np.int64)
 
 
 __all__ = ["CODE", "REQUIRED", "PreparedOps", "WhatIfInputError", "prepare_ops"]

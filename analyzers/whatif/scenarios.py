@@ -37,8 +37,8 @@ from .simulate import (
 
 CHUNK_OPS = 1_000_000
 """Ops per chunk of steps: bounds the memory of a pass (ops x columns x 8 bytes)."""
-BATCH_BYTES = 160 << 20
-"""Simulated times held at once in a batched pass (plus about as much in temporaries)."""
+BATCH_BYTES = 256 << 20
+"""Simulated times held at once in a batched pass."""
 TOP_WORKER_FRACTION = 0.03
 
 K_ALL, K_GROUP, K_PP, K_DP, K_TOP = range(5)
@@ -137,7 +137,7 @@ def _batches(g: Graph, k: int) -> list[tuple[int, int, np.ndarray | None]]:
     """Batch column ranges bounded by BATCH_BYTES of simulated times, with their steps."""
     if g.batch == 1:
         return [(0, 1, None)]
-    nb = max(1, BATCH_BYTES // max(1, (g.n + 1) * k * 8 * 2))
+    nb = max(1, BATCH_BYTES // max(1, (g.n + 1) * k * 8))
     steps = np.arange(g.batch)
     return [(b0, min(b0 + nb, g.batch), steps[b0:b0 + nb]) for b0 in range(0, g.batch, nb)]
 
@@ -182,7 +182,7 @@ def run_scenarios(p: PreparedOps, *, overlapped_dp: bool, chunk_ops: int = CHUNK
                 _collect(per_step[nm], st, tt[:, j])
             # Fidelity of the model: the replay with delays must end every op where the trace does.
             if g.n:
-                replay_err = max(replay_err, float(np.max(np.abs(E[1:, :, 1] - g.actual_end(p, b0, b1)))))
+                replay_err = max(replay_err, g.replay_gap(E, 1, p, b0))
             del E
         for b0, b1, bsteps in _batches(g, 2):
             s2, d2, t2 = pair_step_times(g, simulate_pairs(g, ideal, b0=b0, b1=b1, work=work), bsteps, n_dp)

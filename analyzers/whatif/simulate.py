@@ -2,8 +2,8 @@
 
 A scenario is a column: every op takes its original duration where the
 column's selector matches it and its ideal duration elsewhere, and launch
-delays are added only in columns that keep them. One pass walks the levels of
-the graph once and computes all columns together:
+delays are added only in columns that keep them. One pass walks the groups of
+the graph in level order once and computes all columns together:
 
     start = max(end of predecessors) [+ launch delay]
     end   = max(start of the group's members) + duration   (a local op is its own group)
@@ -14,8 +14,10 @@ durations, column 1 an ideal copy that stands for all the other DP ranks
 (they are identical to one another). DP-wide groups then join a rank's
 original sub-group with its copy, so all DP scenarios cost two columns.
 
-Contract: times are float64 ns from the step start; results are per step (or
-per step and DP rank in pair mode); nothing is mutated in the graph.
+The loops themselves are compiled (``kernels``); this module chooses the
+columns and the memory. Contract: times are float64 ns from the step start;
+results are per step (or per step and DP rank in pair mode); nothing is
+mutated in the graph.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import dataclasses
 
 import numpy as np
 
+from . import kernels
 from .graph import Graph
 
 
@@ -40,35 +43,12 @@ class Scenarios:
         return len(self.names)
 
 
-def _pred_max(E: np.ndarray, g: Graph, lv, out: np.ndarray, tmp: np.ndarray) -> None:
-    """out = max over each op's predecessors' ends."""
-    if lv.slots is None:
-        out[...] = np.maximum.reduceat(E[g.pred_idx[lv.ea:lv.eb]], lv.pred_off, axis=0)
-        return
-    np.take(E, lv.slots[:, 0], axis=0, out=out)
-    for j in range(1, lv.slots.shape[1]):
-        np.take(E, lv.slots[:, j], axis=0, out=tmp)
-        np.maximum(out, tmp, out=out)
-
-
-def _seg_max(seg, S: np.ndarray, tmp: np.ndarray) -> None:
-    """In place: every row of S becomes the max over its segment."""
-    if seg is None:
-        return
-    if seg.partner is not None:
-        np.take(S, seg.partner, axis=0, out=tmp)
-        np.maximum(S, tmp, out=S)
-    if seg.big_idx is not None:
-        G = np.maximum.reduceat(S[seg.big_idx], seg.big_off, axis=0)
-        S[seg.big_idx] = np.repeat(G, seg.big_len, axis=0)
-
-
 class Work:
-    """Reusable scratch memory for repeated passes: fresh large arrays cost page faults on every pass."""
+    """Reusable memory for repeated passes: fresh large arrays cost page faults on every pass."""
 
     def __init__(self) -> None:
         self._bufs: dict[str, np.ndarray] = {}
-        self.masks: tuple | None = None  # (graph, keys, scenarios, {nb: per-level cells}) of the last pass
+        self.keep: tuple | None = None  # (graph, keys, scenarios, keep matrix) of the last pass
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         size = int(np.prod(shape))
@@ -78,17 +58,25 @@ class Work:
         return b[:size].reshape(shape)
 
 
-def _buffers(g: Graph, nb: int, k: int, work: Work | None) -> tuple[np.ndarray, np.ndarray]:
-    m = max((lv.b - lv.a for lv in g.levels), default=0)
-    if work is None:
-        return np.empty((m, nb, k)), np.empty((m, nb, k))
-    return work.get("S", (m, nb, k)), work.get("tmp", (m, nb, k))
+_NO_OVER = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64))
+_NO_START = np.zeros((0, 1, 1), np.float64)
 
 
 def _ends(g: Graph, nb: int, k: int, work: Work | None) -> np.ndarray:
-    E = np.empty((g.n + 1, nb, k), np.float64) if work is None else work.get("E", (g.n + 1, nb, k))
-    E[0] = 0.0
-    return E
+    return np.empty((g.n + 1, nb, k), np.float64) if work is None else work.get("E", (g.n + 1, nb, k))
+
+
+def _keep(g: Graph, keys: np.ndarray, sc: Scenarios, work: Work | None) -> np.ndarray:
+    """[n, k] bool: op i keeps its original duration in column j."""
+    if work is not None and work.keep is not None:
+        g0, k0, s0, keep = work.keep
+        if g0 is g and k0 is keys and s0 is sc:
+            return keep
+    keep = np.ascontiguousarray(keys[:, np.asarray(sc.key)] == np.asarray(sc.value))  # a row per op: C order
+    keep ^= np.asarray(sc.invert, bool)
+    if work is not None:
+        work.keep = (g, keys, sc, keep)
+    return keep
 
 
 def simulate(g: Graph, ideal: np.ndarray, keys: np.ndarray, sc: Scenarios, *, b0: int = 0, b1: int | None = None,
@@ -102,87 +90,20 @@ def simulate(g: Graph, ideal: np.ndarray, keys: np.ndarray, sc: Scenarios, *, b0
     b1 = g.batch if b1 is None else b1
     nb, k = b1 - b0, len(sc)
     E = _ends(g, nb, k, work)
-    S_all = np.zeros((g.n, nb, k), np.float64) if want_start else None
-    dcols = np.flatnonzero(sc.keep_delay)
-    orig = g.orig[:, b0:b1]
-    delay = g.delay[:, b0:b1]
-    buf, tmp_buf = _buffers(g, nb, k, work)
-    masks = _masks(g, keys, sc, nb, work)
-    over = g.delay_over  # delays too long for int32, sorted by row
-    for li, lv in enumerate(g.levels):
-        a, b = lv.a, lv.b
-        S, tmp = buf[:b - a], tmp_buf[:b - a]
-        _pred_max(E, g, lv, S, tmp)
-        for j in dcols:
-            S[:, :, j] += delay[a:b]
-        if len(dcols) and over is not None:
-            lo, hi = np.searchsorted(over[0], (a, b))
-            if hi > lo:
-                r, c, v = over[0][lo:hi] - a, over[1][lo:hi], over[2][lo:hi]
-                ok = (c >= b0) & (c < b1)
-                for j in dcols:
-                    S[r[ok], c[ok] - b0, j] += v[ok]
-        if want_start:
-            S_all[a:b] = S
-        _seg_max(lv.groups, S, tmp)
-        # Ideal durations in every column, then the (op, batch, column) cells whose column keeps the
-        # op's original duration, by flat index: each end is one rounding of start + duration.
-        Eo = E[a + 1:b + 1]
-        fidx, oidx = masks[li]
-        np.add(S, ideal[a:b, None, None], out=Eo)
-        if len(fidx):
-            Eo.reshape(-1)[fidx] = S.reshape(-1)[fidx] + orig[a:b].reshape(-1)[oidx]
-    return E, S_all
-
-
-def _masks(g: Graph, keys: np.ndarray, sc: Scenarios, nb: int, work: Work | None) -> list[tuple]:
-    """Per level, flat indices of the cells that keep original durations: into [m, nb, k] and into [m, nb]."""
-    if work is not None and work.masks is not None:
-        g0, k0, s0, by_nb = work.masks
-        if g0 is g and k0 is keys and s0 is sc:
-            if nb in by_nb:
-                return by_nb[nb]
-        else:
-            work.masks = None  # other scenarios now: free the old cells before building the new
-    cols = np.asarray(sc.key)
-    k = len(sc)
-    masks = []
-    bs = np.arange(nb, dtype=np.intp)
-    for lv in g.levels:
-        mask = keys[lv.a:lv.b][:, cols] == sc.value
-        mask ^= sc.invert
-        ri, ci = np.nonzero(mask)
-        o = (ri.astype(np.intp) * nb)[:, None] + bs  # cell (r, b) of the level's [m, nb] originals
-        f = (o * k + ci[:, None]).ravel()
-        # int32 halves the cache (indices stay below m * nb * k).
-        it = np.int32 if (lv.b - lv.a) * nb * k < 2**31 else np.intp
-        masks.append((f.astype(it), o.ravel().astype(it)))
-    if work is not None:
-        if work.masks is None:
-            work.masks = (g, keys, sc, {})
-        work.masks[3][nb] = masks
-    return masks
+    S_all = np.zeros((g.n, nb, k), np.float64) if want_start else _NO_START
+    over = _NO_OVER if g.delay_over is None else g.delay_over
+    kernels.pass_columns(g.pred_ptr, g.pred_idx, g.g_bounds, np.asarray(ideal, np.float64), g.orig, g.delay,
+                         *over, _keep(g, keys, sc, work), np.asarray(sc.keep_delay, bool), b0, E, S_all,
+                         want_start)
+    return E, (S_all if want_start else None)
 
 
 def simulate_pairs(g: Graph, ideal: np.ndarray, *, b0: int = 0, b1: int | None = None,
                    work: Work | None = None) -> np.ndarray:
     """Pair mode: ends [n + 1, nb, 2] (column 0 original DP rank, column 1 its ideal stand-in)."""
     b1 = g.batch if b1 is None else b1
-    nb = b1 - b0
-    E = _ends(g, nb, 2, work)
-    orig = g.orig[:, b0:b1]
-    buf, tmp_buf = _buffers(g, nb, 2, work)
-    for lv in g.levels:
-        a, b = lv.a, lv.b
-        S, tmp = buf[:b - a], tmp_buf[:b - a]
-        _pred_max(E, g, lv, S, tmp)
-        _seg_max(lv.subgroups, S, tmp)
-        if lv.wide_rows is not None:
-            w = lv.wide_rows
-            S[w] = S[w].max(axis=2, keepdims=True)
-        Eo = E[a + 1:b + 1]
-        np.add(S[:, :, 0], orig[a:b], out=Eo[:, :, 0])
-        np.add(S[:, :, 1], ideal[a:b, None], out=Eo[:, :, 1])
+    E = _ends(g, b1 - b0, 2, work)
+    kernels.pass_pairs(g.pred_ptr, g.pred_idx, g.sg_off, g.sg_wide, np.asarray(ideal, np.float64), g.orig, b0, E)
     return E
 
 

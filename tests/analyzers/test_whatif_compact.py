@@ -79,3 +79,19 @@ def test_reused_scratch_memory_gives_the_same_ends():
         fresh, _ = simulate(g, ideal, keys, sc, b0=b0, b1=b1)
         reused, _ = simulate(g, ideal, keys, sc, b0=b0, b1=b1, work=work)
         assert np.array_equal(fresh, reused)
+
+
+def test_more_long_delays_than_the_first_room_are_all_kept(monkeypatch):
+    """The measuring kernel reports how many long delays there were when they did not fit; none is lost."""
+    from analyzers.whatif import graph
+
+    t, lay = vpp_window(dp=2, pp=2, vpp=1, m=3, n_steps=3)
+    t = _late_optimizer(_late_optimizer(t, 1, 1, 1), 0, 1, 2)
+    expected = analyze(t, lay)
+    monkeypatch.setattr(graph, "_over_room", lambda g: 0)
+    res = analyze(t, lay)
+    g = res.model.run.graphs[0]
+    assert g.delay_over is not None and len(g.delay_over[0]) == 2
+    assert list(g.delay_over[0]) == sorted(g.delay_over[0])  # by row: a pass reads them in order
+    assert res.replay_error == 0.0
+    assert json.dumps(res.to_json_dict()["step_time"]) == json.dumps(expected.to_json_dict()["step_time"])
