@@ -10,8 +10,8 @@ op's predecessors once, with the columns as the contiguous inner loop.
 The arithmetic is the numpy model's to the bit: the same maxima and one
 rounding per addition in the same order (start + delay, then + duration).
 
-Compiled once per machine and cached next to this file (``cache=True``); the
-first call in a fresh checkout pays the compilation (a few seconds).
+Cached next to this file (``cache=True``); ``make setup`` compiles every
+variant once (``warm``, about 20 s) so that no pipeline shard compiles one.
 """
 from __future__ import annotations
 
