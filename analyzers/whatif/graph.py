@@ -50,13 +50,11 @@ class Graph:
     step: np.ndarray  # int32, index into PreparedOps.steps (B = 1 graphs)
     is_comm: np.ndarray
     in_group: np.ndarray  # member of a group of two or more (its duration is a transfer)
-    g_off: np.ndarray  # offsets of all groups in level order
-    g_len: np.ndarray
+    g_off: np.ndarray  # starts of the groups in level order, then n (int64)
     sg_off: np.ndarray  # starts of the pair mode's sub-groups in level order, then n
     sg_wide: np.ndarray  # bool per sub-group: part of a DP-wide group
     pred_idx: np.ndarray  # rows of E (0 = step start, op i = i + 1)
     pred_ptr: np.ndarray  # CSR offsets into pred_idx, n + 1
-    n_levels: int  # longest dependency chain, in groups
     end_pos: np.ndarray  # positions of step-end ops, sorted by (step, dp)
     end_off: np.ndarray  # reduceat offsets of end_pos per step
     end_steps: np.ndarray  # steps (index into PreparedOps.steps) of end_off
@@ -69,11 +67,6 @@ class Graph:
     delay_over: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (row, column, ns) of delays > 2^31 ns
 
     row_base: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(1, np.int64))  # [B] row offsets
-
-    @property
-    def g_bounds(self) -> np.ndarray:
-        """Start rows of the groups in level order, then n (what a compiled pass walks)."""
-        return np.append(self.g_off, self.n).astype(np.int64)
 
     @property
     def batch(self) -> int:
@@ -92,7 +85,7 @@ class Graph:
         while True:
             over = (np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.float64))
             neg, clamped, n_over = kernels.measure(
-                self.pred_ptr, self.pred_idx, self.g_bounds, self.in_group, self.is_comm, self.row_local,
+                self.pred_ptr, self.pred_idx, self.g_off, self.in_group, self.is_comm, self.row_local,
                 self.row_base, p.start, p.dur, DELAY_CLAMP_NS, self.orig, self.delay, *over)
             if n_over <= cap:
                 break
@@ -425,7 +418,6 @@ def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool, measur
 
     # Groups and pair-mode sub-groups as contiguous runs of rows: a pass walks them in this order.
     sg_start = np.flatnonzero(_run_starts(sgid[order]) | gflag_all)
-    n_levels = int(lvl.max()) + 1 if n else 0
 
     # Step ends: the optimizer ops, or every op of a step without one.
     step_o = lstep[order]
@@ -443,9 +435,9 @@ def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool, measur
     g = Graph(
         n=n, row_local=rows[order].astype(np.int64), code=code_o.astype(np.int8), dp=dp[order].astype(np.int32),
         pp=pp[order].astype(np.int32), step=(step_o + s0).astype(np.int32), is_comm=T.IS_COMM[code_o],
-        in_group=(gsize[gid] > 1)[order], g_off=g_off_all, g_len=np.diff(np.append(g_off_all, n)),
+        in_group=(gsize[gid] > 1)[order], g_off=np.append(g_off_all, n).astype(np.int64),
         sg_off=np.append(sg_start, n).astype(np.int64), sg_wide=wide[order][sg_start],
-        pred_idx=pred_idx, pred_ptr=pred_ptr, n_levels=n_levels,
+        pred_idx=pred_idx, pred_ptr=pred_ptr,
         end_pos=end_pos, end_off=end_off, end_steps=(es[end_off] + s0).astype(np.int64),
         end_sd_off=sd_off, end_sd_step=(es[sd_off] + s0).astype(np.int64), end_sd_dp=dp_o[end_pos[sd_off]],
         counts=counts,

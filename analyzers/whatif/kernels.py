@@ -144,7 +144,7 @@ def pass_pairs(pred_ptr, pred_idx, sg_off, sg_wide, ideal, orig, b0, E):  # prag
 
 
 @_entry(outputs=(10, 11, 12, 13, 14))
-def measure(pred_ptr, pred_idx, g_bounds, in_group, is_comm, row_local, row_base, start, dur, clamp_ns,
+def measure(pred_ptr, pred_idx, g_off, in_group, is_comm, row_local, row_base, start, dur, clamp_ns,
             orig, delay, over_r, over_c, over_v):  # pragma: no cover - compiled
     """Original durations ``orig`` and launch delays ``delay`` [n, B] of every op and batch column, read
     from the trace (``start``/``dur`` at row ``row_base[c] + row_local[i]``).
@@ -174,8 +174,8 @@ def measure(pred_ptr, pred_idx, g_bounds, in_group, is_comm, row_local, row_base
                 r = row_base[c0 + j] + row_local[i]
                 st[i, j] = start[r]
                 en[i + 1, j] = st[i, j] + np.int64(dur[r])
-        for gi in range(g_bounds.shape[0] - 1):
-            a, b = g_bounds[gi], g_bounds[gi + 1]
+        for gi in range(g_off.shape[0] - 1):
+            a, b = g_off[gi], g_off[gi + 1]
             for j in range(cb):
                 gmax[j] = st[a, j]
             for i in range(a + 1, b):
@@ -332,7 +332,7 @@ def warm() -> None:
             order = sort_rows(z, z, z, np.zeros(2, np.int8), stream, 1, 1, 1, rel, z)
             out = [np.empty(2, t) for t in (step_t, rank_t, rank_t, np.int8, i64, i64, i32, i16, i16, i32)]
             gather_rows(order, z, z, z, np.zeros(2, np.int8), rel, np.zeros(2, i64), z, z, z, z, 1, *out)
-    bounds = np.array([0, 1, 2], i64)
+    bounds = np.array([0, 1, 2], i64)  # group starts, then n
     ptr = np.array([0, 1, 2], i64)
     flags = np.zeros(2, np.bool_)
     rows = np.arange(2, dtype=i64)

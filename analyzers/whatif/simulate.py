@@ -92,7 +92,7 @@ def simulate(g: Graph, ideal: np.ndarray, keys: np.ndarray, sc: Scenarios, *, b0
     E = _ends(g, nb, k, work)
     S_all = np.zeros((g.n, nb, k), np.float64) if want_start else _NO_START
     over = _NO_OVER if g.delay_over is None else g.delay_over
-    kernels.pass_columns(g.pred_ptr, g.pred_idx, g.g_bounds, np.asarray(ideal, np.float64), g.orig, g.delay,
+    kernels.pass_columns(g.pred_ptr, g.pred_idx, g.g_off, np.asarray(ideal, np.float64), g.orig, g.delay,
                          *over, _keep(g, keys, sc, work), np.asarray(sc.keep_delay, bool), b0, E, S_all,
                          want_start)
     return E, (S_all if want_start else None)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -227,3 +228,11 @@ def test_batched_and_per_chunk_graphs_agree(maker, monkeypatch):
     for k in ("slowdown", "launch_slowdown", "M_W", "M_S", "by_optype", "by_dp_rank", "by_pp_rank", "step_time",
               "by_dp_rank_per_step", "worker_slowdown", "replay_error"):
         assert json.dumps(a[k], sort_keys=True) == json.dumps(b[k], sort_keys=True), k
+
+
+def test_the_command_reads_golden_traces_lean_with_the_same_result(tmp_path):
+    """`whatif` reads only the analyzer's columns (op types still dictionary-encoded): the same JSON."""
+    d = Path(__file__).resolve().parent.parent / "golden" / "whatif" / "ST"
+    got = run_cli(d / "trace-ST.parquet", d / "meta-ST.yaml", tmp_path / "o.json")
+    full = analyze(*load_golden(d / "trace-ST.parquet", d / "meta-ST.yaml")).to_json_dict()
+    assert json.dumps(got, sort_keys=True) == json.dumps(full, sort_keys=True)
