@@ -70,6 +70,10 @@ class RayConfig:
     """Empty = a local Ray on 127.0.0.1; else ray.init(address=...) of an existing cluster."""
     num_cpus: int = 2
     """CPUs of the local Ray (ignored with an address)."""
+    shard_cpus: float = 1.0
+    """CPUs each shard actor requests on a Ray cluster (with an address; a local Ray's shards request none)."""
+    shard_memory_mb: int = 1024
+    """Memory each shard actor requests on a Ray cluster, MB (its open windows: 0.7-0.9 GB measured)."""
 
 
 SPANS_KEPT_RULE = ("only windows with a verdict keep them, one per job per pipeline.keep_op_spans_every_s "
@@ -82,8 +86,8 @@ SPANS_KEPT_RULE = ("only windows with a verdict keep them, one per job per pipel
 class PipelineConfig:
     shards: int = 2
     """Shard actors; each consumes partitions % shards == index and owns many jobs."""
-    max_inflight: int = 2
-    """Analyses in flight per shard; at the limit the shard stops polling (backpressure)."""
+    max_inflight: int = 0
+    """Analyses in flight per shard (at the limit it stops polling); 0 = two per analysis CPU of the Ray cluster."""
     idle_timeout_s: float = 20.0
     """A window with no new record for this long is analysed as incomplete."""
     max_buffered_rows: int = 5_000_000

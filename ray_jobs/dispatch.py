@@ -28,6 +28,10 @@ from ray_jobs.windows import ReadyWindow, WindowTracker
 log = logging.getLogger(__name__)
 
 
+UNSIZED_INFLIGHT = 2
+"""In-flight limit when ``max_inflight`` is 0 (auto) and no pipeline sized it from Ray's CPUs (a bare shard)."""
+
+
 class WindowDispatch:
     consumes = frozenset({"job", "op_span", "ccl_record"})
 
@@ -65,7 +69,7 @@ class WindowDispatch:
 
     def busy(self) -> bool:
         """At the in-flight or buffered-rows limit: the shard stops polling until analyses finish."""
-        return (len(self.inflight) >= self.cfg.max_inflight
+        return (len(self.inflight) >= (self.cfg.max_inflight or UNSIZED_INFLIGHT)
                 or self.tracker.buffered_rows() >= self.cfg.max_buffered_rows)
 
     # -- output ---------------------------------------------------------------

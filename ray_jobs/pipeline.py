@@ -17,12 +17,27 @@ shards' counters; ``serve_metrics()`` exposes them to Prometheus on 127.0.0.1.
 Actors are restarted by Ray when their process dies (``max_restarts``); a
 restarted shard re-reads its stored offsets and replays what was not yet
 covered by stored results (``ShardWorker.setup``).
+
+On a Ray cluster (``ray.address``) with a store server the shards can reach
+(``clickhouse://``), the shards outlive the driver: they are detached, named
+per source and index in the ``stragglerscope`` namespace, request
+``ray.shard_cpus`` and ``ray.shard_memory_mb`` and are spread over the nodes.
+A driver that starts finds them and adopts them when their configuration is
+its own (else it replaces them: stop, which commits, then new ones that resume
+from the stored offsets). A driver stops the shards on exit only while it owns
+them: in a rolling update the new driver adopts first, and the old one's exit
+leaves the shards running, so there is never a second set reading the same
+partitions. Ownership goes to the driver that started last (``Owner``).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import ipaddress
 import logging
+import math
 import os
+import socket
 import time
 from typing import Any, Callable
 
@@ -30,6 +45,9 @@ from core.config import Config
 from ray_jobs.shard import ShardWorker
 
 log = logging.getLogger(__name__)
+
+SHARD_NAMESPACE = "stragglerscope"
+"""Ray namespace of the detached shard actors (named ``ss-shard-SOURCE-INDEX``)."""
 
 RAY_CONNECT_CHECK_S = 5.0
 """How long the TCP check of ``ray.address`` waits: ray.init() itself retries a dead address for minutes."""
@@ -75,12 +93,39 @@ def check_ray_reachable(address: str, timeout_s: float = RAY_CONNECT_CHECK_S) ->
     if endpoint is None:
         return
     try:
-        with socket.create_connection(endpoint, timeout=timeout_s):
-            return
+        with socket.create_connection(endpoint, timeout=timeout_s) as sock:
+            if speaks_grpc(sock, timeout_s):
+                return
+            reason = None
     except OSError as e:
         reason = e.strerror or type(e).__name__
+    if reason is None:
+        raise PipelineError(f"{address} accepts connections but is not a Ray head (no gRPC answer in "
+                            f"{timeout_s:.0f} s): use the head's GCS port (host:6379) or its Ray Client port "
+                            "(ray://host:10001)")
     raise PipelineError(f"no Ray cluster reachable at {address} ({reason}); set ray.address to the head's "
-                        "address (host:6379, or ray://host:10001 with ray[client]), or leave it empty for a local Ray")
+                        "address (host:6379, or ray://host:10001), or leave it empty for a local Ray")
+
+
+def speaks_grpc(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether the server on ``sock`` answers HTTP/2's connection preface with its SETTINGS frame.
+
+    Ray's GCS and Ray Client servers are gRPC, which is HTTP/2: they send
+    SETTINGS at once. Anything else (a Kafka broker, a web server on that port)
+    stays silent or answers otherwise, where ``ray.init`` would retry for ever.
+    """
+    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))  # + empty SETTINGS
+    sock.settimeout(timeout_s)
+    head = b""
+    try:
+        while len(head) < 9:  # a frame header: length (3 bytes), type, flags, stream id
+            chunk = sock.recv(9 - len(head))
+            if not chunk:
+                break
+            head += chunk
+    except OSError:
+        return False
+    return len(head) == 9 and head[3] == 0x04
 
 
 def init_ray(cfg: Config) -> None:
@@ -117,6 +162,110 @@ def shard_partitions(index: int, shards: int, partitions: int) -> list[int]:
     may exceed ``kafka.partitions``: then the shards share the extra ones too.
     """
     return [p for p in range(partitions) if p % shards == index]
+
+
+def inflight_per_shard(max_inflight: int, shards: int, cluster_cpus: float, shard_cpus: float) -> int:
+    """Analyses in flight per shard: ``max_inflight``, or for 0 two per analysis CPU, shared by the shards.
+
+    The analysis CPUs are the cluster's less what the shard actors hold. Two per
+    CPU keep a CPU busy while the next window travels to it. A fixed count per
+    shard would leave most of a large cluster idle, or queue a small one's
+    analyses behind each other while the shards stop polling.
+    """
+    if max_inflight > 0:
+        return max_inflight
+    analysis_cpus = max(1.0, cluster_cpus - shards * shard_cpus)
+    return max(1, math.ceil(2 * analysis_cpus / max(1, shards)))
+
+
+def local_addresses() -> set[str]:
+    """This machine's own addresses, on every interface (nothing is sent)."""
+    import psutil
+
+    out = {"127.0.0.1", "::1", "localhost"}
+    for addrs in psutil.net_if_addrs().values():
+        out.update(a.address.split("%")[0] for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6))
+    return out
+
+
+def store_only_here(store_url: str) -> bool:
+    """Whether only processes on this machine can reach the store: chDB files, or a loopback server."""
+    from urllib.parse import urlsplit
+
+    if store_url.startswith("chdb://"):
+        return True
+    host = urlsplit(store_url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_store_reach(store_url: str, node_addresses: list[str], here: set[str] | None = None) -> None:
+    """PipelineError when the shards on another machine could not reach the store.
+
+    The embedded chDB store is served by this driver on 127.0.0.1 (and a
+    ClickHouse on loopback is the same): a shard placed on another node would
+    connect to its own 127.0.0.1 and die at setup. Said before any actor starts.
+    """
+    if not store_only_here(store_url):
+        return
+    here = local_addresses() if here is None else here
+    elsewhere = sorted({a for a in node_addresses if a not in here})
+    if elsewhere:
+        from core.redact import redact_url
+
+        raise PipelineError(
+            f"store.url {redact_url(store_url)} is reachable only on this machine, but the Ray cluster has "
+            f"nodes at {', '.join(elsewhere[:3])}{' ...' if len(elsewhere) > 3 else ''}: give the shards a "
+            "ClickHouse server they can reach (store.url = clickhouse://user@host:9000/db)")
+
+
+def shard_name(source_id: str, index: int) -> str:
+    """A shard actor's Ray name: a driver finds its source's running shards by it."""
+    return f"ss-shard-{source_id}-{index}"
+
+
+def shard_fingerprint(cfg: Config, partitions: list[int]) -> str:
+    """What a running shard must share with a driver to be adopted: its whole configuration and partitions."""
+    import hashlib
+
+    return hashlib.sha256(repr((cfg, partitions)).encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Owner:
+    """The driver that owns the detached shards: the one started last wins (rolling updates).
+
+    Ordered by start time, then name; the clocks of two driver pods need only
+    agree to within the seconds between their starts.
+    """
+    started_ns: int
+    driver: str
+
+    @classmethod
+    def this_process(cls) -> "Owner":
+        return cls(time.time_ns(), f"{socket.gethostname()}:{os.getpid()}")
+
+
+def claim_verdict(current: Owner | None, current_fingerprint: str, owner: Owner, fingerprint: str | None) -> str:
+    """What a running shard answers a driver that claims it.
+
+    'newer': a driver started after ``owner`` owns it (``owner`` steps back);
+    'replace': it runs another configuration (``fingerprint`` None: retire it);
+    'ours': ``owner`` already owns it; 'adopted': ``owner`` takes it over.
+    """
+    if current is not None and owner < current:
+        return "newer"
+    if fingerprint != current_fingerprint:
+        return "replace"
+    return "ours" if owner == current else "adopted"
+
+
+class Superseded(Exception):
+    """A driver started later owns the shards now: this one exits and leaves them running."""
 
 
 def check_topics(cfg: Config) -> int:
@@ -190,20 +339,38 @@ def _make_actor_class():
 
     remote_analyze = ray.remote(num_cpus=1, max_retries=2)(analyze_window)
 
-    @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+    # Resources and placement are per-call options (Pipeline._actor_options); these hold everywhere.
+    @ray.remote(max_restarts=-1, max_task_retries=0)
     class ShardActor:
-        """Holds one ShardWorker; Ray only hosts it (its logic is tested without Ray)."""
+        """Holds one ShardWorker; Ray only hosts it (its logic is tested without Ray).
 
-        def __init__(self, index, partitions, cfg, source_id, open_store):
+        ``owner`` and ``fingerprint`` matter to detached shards, which outlive
+        the driver that made them (``claim``). A restart by Ray runs this again
+        with the creating driver's values; the owning driver claims it back on
+        its next health check.
+        """
+
+        def __init__(self, index, partitions, cfg, source_id, open_store, owner=None, fingerprint=""):
             from core import logs
             from core.redact import install_log_filter, quiet_libraries
 
             logs.configure(cfg.pipeline.log_format, logging.INFO, shard=index, source=source_id)
             install_log_filter()
             quiet_libraries()  # the shard reports what fails itself (status, one warning)
+            self.owner, self.fingerprint = owner, fingerprint
             self.worker = ShardWorker(index, partitions, cfg, source_id, sink_factory=result_sink(cfg, open_store),
                                       submit=remote_analyze.remote)
             self.worker.start()
+
+        def claim(self, owner, fingerprint) -> str:
+            """``claim_verdict``; on 'ours' or 'adopted' the shard is ``owner``'s from now on.
+
+            Actor calls run one at a time, so two drivers claiming at once get one answer each, in order.
+            """
+            verdict = claim_verdict(self.owner, self.fingerprint, owner, fingerprint)
+            if verdict in ("ours", "adopted"):
+                self.owner = owner
+            return verdict
 
         def status(self) -> dict:
             return self.worker.status()
@@ -211,7 +378,13 @@ def _make_actor_class():
         def pid(self) -> int:
             return os.getpid()
 
-        def stop(self) -> bool:
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+        def stop(self, owner=None) -> bool | None:
+            """Stop (committing what is done); None, doing nothing, when ``owner`` is given and is not the owner."""
+            if owner is not None and owner != self.owner:
+                return None
             return self.worker.stop()
 
     return ShardActor
@@ -229,10 +402,18 @@ class Pipeline:
         self.actors: list = []
         self.partitions = cfg.kafka.partitions
         """The input topics' actual partition count, once started."""
+        self.max_inflight = cfg.pipeline.max_inflight
+        """Analyses in flight per shard, once started (``inflight_per_shard``)."""
+        self.owner = Owner.this_process()
+        self.detached = bool(cfg.ray.address) and cfg.store.url.startswith("clickhouse://")
+        """Shards that outlive this driver: a Ray cluster and a store server that does not live in it."""
+        self.adopted = 0
+        """Detached shards found running and adopted at start (the others were created)."""
         self._metrics = None
+        self._fingerprints: list[str] = []
 
     def start(self) -> "Pipeline":
-        """Check the broker (topics, stored offsets), then start Ray and the shard actors.
+        """Check the broker (topics, stored offsets), then start Ray and the shard actors (or adopt them).
 
         BrokerError (OffsetsAheadError) or PipelineError, each one line, when the checks fail.
         """
@@ -246,13 +427,139 @@ class Pipeline:
         check_offsets(self.cfg, self.source_id, self.open_store)
         self.partitions = parts
         init_ray(self.cfg)
+        import ray
+
+        if self.cfg.ray.address:
+            check_store_reach(self.cfg.store.url, [nd["NodeManagerAddress"] for nd in ray.nodes() if nd["Alive"]])
+        shard_cpus = self.cfg.ray.shard_cpus if self.cfg.ray.address else 0.0
+        self.max_inflight = inflight_per_shard(self.cfg.pipeline.max_inflight, n,
+                                               ray.cluster_resources().get("CPU", 1.0), shard_cpus)
+        shard_cfg = self.cfg.replace(pipeline={"max_inflight": self.max_inflight})
         actor_cls = _make_actor_class()
-        self.actors = [
-            actor_cls.options(name=f"ss-shard-{self.source_id}-{i}").remote(
-                i, shard_partitions(i, n, self.partitions), self.cfg, self.source_id, self.open_store)
-            for i in range(n)
-        ]
+        layout = [shard_partitions(i, n, self.partitions) for i in range(n)]
+        self._fingerprints = [shard_fingerprint(shard_cfg, p) for p in layout]
+        if self.detached:
+            self.actors = [self._adopt(actor_cls, i, layout[i], shard_cfg) for i in range(n)]
+            self._retire_beyond(n)
+        else:
+            self.actors = [actor_cls.options(name=shard_name(self.source_id, i), **self._actor_options()).remote(
+                i, layout[i], shard_cfg, self.source_id, self.open_store) for i in range(n)]
         return self
+
+    def _actor_options(self) -> dict:
+        """Resources and placement: a cluster's shards ask for what they use and spread over the nodes.
+
+        On the local Ray, sized by ``ray.num_cpus`` for the analyses, the shards
+        ask for nothing: on two cores they would take the analyses' slots.
+        """
+        if not self.cfg.ray.address:
+            return {"num_cpus": 0}
+        return {"num_cpus": self.cfg.ray.shard_cpus, "memory": self.cfg.ray.shard_memory_mb << 20,
+                "scheduling_strategy": "SPREAD"}
+
+    def _adopt(self, actor_cls, index: int, partitions: list[int], shard_cfg: Config):
+        """Shard ``index``'s detached actor: the running one when its configuration is ours, else a new one."""
+        import ray
+
+        name = shard_name(self.source_id, index)
+        deadline = time.monotonic() + self.cfg.pipeline.ready_timeout_s
+        while True:
+            actor = actor_cls.options(name=name, namespace=SHARD_NAMESPACE, lifetime="detached", get_if_exists=True,
+                                      **self._actor_options()).remote(
+                index, partitions, shard_cfg, self.source_id, self.open_store, self.owner,
+                self._fingerprints[index])
+            try:
+                verdict = ray.get(actor.claim.remote(self.owner, self._fingerprints[index]),
+                                  timeout=max(1.0, deadline - time.monotonic()))
+            except ray.exceptions.GetTimeoutError:
+                raise PipelineError(f"shard actor {name} did not answer in {self.cfg.pipeline.ready_timeout_s:.0f} s "
+                                    "(is the Ray cluster short of CPUs or memory for ray.shard_cpus and "
+                                    "ray.shard_memory_mb?)") from None
+            except ray.exceptions.RayError:
+                return actor  # its setup failed: wait_ready says why, in one line
+            if verdict in ("ours", "adopted"):
+                self.adopted += verdict == "adopted"
+                return actor
+            if verdict == "newer":
+                raise PipelineError(f"a driver started after this one owns shard {name}: not starting a second one")
+            log.warning("shard %s runs another configuration: stopping it (it commits) and starting this one", name)
+            self._retire(actor, name, deadline)
+            if time.monotonic() > deadline:
+                raise PipelineError(f"shard actor {name} of another configuration could not be replaced in "
+                                    f"{self.cfg.pipeline.ready_timeout_s:.0f} s")
+
+    def _retire(self, actor, name: str, deadline: float) -> None:
+        """Stop a detached shard (it commits), kill it and wait until its name is free."""
+        import ray
+
+        try:
+            ray.get(actor.stop.remote(), timeout=40)
+        except ray.exceptions.RayError as e:
+            log.warning("shard %s did not stop cleanly: %s", name, _first_line(e))
+        ray.kill(actor, no_restart=True)
+        while time.monotonic() < deadline:
+            try:
+                ray.get_actor(name, namespace=SHARD_NAMESPACE)
+            except ValueError:
+                return
+            time.sleep(0.2)
+
+    def _retire_beyond(self, n: int) -> None:
+        """Retire this source's detached shards numbered ``n`` and up (a configuration with more shards)."""
+        import ray
+
+        prefix = shard_name(self.source_id, 0)[:-1]
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            name = entry.get("name", "")
+            if entry.get("namespace") != SHARD_NAMESPACE or not name.startswith(prefix):
+                continue
+            tail = name[len(prefix):]
+            if not tail.isdigit() or int(tail) < n:
+                continue
+            actor = ray.get_actor(name, namespace=SHARD_NAMESPACE)
+            try:
+                verdict = ray.get(actor.claim.remote(self.owner, None), timeout=30)
+            except ray.exceptions.RayError:
+                verdict = "replace"
+            if verdict != "newer":
+                log.warning("shard %s is beyond pipeline.shards = %d: stopping it", name, n)
+                self._retire(actor, name, time.monotonic() + 30)
+
+    def check_health(self, statuses: list[dict] | None = None) -> list[dict]:
+        """The shards' statuses; PipelineError for a shard that is dead for good, Superseded when a later
+        driver owns the detached shards. A shard that Ray is restarting is not an error.
+
+        Detached shards are claimed again by name: that also takes back one that
+        Ray restarted with its creator's ownership.
+        """
+        import ray
+
+        if self.detached:
+            for i in range(len(self.actors)):
+                name = shard_name(self.source_id, i)
+                try:
+                    actor = ray.get_actor(name, namespace=SHARD_NAMESPACE)
+                except ValueError:
+                    raise PipelineError(f"shard actor {name} is gone (killed, or its node and every restart lost)"
+                                        ) from None
+                try:
+                    verdict = ray.get(actor.claim.remote(self.owner, self._fingerprints[i]), timeout=10)
+                except ray.exceptions.GetTimeoutError:
+                    continue  # restarting: the status below says so
+                except ray.exceptions.ActorDiedError as e:
+                    raise PipelineError(f"shard actor {name} died: {_actor_error(e)}") from None
+                except ray.exceptions.RayError:
+                    continue
+                if verdict == "newer":
+                    raise Superseded(name)
+                if verdict == "replace":
+                    raise Superseded(f"{name} runs another configuration (a later driver replaced it)")
+                self.actors[i] = actor
+        statuses = self.status() if statuses is None else statuses
+        for st in statuses:
+            if st.get("dead"):
+                raise PipelineError(f"shard {st.get('shard')} died and Ray will not restart it: {st.get('error')}")
+        return statuses
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Block until every shard has connected to Kafka and the store and is polling.
@@ -279,8 +586,10 @@ class Pipeline:
         for i, a in enumerate(self.actors):
             try:
                 out.append(ray.get(a.status.remote(), timeout=timeout_s))
-            except Exception as e:  # restarting or dead actor: visible, not fatal
-                out.append({"shard": i, "error": f"{type(e).__name__}: {str(e)[:200]}", "unavailable": True})
+            except Exception as e:  # restarting or dead actor: visible; a dead one is for check_health
+                out.append({"shard": i, "error": _actor_error(e) if isinstance(e, ray.exceptions.RayError)
+                            else f"{type(e).__name__}: {str(e)[:200]}", "unavailable": True,
+                            "dead": isinstance(e, ray.exceptions.ActorDiedError)})
         return out
 
     def wait(self, done: Callable[[list[dict]], bool], timeout_s: float, poll_s: float = 1.0,
@@ -319,11 +628,14 @@ class Pipeline:
             self._metrics.stop()
         for a in self.actors:
             try:
-                ray.get(a.stop.remote(), timeout=40)
+                stopped = ray.get(a.stop.remote(self.owner if self.detached else None), timeout=40)
             except Exception as e:
                 log.warning("shard stop failed: %s", e)
+                stopped = False
+            if stopped is None:  # a later driver adopted it: it runs on
+                continue
             try:
-                ray.kill(a)
+                ray.kill(a, no_restart=True)
             except Exception:
                 pass
         self.actors = []

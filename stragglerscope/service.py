@@ -73,7 +73,13 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
     stack.callback(lambda: ray.shutdown() if ray.is_initialized() else None)
     pipeline = stack.enter_context(Pipeline(run_cfg, source_id, open_store))
     pipeline.wait_ready(cfg.pipeline.ready_timeout_s)
-    say(f"ray        {len(pipeline.actors)} shard actors on {cfg.ray.address or 'a local Ray (127.0.0.1)'}")
+    where = cfg.ray.address or "a local Ray (127.0.0.1)"
+    if pipeline.detached:
+        say(f"ray        {len(pipeline.actors)} detached shard actors on {where} ({pipeline.adopted} adopted, "
+            f"{len(pipeline.actors) - pipeline.adopted} started; they outlive this driver)")
+    else:
+        say(f"ray        {len(pipeline.actors)} shard actors on {where}")
+    say(f"analysis   up to {pipeline.max_inflight} in flight per shard")
     sigterm_as_interrupt()
     if cfg.pipeline.metrics_port >= 0:
         port = pipeline.serve_metrics(cfg.pipeline.metrics_port)
@@ -112,20 +118,39 @@ def sigterm_as_interrupt() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+HEALTH_EVERY_S = 5.0
+"""How often `run` checks its shards: a dead one ends the run (exit 2) within this."""
+STATUS_EVERY_S = 30.0
+
+
 def run_service(cfg: Config) -> int:
-    """`stragglerscope run`: the pipeline until Ctrl-C, with a status line every 30 s."""
+    """`stragglerscope run`: the pipeline until Ctrl-C, with a status line every 30 s.
+
+    Ends with PipelineError (exit 2) when a shard is dead for good, and with
+    exit 0 when a driver started later has taken the detached shards over.
+    """
+    from ray_jobs.pipeline import Superseded
+
     sigterm_as_interrupt()
     try:
         with contextlib.ExitStack() as stack:
             svc = start_services(cfg, stack)
             say("running; Ctrl-C stops")
+            last = time.monotonic()
             while True:
-                time.sleep(30)
-                st = svc.pipeline.status()
-                say("status     " + "  ".join(
-                    f"shard {s.get('shard')}: windows={s.get('windows_stored', '?')} "
-                    f"lag={s.get('lag', '?') if s.get('loops') else '?'}"
-                    f"{' ERROR ' + s['error'] if s.get('error') else ''}" for s in st))
+                time.sleep(HEALTH_EVERY_S)
+                try:
+                    st = svc.pipeline.check_health()
+                except Superseded as e:
+                    svc.pipeline.actors = []  # theirs now: leave them running
+                    say(f"stopped    a driver started later owns the shards ({e}); they keep running")
+                    return 0
+                if time.monotonic() - last >= STATUS_EVERY_S:
+                    last = time.monotonic()
+                    say("status     " + "  ".join(
+                        f"shard {s.get('shard')}: windows={s.get('windows_stored', '?')} "
+                        f"lag={s.get('lag', '?') if s.get('loops') else '?'}"
+                        f"{' ERROR ' + s['error'] if s.get('error') else ''}" for s in st))
     except KeyboardInterrupt:
         say("stopped")
         return 0

@@ -103,6 +103,20 @@ def test_unreachable_ray_fails_fast_in_one_line(tmp_path):
     assert r.seconds < 90
 
 
+def test_a_ray_address_that_is_not_ray_fails_in_one_line(tmp_path):
+    """A port that accepts and never speaks gRPC (a broker's, say): ray.init retried for ever (killed at 100 s)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    try:
+        r = _cli("run", env_extra={"STRAGGLERSCOPE_RAY_ADDRESS": f"127.0.0.1:{srv.getsockname()[1]}",
+                                   "STRAGGLERSCOPE_STORE": f"chdb://{tmp_path / 'store'}"})
+    finally:
+        srv.close()
+    _expected_failure(r, says="is not a Ray head")
+    assert r.seconds < 90
+
+
 @pytest.fixture(scope="module")
 def secured_server():
     from services.clickhouse_server import ClickHouseServer, find_server_binary

@@ -1,0 +1,177 @@
+"""`stragglerscope run` on a real multi-node Ray cluster (every node on 127.0.0.1), a ClickHouse server as store.
+
+One run, as an infra team would see it: the shard actors spread over the
+nodes; a second driver (a rolling update) adopts them and the first steps
+back, so no second set ever reads the partitions; a node is lost mid-stream
+and its shard comes back on the other node; every window is stored once,
+with the numbers of an undisturbed local run; a shard killed for good ends
+the driver with one line and exit code 2.
+"""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from core import topics
+from core.kafka_admin import ensure_topics
+from tests.integration.test_pipeline_faults import PARTITIONS, _produce, _results, _run
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Driver:
+    """`stragglerscope run` as a child process; its stderr lines collected as they come."""
+
+    def __init__(self, env: dict):
+        self.proc = subprocess.Popen([sys.executable, "-m", "stragglerscope", "run"], env=env, cwd=ROOT,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, words: str, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for line in self.lines:
+                if words in line:
+                    return line
+            assert self.proc.poll() is None, f"driver exited {self.proc.returncode}:\n{self.text}"
+            time.sleep(0.2)
+        raise AssertionError(f"no {words!r} from the driver in {timeout_s} s:\n{self.text}")
+
+    def wait(self, timeout_s: float) -> int:
+        rc = self.proc.wait(timeout=timeout_s)
+        self._reader.join(5)
+        return rc
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _on_cluster(address: str, source_id: str, shards: int, action: str = "where") -> list:
+    """Ask the cluster about the shards (pid, node id), or kill one for good ("kill:INDEX"), from a process
+    of its own (this test's process may hold a local Ray)."""
+    code = """
+import json, sys
+import ray_jobs, ray
+from ray_jobs.pipeline import SHARD_NAMESPACE, shard_name
+ray.init(address=sys.argv[1], log_to_driver=False)
+actors = [ray.get_actor(shard_name(sys.argv[2], i), namespace=SHARD_NAMESPACE) for i in range(int(sys.argv[3]))]
+if sys.argv[4].startswith("kill:"):
+    ray.kill(actors[int(sys.argv[4][5:])], no_restart=True)
+    print("[]")
+else:
+    print(json.dumps([[ray.get(a.pid.remote(), timeout=120), ray.get(a.node.remote(), timeout=120)] for a in actors]))
+"""
+    r = subprocess.run([sys.executable, "-c", code, address, source_id, str(shards), action], cwd=ROOT,
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _stored(store, tag) -> int:
+    return store.query("SELECT count() AS n FROM (SELECT DISTINCT job_id, window_id FROM windows "
+                       "WHERE startsWith(job_id, {t:String}))", {"t": tag}).column("n")[0].as_py()
+
+
+def _wait_stored(store, tag, n: int, timeout_s: float, driver: Driver) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = _stored(store, tag)
+        if done >= n:
+            return done
+        assert driver.proc.poll() is None, f"driver exited {driver.proc.returncode}:\n{driver.text}"
+        time.sleep(0.5)
+    raise AssertionError(f"{_stored(store, tag)} of {n} windows stored after {timeout_s} s:\n{driver.text}")
+
+
+def _strip(rows):
+    return [(r["job_id"], r["window_id"], round(r["slowdown"], 9), round(r["launch_slowdown"], 9),
+             r["verdict"], r["n_ops"]) for r in rows]
+
+
+def test_run_on_a_two_node_ray_cluster_adopts_survives_a_node_loss_and_stores_each_window_once(
+        broker, ray_local, tmp_path):
+    from services.clickhouse_server import ClickHouseServer, find_server_binary
+    from services.ray_cluster import LocalRayCluster
+    from storage import open_store
+
+    if not find_server_binary():
+        pytest.skip("clickhouse-server is not installed")
+    tag = f"rc-{uuid.uuid4().hex[:6]}"
+    ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, PARTITIONS)
+    keys = _produce(broker.bootstrap, tag, n_jobs=12, windows=6)
+    calm, _ = _run(broker, ray_local, tmp_path, tag, keys, kill=False)  # the reference: local, undisturbed
+    assert len(calm) == len(keys)
+
+    drivers = []
+    with ClickHouseServer() as ch, LocalRayCluster(nodes=2, cpus_per_node=3) as cluster:
+        env = dict(os.environ, STRAGGLERSCOPE_RAY_ADDRESS=cluster.address,
+                   STRAGGLERSCOPE_KAFKA_BOOTSTRAP=broker.bootstrap, STRAGGLERSCOPE_KAFKA_PARTITIONS=str(PARTITIONS),
+                   STRAGGLERSCOPE_KAFKA_SOURCE_ID=tag, STRAGGLERSCOPE_STORE_URL=ch.url,
+                   STRAGGLERSCOPE_PIPELINE_SHARDS="2", STRAGGLERSCOPE_PIPELINE_METRICS_PORT="-1",
+                   STRAGGLERSCOPE_PIPELINE_IDLE_TIMEOUT_S="30", STRAGGLERSCOPE_RAY_SHARD_MEMORY_MB="256")
+        env.pop("STRAGGLERSCOPE_STORE", None)
+        store = open_store(ch.url)
+        try:
+            first = Driver(env)
+            drivers.append(first)
+            first.wait_for("running", 240)
+            assert "2 detached shard actors" in first.text and "0 adopted, 2 started" in first.text, first.text
+            placed = _on_cluster(cluster.address, tag, 2)
+            assert sorted(node for _, node in placed) == sorted(cluster.nodes), "one shard per node (spread)"
+
+            # A rolling update: the new driver adopts the running shards, the old one steps back by itself.
+            _wait_stored(store, tag, len(keys) // 5, 240, first)
+            second = Driver(env)
+            drivers.append(second)
+            second.wait_for("running", 240)
+            assert "2 adopted, 0 started" in second.text, second.text
+            assert first.wait(60) == 0, first.text
+            assert "a driver started later owns the shards" in first.text, first.text
+            assert _on_cluster(cluster.address, tag, 2) == placed, "the same shard processes: no second set"
+
+            # A node lost mid-stream: its shard comes back on the head and replays from the stored offsets.
+            done = _wait_stored(store, tag, len(keys) // 2, 240, second)
+            assert done < len(keys), "the node must be lost mid-stream"
+            head = cluster.nodes[0]
+            lost = next(node for _, node in placed if node != head)
+            cluster.remove_node(lost)
+            _wait_stored(store, tag, len(keys), 300, second)
+            moved = _on_cluster(cluster.address, tag, 2)
+            assert [node for _, node in moved] == [head, head], moved
+
+            rows = _results(store, tag)
+            assert len(rows) == len(keys), "each window exactly once"
+            assert _strip(rows) == _strip(calm), "the same numbers as the undisturbed local run"
+
+            # A shard gone for good ends the driver: one line, exit code 2, within its health check.
+            _on_cluster(cluster.address, tag, 2, "kill:0")
+            t0 = time.monotonic()
+            assert second.wait(60) == 2, second.text
+            assert time.monotonic() - t0 < 30
+            last = second.lines[-1]
+            assert last.startswith("stragglerscope run: error: ") and f"ss-shard-{tag}-0" in last, second.text
+            assert "Traceback" not in second.text, second.text
+        finally:
+            for d in drivers:
+                d.kill()
+            store.close()
