@@ -27,6 +27,8 @@ class KafkaConfig:
     """Names the Kafka cluster in stored offsets; empty = the bootstrap string (embedded: per run)."""
     replication_factor: int = 1
     """Replicas of each topic stragglerscope creates (3 on a production cluster, so acks=all means something)."""
+    min_insync_replicas: int = 0
+    """min.insync.replicas of the topics it creates (2 with 3 replicas: acks=all survives a broker); 0 = broker's."""
     security_protocol: str = "PLAINTEXT"
     """PLAINTEXT, SSL (TLS), SASL_PLAINTEXT or SASL_SSL (SASL over TLS): for every producer, consumer and admin."""
     sasl_mechanism: str = "SCRAM-SHA-512"

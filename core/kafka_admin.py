@@ -114,13 +114,18 @@ def _describe(admin, topics: list[str]) -> dict[str, int]:
 
 
 def ensure_topics(bootstrap: KafkaConn | str, topics: Iterable[str], partitions: int = DEFAULT_PARTITIONS,
-                  timeout_s: float = 20.0, replication_factor: int = 1) -> dict[str, int]:
+                  timeout_s: float = 20.0, replication_factor: int = 1,
+                  min_insync_replicas: int = 0) -> dict[str, int]:
     """Create the topics that do not exist yet (idempotent); returns every topic's partition count.
 
-    New topics get ``partitions`` partitions and ``replication_factor``
-    replicas. Existing topics are left as they are: ``check_partitions``
+    New topics get ``partitions`` partitions, ``replication_factor``
+    replicas and, when above 0, ``min_insync_replicas`` (else the broker's
+    default). Existing topics are left as they are: ``check_partitions``
     says whether their counts fit the configuration.
     """
+    if min_insync_replicas > replication_factor:
+        raise BrokerError(f"kafka.min_insync_replicas ({min_insync_replicas}) exceeds kafka.replication_factor "
+                          f"({replication_factor}): no write with acks=all could ever succeed")
     from kafka.admin import NewTopic
     from kafka.errors import KafkaError, TopicAlreadyExistsError
 
@@ -128,7 +133,8 @@ def ensure_topics(bootstrap: KafkaConn | str, topics: Iterable[str], partitions:
     admin = _admin(bootstrap, timeout_s)
     try:
         counts = _describe(admin, topics)
-        new = [NewTopic(t, num_partitions=partitions, replication_factor=replication_factor)
+        configs = {"min.insync.replicas": str(min_insync_replicas)} if min_insync_replicas > 0 else {}
+        new = [NewTopic(t, num_partitions=partitions, replication_factor=replication_factor, topic_configs=configs)
                for t in topics if t not in counts]
         if new:
             try:
@@ -176,7 +182,7 @@ def check_partitions(counts: dict[str, int], topics: Iterable[str], configured: 
 
 
 def prepare_topics(bootstrap: KafkaConn | str, partitions: int, replication_factor: int = 1, outputs: bool = True,
-                   timeout_s: float = 20.0) -> int:
+                   timeout_s: float = 20.0, min_insync_replicas: int = 0) -> int:
     """Create stragglerscope's missing topics; return the input topics' partition count (``check_partitions``).
 
     ``outputs``: the dead-letter and alert topics too (the pipeline writes them; exporters do not).
@@ -184,7 +190,8 @@ def prepare_topics(bootstrap: KafkaConn | str, partitions: int, replication_fact
     from core.topics import INPUT_TOPICS, TOPIC_ALERTS, TOPIC_DEAD_LETTER
 
     wanted = INPUT_TOPICS + ((TOPIC_DEAD_LETTER, TOPIC_ALERTS) if outputs else ())
-    counts = ensure_topics(bootstrap, wanted, partitions, timeout_s, replication_factor=replication_factor)
+    counts = ensure_topics(bootstrap, wanted, partitions, timeout_s, replication_factor=replication_factor,
+                           min_insync_replicas=min_insync_replicas)
     return check_partitions(counts, INPUT_TOPICS, partitions)
 
 

@@ -272,7 +272,8 @@ def check_topics(cfg: Config) -> int:
     """Create the missing topics and return the input topics' partition count; BrokerError when it does not fit."""
     from core.kafka_admin import prepare_topics
 
-    return prepare_topics(cfg.kafka.conn(), cfg.kafka.partitions, cfg.kafka.replication_factor)
+    return prepare_topics(cfg.kafka.conn(), cfg.kafka.partitions, cfg.kafka.replication_factor,
+                          min_insync_replicas=cfg.kafka.min_insync_replicas)
 
 
 def stored_offsets(open_store: Callable[[str], Any], store_url: str, source_id: str) -> dict[tuple[str, int], int]:

@@ -3,5 +3,6 @@
 - ``broker``: ``LocalBroker``, the embedded Kafka-protocol broker (Tansu);
 - ``clickhouse_server``: ``ClickHouseServer``, a loopback ClickHouse server for tests, demo, benchmarks;
 - ``store_daemon``: ``StoreDaemon``, the store daemon (``python -m storage.daemon``) as a child process;
+- ``ray_cluster``: ``LocalRayCluster``, a multi-node Ray whose nodes all listen on 127.0.0.1;
 - ``ports``: free loopback ports.
 """

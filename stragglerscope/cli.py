@@ -460,7 +460,8 @@ def _import(args: argparse.Namespace, cfg) -> int:
         from ingest.producer import TelemetryProducer
 
         check_reachable(cfg.kafka.bootstrap)
-        prepare_topics(cfg.kafka.conn(), cfg.kafka.partitions, cfg.kafka.replication_factor, outputs=False)
+        prepare_topics(cfg.kafka.conn(), cfg.kafka.partitions, cfg.kafka.replication_factor, outputs=False,
+                       min_insync_replicas=cfg.kafka.min_insync_replicas)
         producer = TelemetryProducer(cfg.kafka.conn(), client_id="stragglerscope-import")
     tables = []
     for path in tqdm(args.paths, desc=f"import {args.format}", unit="file", file=sys.stderr, disable=None):

@@ -92,7 +92,8 @@ def run_trace(cfg: Config, opts: TraceOptions) -> int:
 
             check_reachable(cfg.kafka.bootstrap)
             # Exporters never create topics by writing to them (a broker would pick the partition count).
-            prepare_topics(cfg.kafka.conn(), cfg.kafka.partitions, cfg.kafka.replication_factor, outputs=False)
+            prepare_topics(cfg.kafka.conn(), cfg.kafka.partitions, cfg.kafka.replication_factor, outputs=False,
+                           min_insync_replicas=cfg.kafka.min_insync_replicas)
             bootstrap = cfg.kafka.bootstrap
         transport = "" if embedded or cfg.kafka.security_protocol == "PLAINTEXT" else cfg.kafka.conn().to_json()
         spool = os.path.join(run_dir, "spool") if embedded else os.path.join(

@@ -192,3 +192,30 @@ def test_out_of_range_beyond_the_end_is_a_problem_before_the_beginning_moves_on(
     assert src.poll(10) == []
     assert c.seeks[_KTP("ss.ops", 1)] == 9 and src.positions()[("ss.ops", 1)] == 9
     assert len(src.problems) == 1
+
+
+# -- replication settings of the topics stragglerscope creates -------------------------------------
+
+def test_created_topics_carry_the_replication_settings(monkeypatch):
+    """Tansu accepts min.insync.replicas but does not report it back, so what is sent is checked here."""
+    import core.kafka_admin as ka
+
+    created = []
+
+    class Admin:
+        def create_topics(self, new):
+            created.extend(new)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(ka, "_admin", lambda bootstrap, timeout_s: Admin())
+    monkeypatch.setattr(ka, "_describe", lambda admin, names: {t.name: t.num_partitions for t in created})
+    ka.ensure_topics("127.0.0.1:1", ["a", "b"], 12, replication_factor=3, min_insync_replicas=2)
+    assert [(t.name, t.num_partitions, t.replication_factor, t.topic_configs) for t in created] == [
+        ("a", 12, 3, {"min.insync.replicas": "2"}), ("b", 12, 3, {"min.insync.replicas": "2"})]
+    created.clear()
+    ka.ensure_topics("127.0.0.1:1", ["c"], 4)  # 0: the broker's own default, nothing sent
+    assert created[0].replication_factor == 1 and created[0].topic_configs == {}
+    with pytest.raises(ka.BrokerError, match=r"min_insync_replicas \(3\) exceeds kafka.replication_factor \(2\)"):
+        ka.ensure_topics("127.0.0.1:1", ["d"], 4, replication_factor=2, min_insync_replicas=3)
