@@ -137,7 +137,8 @@ def init_ray(cfg: Config) -> None:
     if cfg.ray.address:
         check_ray_reachable(cfg.ray.address)
         try:
-            ray.init(address=cfg.ray.address, log_to_driver=False)
+            ray.init(address=cfg.ray.address, log_to_driver=False, configure_logging=True,
+                     logging_level=logging.WARNING)  # no "Connecting to ..." lines among run's own
         except (ConnectionError, ValueError, RuntimeError, TimeoutError) as e:  # ray[client] missing, refused ...
             raise PipelineError(f"cannot connect to Ray at {cfg.ray.address}: {_first_line(e)}") from None
         return
