@@ -272,6 +272,59 @@ class ClickHouseServer:
         self.stop()
 
 
+class ClickHouseCluster:
+    """``shards`` ClickHouse servers on 127.0.0.1 that know each other as cluster ``name``.
+
+    Each gets a ``config.d/cluster.xml`` with the cluster's ``remote_servers``
+    (one replica per shard, no ZooKeeper); ``url`` is a store URL on the first
+    server with ``cluster=NAME``, which spreads the store over all of them.
+    """
+
+    def __init__(self, shards: int = 2, name: str = "stragglerscope", user: str = "default", password: str = ""):
+        from services.ports import free_fixed_port
+
+        self.name = name
+        self._root = Path(tempfile.mkdtemp(prefix="ss-chcluster-"))
+        ports = [free_fixed_port() for _ in range(shards)]  # every server must know every port before it starts
+        self.servers = [ClickHouseServer(data_dir=self._root / f"shard{i}", tcp_port=p, user=user, password=password)
+                        for i, p in enumerate(ports)]
+        replicas = "".join(f"<shard><replica><host>127.0.0.1</host><port>{p}</port>"
+                           f"<user>{escape(user)}</user><password>{escape(password)}</password></replica></shard>"
+                           for p in ports)
+        for srv in self.servers:
+            d = srv.data_dir / "config.d"
+            d.mkdir(parents=True)
+            (d / "cluster.xml").write_text(
+                f"<yandex><remote_servers><{name}>{replicas}</{name}></remote_servers></yandex>")
+
+    @property
+    def url(self) -> str:
+        return self.store_url("default")
+
+    def store_url(self, database: str) -> str:
+        return self.servers[0].store_url(database, cluster=self.name)
+
+    def start(self) -> "ClickHouseCluster":
+        try:
+            for srv in self.servers:
+                srv.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for srv in self.servers:
+            srv.stop()
+        shutil.rmtree(self._root, ignore_errors=True)
+
+    def __enter__(self) -> "ClickHouseCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 if __name__ == "__main__":  # pragma: no cover - manual helper
     import sys
 

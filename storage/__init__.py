@@ -4,6 +4,7 @@
     store = open_store("clickhouse://default:@127.0.0.1:9000/default")  # a server (native protocol)
     store = open_store("clickhouse://admin@ch:9000/db?password_file=/run/secrets/ch")  # password read at open
     store = open_store("clickhouse://admin@ch:9440/db?password_file=/run/secrets/ch&secure=1&ca_certs=/etc/ca.pem")
+    store = open_store("clickhouse://admin@ch-0:9000/db?cluster=ss")  # spread over cluster ss (its remote_servers)
     store = open_store("http://127.0.0.1:8123?token_file=/data/store/daemon.token")  # a store daemon (storage.daemon)
     store.setup()                                         # tables, views, forward migrations; idempotent
     store.insert("window", table)                         # a table of core.schema.WINDOW
@@ -12,7 +13,8 @@
 
 A clickhouse:// URL takes ``secure``, ``verify``, ``ca_certs``, ``certfile``,
 ``keyfile``, ``server_hostname``, ``connect_timeout`` and ``password_file``
-(``storage.server_backend.tls_options``); an http:// URL takes ``token_file``,
+(``storage.server_backend.tls_options``), and ``cluster`` (the tables spread
+over that cluster's shards: infra/clickhouse/cluster/README.md); an http:// URL takes ``token_file``,
 the file where the daemon keeps its token (``storage.daemon``). Neither
 carries a secret itself, so both may travel to other processes and logs.
 

@@ -228,7 +228,7 @@ class ChdbStore(SQLStore):
     def _insert_select(self, spec: ddl.TableSpec, select: str, params: dict, tables: dict) -> None:
         cols = ", ".join(ddl.quote(f.name) for f in ddl.storage_schema(spec))
         values = {n: v for n, (_t, v) in params.items()}
-        self._run(f"INSERT INTO {ddl.quote(spec.data)} ({cols}) {select} "
+        self._run(f"INSERT INTO {ddl.quote(self._data(spec))} ({cols}) {select} "
                   f"SETTINGS {self._insert_settings}", "CSV", values, tables)
 
     def close(self) -> None:

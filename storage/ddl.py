@@ -298,17 +298,46 @@ def ttl_clause(retention_days: int) -> str:
     return f"TTL toDateTime(intDiv(`stored_ns`, 1000000000)) + INTERVAL {int(retention_days)} DAY"
 
 
-def view_sql(spec: TableSpec) -> str:
-    """``CREATE VIEW IF NOT EXISTS`` of the deduplicating view readers query."""
+def view_sql(spec: TableSpec, source: str | None = None) -> str:
+    """``CREATE VIEW IF NOT EXISTS`` of the deduplicating view readers query.
+
+    ``source``: the table it reads, by default the data table; on a cluster
+    the Distributed table over every shard's data table (``distributed_sql``).
+    """
     exprs = dict(spec.view_exprs)
     cols = ", ".join(exprs.get(f.name, quote(f.name)) for f in spec.schema)
     if spec.mode == "latest":
         key = ", ".join(quote(k) for k in spec.key)
         order = ", ".join([key] + [f"{quote(c)} DESC" for c in spec.latest_by] + ["`stored_ns` DESC"])
-        body = f"SELECT {cols} FROM {quote(spec.data)} ORDER BY {order} LIMIT 1 BY {key}"
+        body = f"SELECT {cols} FROM {quote(source or spec.data)} ORDER BY {order} LIMIT 1 BY {key}"
     else:
-        body = f"SELECT {cols} FROM {quote(spec.data)} FINAL"
+        body = f"SELECT {cols} FROM {quote(source or spec.data)} FINAL"
     return f"CREATE VIEW IF NOT EXISTS {quote(spec.name)} AS {body}"
+
+
+# --------------------------------------------------------------------------
+# A ClickHouse cluster: every server holds its shard of each data table
+# --------------------------------------------------------------------------
+def distributed_name(spec: TableSpec) -> str:
+    """The Distributed table in front of every shard's ``<name>_data``: writes and reads go through it."""
+    return f"{spec.data}_all"
+
+
+def shard_key(spec: TableSpec) -> str:
+    """Which shard holds a row: by job where the key has one, else by the whole key.
+
+    Every row of a key lands on one shard, so FINAL and LIMIT 1 BY, which run
+    on each shard, still see every duplicate of a key together; by job, a
+    job's drill-down reads one shard's rows of each table.
+    """
+    cols = ["job_id"] if "job_id" in spec.key else list(spec.key)
+    return f"cityHash64({', '.join(quote(c) for c in cols)})"
+
+
+def distributed_sql(spec: TableSpec, cluster: str) -> str:
+    """``CREATE TABLE IF NOT EXISTS`` of the Distributed table over ``cluster``'s data tables (same columns)."""
+    return (f"CREATE TABLE IF NOT EXISTS {quote(distributed_name(spec))} AS {quote(spec.data)} "
+            f"ENGINE = Distributed({quote(cluster)}, currentDatabase(), {quote(spec.data)}, {shard_key(spec)})")
 
 
 def schema_version_sql() -> str:

@@ -146,8 +146,8 @@ def _ensure_views(store, rebuild: bool) -> None:
     import pyarrow as pa
 
     columns = store.table_columns()
-    names = set(store._select("SELECT name FROM system.tables WHERE database = currentDatabase()")
-                .column("name").to_pylist())
+    rebuild = store.prepare_reads(columns) or rebuild  # a cluster's Distributed tables, before the views
+    names = store.table_names()
     for spec in ddl.TABLES:
         have = columns.get(spec.data, {})
         if not have:  # a table a later migration creates (store held at an older version)
@@ -159,4 +159,4 @@ def _ensure_views(store, rebuild: bool) -> None:
         view = dataclasses.replace(spec, schema=present)
         if view_exists:
             store._execute(f"DROP TABLE IF EXISTS {ddl.quote(spec.name)}")
-        store._execute(ddl.view_sql(view))
+        store._execute(ddl.view_sql(view, store._data(spec)))

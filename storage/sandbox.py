@@ -48,8 +48,10 @@ from storage.sqlfuncs import is_allowed_function
 from storage.sqltext import check_read_only, segments
 
 PROJECT_TABLES: frozenset[str] = frozenset(
-    [t.name for t in ddl.TABLES] + [t.data for t in ddl.TABLES] + [ddl.SCHEMA_VERSION_TABLE])
-"""The tables free SQL may read: the deduplicating views, their data tables, the schema version."""
+    [t.name for t in ddl.TABLES] + [t.data for t in ddl.TABLES] + [ddl.distributed_name(t) for t in ddl.TABLES]
+    + [ddl.SCHEMA_VERSION_TABLE])
+"""The tables free SQL may read: the deduplicating views, their data tables (on a cluster: one server's
+shard, and every shard's through the Distributed ``*_data_all``), the schema version."""
 
 
 # --------------------------------------------------------------------------

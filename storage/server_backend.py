@@ -43,7 +43,7 @@ _SEND_RECEIVE_TIMEOUT_S = 300  # a long query's reads; the connect and the hello
 _BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 _TLS_FILES = ("ca_certs", "certfile", "keyfile")
 URL_PARAMS = ("secure", "verify", "ca_certs", "certfile", "keyfile", "server_hostname", "connect_timeout",
-              "password_file")
+              "password_file", "cluster")
 
 
 def parse_server_url(url: str) -> dict:
@@ -55,6 +55,10 @@ def parse_server_url(url: str) -> dict:
     u = urlparse(url)
     if u.scheme != "clickhouse" or not u.hostname:
         raise StoreError(f"bad ClickHouse URL {url!r}: write clickhouse://user:pass@host:port/db")
+    cluster = dict(parse_qsl(u.query, keep_blank_values=True)).get("cluster")
+    if cluster is not None and not _IDENT.fullmatch(cluster):
+        raise StoreError(f"bad cluster={cluster!r} in store URL {url}: the name of a cluster in the server's "
+                         "remote_servers (letters, digits and _)")
     tls, timeout = tls_options(url, u.query)
     try:
         port = u.port or (9440 if tls["secure"] else 9000)
@@ -64,7 +68,8 @@ def parse_server_url(url: str) -> dict:
     if not _IDENT.fullmatch(database):
         raise StoreError(f"bad database name {database!r} in {url!r}: letters, digits and _ only")
     return dict(host=u.hostname, port=port, user=unquote(u.username or "default"),
-                password=unquote(u.password or ""), database=database, tls=tls, connect_timeout=timeout)
+                password=unquote(u.password or ""), database=database, tls=tls, connect_timeout=timeout,
+                cluster=cluster)
 
 
 def tls_options(url: str, query: str) -> tuple[dict, float | None]:
@@ -250,12 +255,97 @@ class ServerStore(SQLStore):
         self._client = self._connect("default")
         version = self._call(self._client, "SELECT version()")[0][0][0]
         self.caps = ddl.Capabilities.from_version(str(version))
+        self.cluster: str | None = self._args["cluster"]
+        peers = self._peer_addresses() if self.cluster else []
         if self.database != "default":
+            for address in peers:
+                client = self._connect("default", address)
+                self._call(client, f"CREATE DATABASE IF NOT EXISTS {ddl.quote(self.database)}")
+                client.disconnect()
             self._call(self._client, f"CREATE DATABASE IF NOT EXISTS {ddl.quote(self.database)}")
             self._client.disconnect()
             self._client = self._connect(self.database)
+        self._peers: list[tuple[str, Any]] = [(a, self._connect(self.database, a)) for a in peers]
+        """(address, client) of the cluster's other servers, each holding its shard of every data table."""
 
-    def _connect(self, database: str):
+    # -- a ClickHouse cluster (cluster= in the URL) -------------------------------------------
+    # Each server holds its shard of every data table; a Distributed table in front of each
+    # (``ddl.distributed_sql``) takes the writes, with insert_distributed_sync so that an insert
+    # returns only once every shard has its rows, and the views read through it. Statements
+    # that change tables run on every server from here: that needs no distributed DDL queue,
+    # which 18.16 keeps in ZooKeeper (ON CLUSTER). Why exactly-once still holds: RELIABILITY.md.
+    def _peer_addresses(self) -> list[str]:
+        """host:port of the cluster's other servers, from this server's ``system.clusters``."""
+        rows = self._call(self._client, "SELECT shard_num, replica_num, host_address, port, is_local "
+                          "FROM system.clusters WHERE cluster = %(c)s", params={"c": self.cluster})[0]
+        if not rows or not len(rows[0]):
+            raise StoreError(f"cluster {self.cluster!r} is not in the remote_servers of the ClickHouse server at "
+                             f"{self.address}: name one of its clusters (SELECT DISTINCT cluster FROM system.clusters)")
+        _shards, replicas, hosts, ports, local = (list(c) for c in rows)
+        if max(replicas) > 1:
+            raise StoreError(f"cluster {self.cluster!r} has replicated shards: stragglerscope's tables are not "
+                             "Replicated yet, so use a cluster of one replica per shard")
+        if not any(local):
+            raise StoreError(f"the server at {self.address} is not itself in cluster {self.cluster!r}: connect to "
+                             "one of its servers")
+        return [f"{h}:{p}" for h, p, is_local in zip(hosts, ports, local) if not is_local]
+
+    def _servers(self):
+        """(address, client) of every server: this one first, then the cluster's others."""
+        return [(self.address, self._client), *self._peers]
+
+    def _data(self, spec) -> str:
+        return ddl.distributed_name(ddl.TABLE_BY_NAME[spec] if isinstance(spec, str) else spec) if self.cluster \
+            else super()._data(spec)
+
+    def prepare_reads(self, columns: dict[str, dict[str, str]]) -> bool:
+        """A Distributed table in front of each data table, with every column the data table has."""
+        if not self.cluster:
+            return False
+        changed = False
+        for spec in ddl.TABLES:
+            have = columns.get(spec.data)
+            if not have:
+                continue
+            front = columns.get(ddl.distributed_name(spec))
+            if front is None:
+                self._execute(ddl.distributed_sql(spec, self.cluster))
+                changed = True
+                continue
+            for name, typ in have.items():
+                if name not in front:
+                    self._execute(f"ALTER TABLE {ddl.quote(ddl.distributed_name(spec))} ADD COLUMN "
+                                  f"{ddl.quote(name)} {typ}")
+                    changed = True
+        return changed
+
+    def table_columns(self) -> dict[str, dict[str, str]]:
+        """On a cluster, the tables and columns that every server has (a server added later lacks some)."""
+        mine = super().table_columns()
+        for _address, client in self._peers:
+            cols, _types = self._call(client, "SELECT table, name FROM system.columns "
+                                      "WHERE database = currentDatabase()")
+            theirs = {(str(t), str(n)) for t, n in zip(*cols)} if cols else set()
+            mine = {t: {n: typ for n, typ in c.items() if (t, n) in theirs} for t, c in mine.items()}
+            mine = {t: c for t, c in mine.items() if c}
+        return mine
+
+    def table_names(self) -> set[str]:
+        names = super().table_names()
+        for _address, client in self._peers:
+            cols, _types = self._call(client, "SELECT name FROM system.tables WHERE database = currentDatabase()")
+            names &= {str(n) for n in cols[0]} if cols else set()
+        return names
+
+    def active_partitions(self, table: str) -> list[str]:
+        parts = set(super().active_partitions(table))
+        for _address, client in self._peers:
+            cols, _types = self._call(client, "SELECT DISTINCT partition FROM system.parts "
+                                      f"WHERE database = currentDatabase() AND table = '{table}' AND active")
+            parts.update(cols[0] if cols else [])
+        return sorted(parts)
+
+    def _connect(self, database: str, address: str | None = None):
         """A connected client: TCP connect, TLS handshake and the server's hello all within the connect timeout.
 
         clickhouse-driver waits for the hello with the send/receive timeout
@@ -266,7 +356,8 @@ class ServerStore(SQLStore):
         from clickhouse_driver import Client
 
         a = self._args
-        client = Client(host=a["host"], port=a["port"], user=a["user"], password=a["password"], database=database,
+        host, port = (address.rsplit(":", 1) if address else (a["host"], a["port"]))
+        client = Client(host=host, port=int(port), user=a["user"], password=a["password"], database=database,
                         connect_timeout=self._timeout, send_receive_timeout=self._timeout,
                         sync_request_timeout=self._timeout, client_name="stragglerscope",
                         settings={"use_numpy": True}, **a["tls"])
@@ -317,9 +408,20 @@ class ServerStore(SQLStore):
             raise StoreError(f"ClickHouse client error: {type(e).__name__}: {first_line(e)}") from e
 
     def _execute(self, sql: str) -> None:
+        """On a cluster, on every server: they all hold the same tables (their own shard of the rows)."""
         self._check_open()
         with self._lock:
-            self._call(self._client, sql)
+            if not self._peers:
+                self._call(self._client, sql)
+                return
+            for address, client in self._servers():
+                try:
+                    self._call(client, sql)
+                except StoreError as e:
+                    # A column one server has already (a setup interrupted half-way, a server added later):
+                    # code 15 on new servers, 44 ("already exists") on 18.16.
+                    if not (str(e).startswith(("Code: 15.", "Code: 44.")) and "already exists" in str(e)):
+                        raise StoreError(f"on {address}: {e}") from e
 
     def _select(self, sql: str, params: dict[str, tuple[str, Any]] | None = None,
                 tables: dict[str, pa.Table] | None = None) -> pa.Table:
@@ -376,14 +478,19 @@ class ServerStore(SQLStore):
         data = []
         for col in rows.columns:
             data.append(col.to_pylist() if pa.types.is_list(col.type) else col.to_numpy(zero_copy_only=False))
+        settings = self.caps.insert_settings()
+        if self.cluster and table_name.endswith("_all"):
+            # Return only once every shard has written its rows: results are stored before the offsets
+            # that cover them (an asynchronous insert would return with the rows still queued here).
+            settings = {**settings, "insert_distributed_sync": 1}
         with self._lock:
             self._call(self._client, f"INSERT INTO {ddl.quote(table_name)} ({cols}) VALUES", data,
-                       settings=self.caps.insert_settings())
+                       settings=settings)
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            for client in (self._client, self._read_client):
+            for client in (self._client, self._read_client, *(c for _a, c in self._peers)):
                 try:
                     if client is not None:
                         client.disconnect()

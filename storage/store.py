@@ -192,6 +192,32 @@ class SQLStore(Store):
                 cols.append(col if col.type.equals(f.type) else col.cast(f.type))
         return pa.Table.from_arrays(cols, schema=target.remove_metadata())
 
+    def _data(self, spec: ddl.TableSpec | str) -> str:
+        """The table the store writes a kind's rows into and reads its stored keys from: the data table.
+
+        On a ClickHouse cluster, the Distributed table in front of every
+        shard's data table (``ServerStore`` with ``cluster=``).
+        """
+        return (ddl.TABLE_BY_NAME[spec] if isinstance(spec, str) else spec).data
+
+    def prepare_reads(self, columns: dict[str, dict[str, str]]) -> bool:
+        """Make the tables the views read (``_data``) match the data tables; True if any changed.
+
+        Nothing to do on one server: the views read the data tables themselves.
+        """
+        return False
+
+    def active_partitions(self, table: str) -> list[str]:
+        """The partitions of ``table`` that hold data (on every server of a cluster)."""
+        t = self._select("SELECT DISTINCT partition FROM system.parts WHERE database = currentDatabase() "
+                         "AND table = {t:String} AND active", {"t": ("String", table)})
+        return t.column("partition").to_pylist()
+
+    def table_names(self) -> set[str]:
+        """Tables and views of the current database (on a cluster: those every server has)."""
+        return {str(n) for n in self._select("SELECT name FROM system.tables WHERE database = currentDatabase()")
+                .column("name").to_pylist()}
+
     def table_columns(self) -> dict[str, dict[str, str]]:
         """``{table: {column: type}}`` of the current database."""
         t = self._select("SELECT table, name, type FROM system.columns WHERE database = currentDatabase()")
@@ -238,7 +264,7 @@ class SQLStore(Store):
                 rows, pending, replayed = self._drop_stored(spec, rows)
             if rows.num_rows:
                 try:
-                    self._insert(spec.data, rows)
+                    self._insert(self._data(spec), rows)
                 except BaseException:
                     if pending is not None:
                         pending.forget()  # the engine may have stored some blocks: learn the marks anew
@@ -271,7 +297,7 @@ class SQLStore(Store):
         return None
 
     def _stored_high_water(self, spec: ddl.TableSpec, jobs: list[str]) -> dict[tuple[str, int], int]:
-        t = self._select(f"SELECT job_id, attempt, max(window_id) AS hi FROM {ddl.quote(spec.data)} "
+        t = self._select(f"SELECT job_id, attempt, max(window_id) AS hi FROM {ddl.quote(self._data(spec))} "
                          "WHERE job_id IN (SELECT job_id FROM _ext_keys) GROUP BY job_id, attempt",
                          tables={"_ext_keys": pa.table({"job_id": pa.array(jobs, pa.string())})})
         return {(j, int(a)): int(hi) for j, a, hi in zip(*(t.column(i).to_pylist() for i in range(3)))}
@@ -313,7 +339,7 @@ class SQLStore(Store):
                 ranges.append(f"{ddl.quote(k)} >= {{lo{i}:Int64}} AND {ddl.quote(k)} <= {{hi{i}:Int64}} AND ")
         lead = ddl.quote(key[0])
         stored = self._select(
-            f"SELECT {cols} FROM {ddl.quote(spec.data)} WHERE {''.join(ranges)}"
+            f"SELECT {cols} FROM {ddl.quote(self._data(spec))} WHERE {''.join(ranges)}"
             f"{lead} IN (SELECT {lead} FROM _ext_keys) AND "
             f"cityHash64({cols}) IN (SELECT cityHash64({cols}) FROM _ext_keys)", params, tables={"_ext_keys": keys})
         if stored.num_rows == 0:
@@ -354,10 +380,10 @@ class SQLStore(Store):
         in_batch = "window_id >= {lo:Int64} AND window_id <= {hi:Int64} AND job_id IN (SELECT job_id FROM _ext_keys)"
         tables = {"_ext_rows": ext, "_ext_keys": pa.table({"job_id": pc.unique(ext.column("job_id"))})}
         if windows is not None:
-            stored = f"SELECT {o_cols} FROM optype_slowdown_data WHERE step = -1 AND {in_batch}"
+            stored = f"SELECT {o_cols} FROM {self._data('optype_slowdown')} WHERE step = -1 AND {in_batch}"
             o, w = f"({stored}) AS o", f"(SELECT {w_cols} FROM _ext_rows) AS w"
         else:
-            stored = f"SELECT {w_cols} FROM windows_data WHERE {in_batch}"
+            stored = f"SELECT {w_cols} FROM {self._data('windows')} WHERE {in_batch}"
             o, w = f"(SELECT {o_cols} FROM _ext_rows) AS o", f"({stored}) AS w"
         # The join builds its hash table from its right side. For a large batch (a backfill) it pays to count
         # the stored side first (30 ms for 875k windows): nothing there means nothing to derive, and the
@@ -392,7 +418,7 @@ class SQLStore(Store):
             "ALL INNER JOIN (SELECT job_id, attempt, window_id, analyzed_ns, team, model, n_gpus, gpu_hours "
             f"FROM windows WHERE {k}) AS w USING (job_id, attempt, window_id) "
             "WHERE (job_id, attempt, window_id, optype) NOT IN "
-            f"(SELECT job_id, attempt, window_id, optype FROM optype_waste_data WHERE {k})")
+            f"(SELECT job_id, attempt, window_id, optype FROM {self._data('optype_waste')} WHERE {k})")
         self._insert_select(ddl.TABLE_BY_NAME["optype_waste"], select, {"now": ("Int64", self._now_ns())},
                             {"_ext_keys": keys})
 
@@ -405,7 +431,7 @@ class SQLStore(Store):
         rows = self._select(select, params, tables)
         if rows.num_rows:
             target = ddl.storage_schema(spec).remove_metadata()
-            self._insert(spec.data, pa.Table.from_arrays(
+            self._insert(self._data(spec), pa.Table.from_arrays(
                 [rows.column(i).cast(f.type) for i, f in enumerate(target)], schema=target))
 
     def _maybe_enforce_retention(self) -> None:
@@ -428,10 +454,7 @@ class SQLStore(Store):
             for spec in ddl.TABLES:
                 if not spec.retention:
                     continue
-                parts = self._select(
-                    "SELECT DISTINCT partition FROM system.parts WHERE database = currentDatabase() "
-                    "AND table = {t:String} AND active", {"t": ("String", spec.data)})
-                for p in parts.column("partition").to_pylist():
+                for p in self.active_partitions(spec.data):
                     day = p.strip("'")
                     if re.fullmatch(r"\d{4}-\d{2}-\d{2}", day) and dt.date.fromisoformat(day) < cutoff:
                         # The partition id comes from system.parts and matched a date pattern above.
@@ -472,7 +495,7 @@ class SQLStore(Store):
         self._check_open()
         job_id, attempt, window_id = key
         t = self._select(
-            "SELECT count() AS n FROM windows_data WHERE job_id = {job_id:String} "
+            f"SELECT count() AS n FROM {self._data('windows')} WHERE job_id = {{job_id:String}} "
             "AND attempt = {attempt:Int32} AND window_id = {window_id:Int64}",
             {"job_id": ("String", str(job_id)), "attempt": ("Int32", int(attempt)),
              "window_id": ("Int64", int(window_id))})
@@ -481,8 +504,8 @@ class SQLStore(Store):
     def load_offsets(self, source_id: str, topics, partitions) -> dict[tuple[str, int], int]:
         self._check_open()
         t = self._select(
-            "SELECT topic, `partition`, argMax(next_offset, stored_ns) AS next_offset FROM offsets_data "
-            "WHERE source_id = {source_id:String} GROUP BY topic, `partition`",
+            "SELECT topic, `partition`, argMax(next_offset, stored_ns) AS next_offset "
+            f"FROM {self._data('offsets')} WHERE source_id = {{source_id:String}} GROUP BY topic, `partition`",
             {"source_id": ("String", str(source_id))})
         return filter_offsets(t.to_pylist(), topics, partitions)
 
@@ -499,7 +522,7 @@ class SQLStore(Store):
             "next_offset": pa.array([int(off) for _, off in items], pa.int64()),
         }, schema=spec.schema)
         with self._lock:
-            self._insert(spec.data, self._with_stored_ns(spec, table))
+            self._insert(self._data(spec), self._with_stored_ns(spec, table))
 
     def load_jobs(self) -> list[dict]:
         self._check_open()

@@ -1,4 +1,5 @@
-"""`stragglerscope run` on a real multi-node Ray cluster (every node on 127.0.0.1), a ClickHouse server as store.
+"""`stragglerscope run` on a real multi-node Ray cluster (every node on 127.0.0.1) with a ClickHouse cluster
+of two servers as the store.
 
 One run, as an infra team would see it: the shard actors spread over the
 nodes; a second driver (a rolling update) adopts them and the first steps
@@ -92,6 +93,12 @@ def _stored(store, tag) -> int:
                        "WHERE startsWith(job_id, {t:String}))", {"t": tag}).column("n")[0].as_py()
 
 
+def _stored_local(store, tag) -> int:
+    """Windows of ``tag`` in one ClickHouse server's own shard."""
+    return store._select("SELECT count() AS n FROM windows_data WHERE startsWith(job_id, {t:String})",
+                         {"t": ("String", tag)}).column("n")[0].as_py()
+
+
 def _wait_stored(store, tag, n: int, timeout_s: float, driver: Driver) -> int:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -110,7 +117,7 @@ def _strip(rows):
 
 def test_run_on_a_two_node_ray_cluster_adopts_survives_a_node_loss_and_stores_each_window_once(
         broker, ray_local, tmp_path):
-    from services.clickhouse_server import ClickHouseServer, find_server_binary
+    from services.clickhouse_server import ClickHouseCluster, find_server_binary
     from services.ray_cluster import LocalRayCluster
     from storage import open_store
 
@@ -123,7 +130,7 @@ def test_run_on_a_two_node_ray_cluster_adopts_survives_a_node_loss_and_stores_ea
     assert len(calm) == len(keys)
 
     drivers = []
-    with ClickHouseServer() as ch, LocalRayCluster(nodes=2, cpus_per_node=3) as cluster:
+    with ClickHouseCluster(shards=2) as ch, LocalRayCluster(nodes=2, cpus_per_node=3) as cluster:
         env = dict(os.environ, STRAGGLERSCOPE_RAY_ADDRESS=cluster.address,
                    STRAGGLERSCOPE_KAFKA_BOOTSTRAP=broker.bootstrap, STRAGGLERSCOPE_KAFKA_PARTITIONS=str(PARTITIONS),
                    STRAGGLERSCOPE_KAFKA_SOURCE_ID=tag, STRAGGLERSCOPE_STORE_URL=ch.url,
@@ -161,6 +168,9 @@ def test_run_on_a_two_node_ray_cluster_adopts_survives_a_node_loss_and_stores_ea
 
             rows = _results(store, tag)
             assert len(rows) == len(keys), "each window exactly once"
+            for srv in ch.servers:  # the results are spread over both ClickHouse shards
+                with open_store(srv.url) as local:
+                    assert _stored_local(local, tag) > 0
             assert _strip(rows) == _strip(calm), "the same numbers as the undisturbed local run"
 
             # A shard gone for good ends the driver: one line, exit code 2, within its health check.

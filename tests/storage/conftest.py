@@ -1,4 +1,5 @@
-"""Storage fixtures: a store per test on every backend (chDB in a tmp dir, a real 18.16 server).
+"""Storage fixtures: a store per test on every backend (chDB in a tmp dir, a real 18.16 server, and a
+cluster of two 18.16 servers that the store spreads its tables over).
 
 ``store`` is parametrised over the backends, so one test function runs
 against both. The server is started once per session by
@@ -31,31 +32,48 @@ def ch_server():
         yield srv
 
 
+@pytest.fixture(scope="session")
+def ch_cluster():
+    """Two 18.16 servers on 127.0.0.1 forming cluster ``stragglerscope`` (one replica per shard, no ZooKeeper)."""
+    from services.clickhouse_server import ClickHouseCluster, find_server_binary
+
+    if not find_server_binary():
+        yield None
+        return
+    with ClickHouseCluster(shards=2) as cluster:
+        yield cluster
+
+
 def _server_url(ch_server) -> str:
     if ch_server is None:
         pytest.skip("clickhouse-server is not installed (apt-get install clickhouse-server)")
     return ch_server.store_url(f"t_{uuid.uuid4().hex[:12]}")
 
 
-@pytest.fixture
-def store_url(request, tmp_path, ch_server):
-    """URL of an empty store on the backend named by the test's parameter."""
-    if request.param == "chdb":
+def _url(backend: str, tmp_path, request) -> str:
+    if backend == "chdb":
         return f"chdb://{tmp_path / 'store'}"
-    return _server_url(ch_server)
+    if backend == "cluster":  # the store spread over two servers (``cluster=`` in the URL)
+        return _server_url(request.getfixturevalue("ch_cluster"))
+    return _server_url(request.getfixturevalue("ch_server"))
 
 
-@pytest.fixture(params=["chdb", "server"])
-def store(request, tmp_path, ch_server):
+@pytest.fixture
+def store_url(request, tmp_path):
+    """URL of an empty store on the backend named by the test's parameter."""
+    return _url(request.param, tmp_path, request)
+
+
+@pytest.fixture(params=["chdb", "server", "cluster"])
+def store(request, tmp_path):
     """An empty store after setup(), on each backend in turn; closed (server: database dropped) afterwards."""
     from storage import open_store
 
-    url = f"chdb://{tmp_path / 'store'}" if request.param == "chdb" else _server_url(ch_server)
-    s = open_store(url)
+    s = open_store(_url(request.param, tmp_path, request))
     s.setup()
     yield s
-    if request.param == "server" and not s._closed:
-        s._execute(f"DROP DATABASE IF EXISTS `{s.database}`")
+    if request.param != "chdb" and not s._closed:
+        s._execute(f"DROP DATABASE IF EXISTS `{s.database}`")  # on every server of a cluster
     s.close()
 
 

@@ -45,7 +45,7 @@ def test_reinserting_never_double_counts(store):
     after = _summary(store)
     assert after["windows"] == before["windows"] + 2 + 1
     assert after["jobs"] == before["jobs"] + 1
-    n = store.query("SELECT count() AS n FROM windows_data").column("n")[0].as_py()
+    n = store.query(f"SELECT count() AS n FROM {store._data('windows')}").column("n")[0].as_py()
     assert n == after["windows"]  # nothing duplicated on disk either
     ops = optype_rows("a", [0, 10])
     store.insert("optype_slowdown", ops)
@@ -64,7 +64,7 @@ def test_engine_inserts_without_its_own_merge_and_views_still_read_once(store):
     spec = ddl.TABLE_OF_KIND["window"]
     twice = store._with_stored_ns(spec, pa.concat_tables([rows, rows]))
     store._insert(spec.data, twice)
-    raw = store.query("SELECT count() AS n FROM windows_data WHERE job_id = 'dup'").column("n")[0].as_py()
+    raw = store.query(f"SELECT count() AS n FROM {store._data('windows')} WHERE job_id = 'dup'").column("n")[0].as_py()
     assert raw == 2  # with the engine's default (optimize_on_insert = 1) modern engines store 1
     assert store.query("SELECT count() AS n FROM windows WHERE job_id = 'dup'").column("n")[0].as_py() == 1
 
@@ -180,7 +180,7 @@ def test_a_replay_derives_what_a_failed_derivation_left_out(store, second, monke
     rows = {r["optype"]: r for r in store.run_named("wasted_by_optype").to_pylist()}
     assert rows["gc"]["windows"] == 2 and rows["forward-compute"]["windows"] == 2
     assert rows["gc"]["wasted_gpu_hours"] == pytest.approx(20 * (1 - 1 / 1.3))
-    assert store.query("SELECT count() AS n FROM optype_waste_data").column("n")[0].as_py() == 4
+    assert store.query(f"SELECT count() AS n FROM {store._data('optype_waste')}").column("n")[0].as_py() == 4
 
 
 def test_an_insert_that_failed_part_way_is_replayed_without_duplicates(store, monkeypatch):
@@ -198,7 +198,8 @@ def test_an_insert_that_failed_part_way_is_replayed_without_duplicates(store, mo
         store.insert("window", window_rows(3, job="a", first_window=20))
     monkeypatch.undo()
     store.insert("window", window_rows(3, job="a", first_window=20))
-    assert store.query("SELECT count() AS n FROM windows_data WHERE job_id = 'a'").column("n")[0].as_py() == 5
+    assert store.query(f"SELECT count() AS n FROM {store._data('windows')} WHERE job_id = 'a'"
+                       ).column("n")[0].as_py() == 5
 
 
 def test_alerts(store):
@@ -313,7 +314,7 @@ def test_every_kind_round_trips(store):
         # Kinds stored "first" are key-checked: the second copy never reaches the disk. Op spans are
         # "replace": the view's FINAL keeps one.
         first = ddl.TABLE_OF_KIND[kind].mode == "first"
-        for t in (view, f"{view}_data") if first else (view,):
+        for t in (view, store._data(view)) if first else (view,):
             assert store.query(f"SELECT count() AS n FROM {t}").column("n")[0].as_py() == table.num_rows, (kind, t)
     assert store.query("SELECT payload_hex FROM dead_letters").column(0).to_pylist() == ["00FF7879"]
     assert store.query("SELECT `group` FROM link_faults").column(0).to_pylist() == ["dp:pp=0"]
@@ -353,7 +354,7 @@ def test_setup_is_idempotent(store):
     assert versions == list(range(1, LATEST + 1))
 
 
-@pytest.mark.parametrize("store_url", ["chdb", "server"], indirect=True)
+@pytest.mark.parametrize("store_url", ["chdb", "server", "cluster"], indirect=True)
 def test_migration_from_version_1_keeps_data(store_url):
     from storage.migrations import LATEST
 
@@ -391,7 +392,7 @@ def test_migration_from_version_1_keeps_data(store_url):
         st.close()
 
 
-@pytest.mark.parametrize("store_url", ["chdb", "server"], indirect=True)
+@pytest.mark.parametrize("store_url", ["chdb", "server", "cluster"], indirect=True)
 def test_a_store_made_before_a_table_existed_gains_it(store_url):
     """link_cells came to ddl.TABLES with no migration step: a store set up before it (version 5, no
     link_cells_data) failed every later setup() with UNKNOWN_TABLE, so `trace` and `demo` would not start on
