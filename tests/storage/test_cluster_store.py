@@ -109,8 +109,8 @@ def test_a_server_lacking_tables_gains_them_at_setup(ch_cluster, cluster_store):
     finally:
         peer.close()
     cluster_store.setup()
-    names = _local(ch_cluster, cluster_store.database,
-                   "SELECT name FROM system.tables WHERE database = currentDatabase() AND startsWith(name, 'link_cells')")
+    names = _local(ch_cluster, cluster_store.database, "SELECT name FROM system.tables "
+                   "WHERE database = currentDatabase() AND startsWith(name, 'link_cells')")
     assert [sorted(n) for n in names] == [["link_cells", "link_cells_data", "link_cells_data_all"]] * 2
     cluster_store.insert("window", window_rows(2, job="after"))
     assert cluster_store.run_named("job_windows", {"job_id": "after"}).column("note").to_pylist() == ["", ""]
