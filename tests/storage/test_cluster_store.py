@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from storage import NAMED_QUERIES, StoreError, open_store
+from storage import StoreError, open_store
 from tests.storage.conftest import window_rows
 
 pytestmark = pytest.mark.integration
@@ -53,7 +53,7 @@ def test_each_job_lives_on_one_shard_and_both_shards_hold_rows(ch_cluster, clust
 
 
 def test_named_queries_answer_as_on_one_server(ch_cluster, cluster_store, server_store):
-    from tests.storage.test_store import _fleet, optype_rows
+    from tests.storage.test_store import _fleet, assert_same_named_results, optype_rows
 
     server_store.setup()
     for st in (cluster_store, server_store):
@@ -63,18 +63,7 @@ def test_named_queries_answer_as_on_one_server(ch_cluster, cluster_store, server
             st.insert("window", window_rows(2, job=f"more-{i}", slowdown=1.1 + i / 50))
     assert all(_local(ch_cluster, cluster_store.database, "SELECT count() FROM windows_data")[i][0] > 0
                for i in range(2))
-    for name, q in sorted(NAMED_QUERIES.items()):
-        params = {p.name: ("a" if p.name == "job_id" else 0) for p in q.params if p.default is None}
-        a, b = cluster_store.run_named(name, params), server_store.run_named(name, params)
-        assert a.column_names == b.column_names, name
-        ra, rb = a.to_pylist(), b.to_pylist()
-        assert len(ra) == len(rb), name
-        for x, y in zip(ra, rb):
-            for k in x:
-                if isinstance(x[k], float):
-                    assert x[k] == pytest.approx(y[k], nan_ok=True), (name, k)
-                else:
-                    assert x[k] == y[k], (name, k)
+    assert_same_named_results(cluster_store, server_store)
 
 
 def test_an_insert_while_a_shard_is_down_fails_and_its_retry_stores_each_window_once(ch_cluster, cluster_store):

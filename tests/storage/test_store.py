@@ -425,21 +425,26 @@ def test_same_results_on_both_backends(tmp_path, server_store):
             st.insert("worker_slowdown", codec.from_rows(S.WORKER_SLOWDOWN, [
                 dict(job_id="a", attempt=0, window_id=0, step=-1, dp_rank=d, pp_rank=0, s_dp=1.0, s_pp=1.0, s_w=1.0)
                 for d in range(3)]))
-        for name, q in sorted(NAMED_QUERIES.items()):
-            params = {p.name: ("a" if p.name == "job_id" else 0) for p in q.params if p.default is None}
-            a, b = chdb_store.run_named(name, params), server_store.run_named(name, params)
-            assert a.column_names == b.column_names, name
-            assert a.schema.types == b.schema.types, name
-            ra, rb = a.to_pylist(), b.to_pylist()
-            assert len(ra) == len(rb), name
-            for x, y in zip(ra, rb):
-                for k in x:
-                    if isinstance(x[k], float):
-                        assert x[k] == pytest.approx(y[k], nan_ok=True), (name, k)
-                    else:
-                        assert x[k] == y[k], (name, k)
+        assert_same_named_results(chdb_store, server_store)
     finally:
         chdb_store.close()
+
+
+def assert_same_named_results(one, other, job_id: str = "a") -> None:
+    """Every named query (required parameters: ``job_id``, else 0) answers alike on both stores."""
+    for name, q in sorted(NAMED_QUERIES.items()):
+        params = {p.name: (job_id if p.name == "job_id" else 0) for p in q.params if p.default is None}
+        a, b = one.run_named(name, params), other.run_named(name, params)
+        assert a.column_names == b.column_names, name
+        assert a.schema.types == b.schema.types, name
+        ra, rb = a.to_pylist(), b.to_pylist()
+        assert len(ra) == len(rb), name
+        for x, y in zip(ra, rb):
+            for k in x:
+                if isinstance(x[k], float):
+                    assert x[k] == pytest.approx(y[k], nan_ok=True), (name, k)
+                else:
+                    assert x[k] == y[k], (name, k)
 
 
 def test_bad_urls_and_unreachable_servers():
