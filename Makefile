@@ -1,6 +1,6 @@
 # The two commands of the README, and their set-up.
 #   make demo   set up, then run the whole pipeline locally and open the console
-#   make test   set up (with the test services: clickhouse-server, chromium), then run every test
+#   make test   set up (with the test services: clickhouse-server, zookeeper, chromium), then run every test
 PY := .venv/bin/python
 
 .PHONY: setup setup-test demo demo-once test test-unit bench clean

@@ -20,7 +20,8 @@ A unit the store refuses ``max_attempts`` times while it answers (``probe``)
 is given up: its ``give_up`` returns what to store instead (a window becomes
 a failed window with the reason) or nothing (the rows are dropped, logged and
 counted). A store that is down pins everything: nothing is given up, nothing
-is lost, and the offsets wait.
+is lost, and the offsets wait. So does a refusal the store marks ``transient``
+(a replicated shard short of its write quorum): it is not the rows' fault.
 """
 from __future__ import annotations
 
@@ -141,7 +142,8 @@ class Checkpoint:
         except Exception as e:
             error = e
         self.last_error = f"store: {type(error).__name__}: {error}"[:500]
-        if not self._reachable():
+        # ``transient``: the store answers but cannot take writes for now (storage.errors.StoreError).
+        if getattr(error, "transient", False) or not self._reachable():
             # Down: everything waits as it is, and one write plus one probe per pass is all it costs
             # (a unit-by-unit retry would pay a connect timeout per unit). A refusal counts only
             # while the store answers.

@@ -273,29 +273,46 @@ class ClickHouseServer:
 
 
 class ClickHouseCluster:
-    """``shards`` ClickHouse servers on 127.0.0.1 that know each other as cluster ``name``.
+    """``shards`` x ``replicas`` ClickHouse servers on 127.0.0.1 that know each other as cluster ``name``.
 
     Each gets a ``config.d/cluster.xml`` with the cluster's ``remote_servers``
-    (one replica per shard, no ZooKeeper); ``url`` is a store URL on the first
-    server with ``cluster=NAME``, which spreads the store over all of them.
+    and, with more than one replica per shard, the ZooKeeper at
+    ``zookeeper_port`` (``services.zookeeper``), its ``shard`` and ``replica``
+    macros and an interserver port on 127.0.0.1 for fetching parts from its
+    replicas. ``url`` is a store URL on the first server with ``cluster=NAME``,
+    which spreads the store over all of them.
     """
 
-    def __init__(self, shards: int = 2, name: str = "stragglerscope", user: str = "default", password: str = ""):
+    def __init__(self, shards: int = 2, replicas: int = 1, name: str = "stragglerscope", user: str = "default",
+                 password: str = "", zookeeper_port: int | None = None):
         from services.ports import free_fixed_port
 
+        if replicas > 1 and not zookeeper_port:
+            raise ValueError("replicated shards need a ZooKeeper (zookeeper_port)")
         self.name = name
         self._root = Path(tempfile.mkdtemp(prefix="ss-chcluster-"))
-        ports = [free_fixed_port() for _ in range(shards)]  # every server must know every port before it starts
-        self.servers = [ClickHouseServer(data_dir=self._root / f"shard{i}", tcp_port=p, user=user, password=password)
-                        for i, p in enumerate(ports)]
-        replicas = "".join(f"<shard><replica><host>127.0.0.1</host><port>{p}</port>"
-                           f"<user>{escape(user)}</user><password>{escape(password)}</password></replica></shard>"
-                           for p in ports)
-        for srv in self.servers:
+        layout = [(s, r) for s in range(1, shards + 1) for r in range(1, replicas + 1)]
+        ports = [free_fixed_port() for _ in layout]  # every server must know every port before it starts
+        self.servers = [ClickHouseServer(data_dir=self._root / f"s{s}r{r}", tcp_port=p, user=user, password=password)
+                        for (s, r), p in zip(layout, ports)]
+        auth = f"<user>{escape(user)}</user><password>{escape(password)}</password>"
+        # internal_replication: a Distributed insert writes one replica and replication copies it on.
+        remote = "".join(
+            "<shard>" + ("<internal_replication>true</internal_replication>" if replicas > 1 else "")
+            + "".join(f"<replica><host>127.0.0.1</host><port>{p}</port>{auth}</replica>"
+                      for (s, _r), p in zip(layout, ports) if s == shard) + "</shard>"
+            for shard in range(1, shards + 1))
+        for (s, r), srv in zip(layout, self.servers):
+            extra = ""
+            if replicas > 1:
+                extra = (f"<zookeeper><node><host>127.0.0.1</host><port>{zookeeper_port}</port></node></zookeeper>"
+                         f"<macros><shard>{s}</shard><replica>r{r}</replica></macros>"
+                         f"<interserver_http_host>127.0.0.1</interserver_http_host>"
+                         f"<interserver_http_port>{free_fixed_port()}</interserver_http_port>")
             d = srv.data_dir / "config.d"
             d.mkdir(parents=True)
             (d / "cluster.xml").write_text(
-                f"<yandex><remote_servers><{name}>{replicas}</{name}></remote_servers></yandex>")
+                f"<yandex>{extra}<remote_servers><{name}>{remote}</{name}></remote_servers></yandex>")
 
     @property
     def url(self) -> str:

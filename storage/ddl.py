@@ -282,10 +282,18 @@ def column_sql(field: pa.Field, caps: Capabilities) -> str:
 
 
 def create_table_sql(spec: TableSpec, caps: Capabilities, *, exclude: frozenset[str] = frozenset(),
-                     retention_days: int | None = None) -> str:
-    """``CREATE TABLE IF NOT EXISTS`` of a data table; ``exclude`` leaves out columns added by later migrations."""
+                     retention_days: int | None = None, replicated_in: str | None = None) -> str:
+    """``CREATE TABLE IF NOT EXISTS`` of a data table; ``exclude`` leaves out columns added by later migrations.
+
+    ``replicated_in``: the database, for a replicated table on a cluster whose
+    servers define the ``shard`` and ``replica`` macros; the replicas of a
+    shard meet in ZooKeeper at ``/clickhouse/tables/{shard}/DATABASE/TABLE``.
+    """
     cols = ",\n    ".join(column_sql(f, caps) for f in spec.fields if f.name not in exclude)
     engine = "ReplacingMergeTree(`stored_ns`)"
+    if replicated_in:
+        engine = (f"ReplicatedReplacingMergeTree('/clickhouse/tables/{{shard}}/{replicated_in}/{spec.data}', "
+                  "'{replica}', `stored_ns`)")
     order = ", ".join(quote(k) for k in spec.key)
     sql = (f"CREATE TABLE IF NOT EXISTS {quote(spec.data)} (\n    {cols}\n) ENGINE = {engine}\n"
            f"PARTITION BY {partition_expr(spec)}\nORDER BY ({order})")

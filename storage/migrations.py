@@ -47,7 +47,7 @@ def _v1_base_tables(store) -> None:
     for spec in ddl.TABLES:
         if spec.name in later:
             continue
-        store._execute(ddl.create_table_sql(spec, store.caps, exclude=_added_later(spec.name, 1)))
+        store._execute(store.create_table_sql(spec, exclude=_added_later(spec.name, 1)))
 
 
 def _add_columns(store, table: str, names: tuple[str, ...]) -> None:
@@ -79,7 +79,7 @@ def _create_tables(*names: str) -> Callable[[object], None]:
     """A step that creates tables added to ``ddl.TABLES`` after version 1 (a no-op where they exist)."""
     def apply(store) -> None:
         for name in names:
-            store._execute(ddl.create_table_sql(ddl.TABLE_BY_NAME[name], store.caps))
+            store._execute(store.create_table_sql(ddl.TABLE_BY_NAME[name]))
     return apply
 
 
@@ -121,7 +121,7 @@ def migrate(store, target: int | None = None) -> list[int]:
         columns = store.table_columns()  # one catalogue read, not one per table (console start-up)
         absent = [spec for spec in ddl.TABLES if spec.data not in columns]
         for spec in absent:  # tables added to the schema module after this store's last step (link_cells was)
-            store._execute(ddl.create_table_sql(spec, store.caps, retention_days=store.retention_days))
+            store._execute(store.create_table_sql(spec, retention_days=store.retention_days))
         if absent:
             changed = True
             columns = store.table_columns()

@@ -37,13 +37,22 @@ from storage.store import SQLStore
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _SEND_RECEIVE_TIMEOUT_S = 300  # a long query's reads; the connect and the hello use the connect timeout
+# Server error codes that mean "not now" rather than "not this": a replicated shard short of live
+# replicas (285), a quorum still pending (286), an insert whose fate is unknown (319), a replicated table
+# read-only while ZooKeeper is away (242), ZooKeeper errors (999).
+TRANSIENT_CODES = frozenset({242, 285, 286, 319, 999})
+QUORUM_RETRY_CODES = frozenset({286, 319})
+"""Retried here at once: replicated tables drop a block they hold already, so sending it again is safe."""
+QUORUM_TIMEOUT_S = 30.0
+"""How long a replicated write waits for its quorum before it fails (the caller retries it; the server's
+default is 600 s, past the client's own timeout, and a shard's loop would hang that long)."""
 
 
 # Query parameters of a clickhouse:// URL (``password_file`` is read by ``storage.open_store`` first).
 _BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 _TLS_FILES = ("ca_certs", "certfile", "keyfile")
 URL_PARAMS = ("secure", "verify", "ca_certs", "certfile", "keyfile", "server_hostname", "connect_timeout",
-              "password_file", "cluster")
+              "password_file", "cluster", "insert_quorum")
 
 
 def parse_server_url(url: str) -> dict:
@@ -59,6 +68,10 @@ def parse_server_url(url: str) -> dict:
     if cluster is not None and not _IDENT.fullmatch(cluster):
         raise StoreError(f"bad cluster={cluster!r} in store URL {url}: the name of a cluster in the server's "
                          "remote_servers (letters, digits and _)")
+    quorum = dict(parse_qsl(u.query, keep_blank_values=True)).get("insert_quorum")
+    if quorum is not None and (not quorum.isdigit() or int(quorum) < 1 or cluster is None):
+        raise StoreError(f"bad insert_quorum={quorum!r} in store URL {url}: replicas per shard that must hold "
+                         "a write before it returns, 1 or more, with cluster=")
     tls, timeout = tls_options(url, u.query)
     try:
         port = u.port or (9440 if tls["secure"] else 9000)
@@ -69,7 +82,7 @@ def parse_server_url(url: str) -> dict:
         raise StoreError(f"bad database name {database!r} in {url!r}: letters, digits and _ only")
     return dict(host=u.hostname, port=port, user=unquote(u.username or "default"),
                 password=unquote(u.password or ""), database=database, tls=tls, connect_timeout=timeout,
-                cluster=cluster)
+                cluster=cluster, insert_quorum=int(quorum) if quorum else None)
 
 
 def tls_options(url: str, query: str) -> tuple[dict, float | None]:
@@ -256,6 +269,9 @@ class ServerStore(SQLStore):
         version = self._call(self._client, "SELECT version()")[0][0][0]
         self.caps = ddl.Capabilities.from_version(str(version))
         self.cluster: str | None = self._args["cluster"]
+        self.replicated = False
+        """Shards of more than one server: the data tables are Replicated (ZooKeeper), one per replica."""
+        self.insert_quorum: int | None = None
         peers = self._peer_addresses() if self.cluster else []
         if self.database != "default":
             for address in peers:
@@ -267,13 +283,19 @@ class ServerStore(SQLStore):
             self._client = self._connect(self.database)
         self._peers: list[tuple[str, Any]] = [(a, self._connect(self.database, a)) for a in peers]
         """(address, client) of the cluster's other servers, each holding its shard of every data table."""
+        if self.cluster and self.replicated:
+            self._check_macros()
 
     # -- a ClickHouse cluster (cluster= in the URL) -------------------------------------------
     # Each server holds its shard of every data table; a Distributed table in front of each
     # (``ddl.distributed_sql``) takes the writes, with insert_distributed_sync so that an insert
     # returns only once every shard has its rows, and the views read through it. Statements
     # that change tables run on every server from here: that needs no distributed DDL queue,
-    # which 18.16 keeps in ZooKeeper (ON CLUSTER). Why exactly-once still holds: RELIABILITY.md.
+    # which 18.16 keeps in ZooKeeper (ON CLUSTER). With several replicas per shard the data
+    # tables are ReplicatedReplacingMergeTree: each replica's table is created here, an ALTER
+    # reaches a shard's other replicas through ZooKeeper as well (their "already exists" is
+    # expected), and a write returns once ``insert_quorum`` replicas hold it (default: a
+    # majority). Why exactly-once still holds: RELIABILITY.md.
     def _peer_addresses(self) -> list[str]:
         """host:port of the cluster's other servers, from this server's ``system.clusters``."""
         rows = self._call(self._client, "SELECT shard_num, replica_num, host_address, port, is_local "
@@ -281,14 +303,59 @@ class ServerStore(SQLStore):
         if not rows or not len(rows[0]):
             raise StoreError(f"cluster {self.cluster!r} is not in the remote_servers of the ClickHouse server at "
                              f"{self.address}: name one of its clusters (SELECT DISTINCT cluster FROM system.clusters)")
-        _shards, replicas, hosts, ports, local = (list(c) for c in rows)
-        if max(replicas) > 1:
-            raise StoreError(f"cluster {self.cluster!r} has replicated shards: stragglerscope's tables are not "
-                             "Replicated yet, so use a cluster of one replica per shard")
-        if not any(local):
+        shards, replicas, hosts, ports, local = (list(c) for c in rows)
+        self.replicated = max(replicas) > 1
+        fewest = min(sum(1 for s in shards if s == shard) for shard in set(shards))
+        # A write returns once a majority of its shard's replicas hold it: the offsets stored after it
+        # then never cover rows that one lost replica took with it.
+        self.insert_quorum = self._args["insert_quorum"] or (fewest // 2 + 1 if self.replicated else None)
+        # This server: local and on the URL's port (18.16 marks every replica of the local shard is_local).
+        me = [bool(is_local) and int(p) == self._args["port"] for p, is_local in zip(ports, local)]
+        if not any(me):
             raise StoreError(f"the server at {self.address} is not itself in cluster {self.cluster!r}: connect to "
                              "one of its servers")
-        return [f"{h}:{p}" for h, p, is_local in zip(hosts, ports, local) if not is_local]
+        return [f"{h}:{p}" for h, p, mine in zip(hosts, ports, me) if not mine]
+
+    def _check_macros(self) -> None:
+        """Every server of a replicated cluster names its shard and replica (the tables' ZooKeeper paths)."""
+        for address, client in self._servers():
+            cols, _types = self._call(client, "SELECT macro FROM system.macros")
+            missing = {"shard", "replica"} - {str(m) for m in (cols[0] if cols else [])}
+            if missing:
+                raise StoreError(f"the ClickHouse server at {address} of replicated cluster {self.cluster!r} does "
+                                 f"not define the macro {sorted(missing)[0]!r} (<macros> in its config): "
+                                 "replicated tables are named by shard and replica")
+
+    def setup(self, target_version: int | None = None) -> None:
+        super().setup(target_version)
+        if self.replicated:
+            self._wait_replicas_active()
+
+    def _wait_replicas_active(self, timeout_s: float = 60.0) -> None:
+        """Until every replica of every data table is active: a new replica joins its shard in ZooKeeper a
+        moment after its table is created, and a quorum write before that fails ("alive replicas (1)")."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        pending = list(self._servers())
+        while pending:
+            address, client = pending[0]
+            cols, _types = self._call(client, "SELECT count(), sum(active_replicas < total_replicas OR is_readonly) "
+                                      "FROM system.replicas WHERE database = currentDatabase()")
+            n, behind = int(cols[0][0]), int(cols[1][0])
+            if n and not behind:
+                pending.pop(0)
+                continue
+            if time.monotonic() > deadline:
+                raise StoreError(f"the replicas of cluster {self.cluster!r} are not all active after {timeout_s:.0f} s "
+                                 f"({behind} of {n} tables on {address} lack some): is ZooKeeper reachable "
+                                 "from every server?")
+            time.sleep(0.2)
+
+    def create_table_sql(self, spec, **kw) -> str:
+        if self.replicated:
+            kw["replicated_in"] = self.database
+        return super().create_table_sql(spec, **kw)
 
     def _servers(self):
         """(address, client) of every server: this one first, then the cluster's others."""
@@ -401,7 +468,7 @@ class ServerStore(SQLStore):
                 client.disconnect()
                 raise StoreError(f"ClickHouse server at {self.address} refused the login: Code: {e.code}. "
                                  f"{message}") from e
-            raise StoreError(f"Code: {e.code}. {message}") from e
+            raise StoreError(f"Code: {e.code}. {message}", transient=e.code in TRANSIENT_CODES) from e
         except ch_errors.Error as e:
             raise StoreError(first_line(e)) from e
         except (TypeError, ValueError, KeyError) as e:  # data clickhouse-driver could not encode
@@ -483,9 +550,26 @@ class ServerStore(SQLStore):
             # Return only once every shard has written its rows: results are stored before the offsets
             # that cover them (an asynchronous insert would return with the rows still queued here).
             settings = {**settings, "insert_distributed_sync": 1}
+            if self.insert_quorum and self.replicated:
+                settings["insert_quorum"] = self.insert_quorum
+                settings["insert_quorum_timeout"] = int(QUORUM_TIMEOUT_S * 1000)
+        sql = f"INSERT INTO {ddl.quote(table_name)} ({cols}) VALUES"
         with self._lock:
-            self._call(self._client, f"INSERT INTO {ddl.quote(table_name)} ({cols}) VALUES", data,
-                       settings=settings)
+            if "insert_quorum" not in settings:
+                self._call(self._client, sql, data, settings=settings)
+                return
+            import time
+
+            deadline = time.monotonic() + QUORUM_TIMEOUT_S
+            while True:
+                try:
+                    self._call(self._client, sql, data, settings=settings)
+                    return
+                except StoreError as e:
+                    code = getattr(e.__cause__, "code", None)
+                    if code not in QUORUM_RETRY_CODES or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)  # another writer's quorum is still pending, or this one's fate unknown
 
     def close(self) -> None:
         if not self._closed:

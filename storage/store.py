@@ -200,6 +200,10 @@ class SQLStore(Store):
         """
         return (ddl.TABLE_BY_NAME[spec] if isinstance(spec, str) else spec).data
 
+    def create_table_sql(self, spec: ddl.TableSpec, **kw) -> str:
+        """The DDL of a data table on this store's engine (``ddl.create_table_sql``)."""
+        return ddl.create_table_sql(spec, self.caps, **kw)
+
     def prepare_reads(self, columns: dict[str, dict[str, str]]) -> bool:
         """Make the tables the views read (``_data``) match the data tables; True if any changed.
 

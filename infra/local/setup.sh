@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up this checkout: the virtual environment at .venv with the project and
 # its dependencies; with --test also the services the integration tests start
-# for real (Debian's clickhouse-server and chromium) and the test extras
+# for real (Debian's clickhouse-server, zookeeper and chromium) and the test extras
 # (pytest, playwright's Python driver, CPU PyTorch 2.13.0).
 # Idempotent: what is there already is kept.
 set -euo pipefail
@@ -26,6 +26,8 @@ if [ $want_test = 1 ]; then
     missing=()
     command -v clickhouse-server >/dev/null 2>&1 || [ -x /usr/sbin/clickhouse-server ] || [ -x /usr/bin/clickhouse-server ] || missing+=(clickhouse-server)
     [ -x /usr/bin/chromium ] || missing+=(chromium)
+    # ZooKeeper: the replicated ClickHouse cluster in tests/storage (18.16 has no Keeper of its own).
+    [ -x /usr/share/zookeeper/bin/zkServer.sh ] || missing+=(zookeeper)
     if [ ${#missing[@]} -gt 0 ]; then
         if [ "$(id -u)" = 0 ]; then
             echo "setup: apt-get install ${missing[*]}" >&2

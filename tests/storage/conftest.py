@@ -1,5 +1,6 @@
-"""Storage fixtures: a store per test on every backend (chDB in a tmp dir, a real 18.16 server, and a
-cluster of two 18.16 servers that the store spreads its tables over).
+"""Storage fixtures: a store per test on every backend (chDB in a tmp dir, a real 18.16 server, a
+cluster of two 18.16 servers that the store spreads its tables over, and one of two shards of two
+replicas each with a ZooKeeper).
 
 ``store`` is parametrised over the backends, so one test function runs
 against both. The server is started once per session by
@@ -44,6 +45,19 @@ def ch_cluster():
         yield cluster
 
 
+@pytest.fixture(scope="session")
+def ch_replicated():
+    """Two shards x two replicas of 18.16 on 127.0.0.1, replicating through a local ZooKeeper."""
+    from services.clickhouse_server import ClickHouseCluster, find_server_binary
+    from services.zookeeper import LocalZooKeeper, zookeeper_installed
+
+    if not find_server_binary() or not zookeeper_installed():
+        yield None
+        return
+    with LocalZooKeeper() as zk, ClickHouseCluster(shards=2, replicas=2, zookeeper_port=zk.port) as cluster:
+        yield cluster
+
+
 def _server_url(ch_server) -> str:
     if ch_server is None:
         pytest.skip("clickhouse-server is not installed (apt-get install clickhouse-server)")
@@ -55,6 +69,11 @@ def _url(backend: str, tmp_path, request) -> str:
         return f"chdb://{tmp_path / 'store'}"
     if backend == "cluster":  # the store spread over two servers (``cluster=`` in the URL)
         return _server_url(request.getfixturevalue("ch_cluster"))
+    if backend == "replicated":  # ... over two shards of two replicas each
+        cluster = request.getfixturevalue("ch_replicated")
+        if cluster is None:
+            pytest.skip("clickhouse-server or zookeeper is not installed (make setup-test installs both)")
+        return _server_url(cluster)
     return _server_url(request.getfixturevalue("ch_server"))
 
 
@@ -64,7 +83,7 @@ def store_url(request, tmp_path):
     return _url(request.param, tmp_path, request)
 
 
-@pytest.fixture(params=["chdb", "server", "cluster"])
+@pytest.fixture(params=["chdb", "server", "cluster", "replicated"])
 def store(request, tmp_path):
     """An empty store after setup(), on each backend in turn; closed (server: database dropped) afterwards."""
     from storage import open_store

@@ -113,3 +113,69 @@ def test_a_cluster_the_server_does_not_know_is_one_line(ch_cluster):
         open_store(url)
     with pytest.raises(StoreError, match="bad cluster="):
         open_store(ch_cluster.servers[0].store_url("default", cluster="a;b"))
+
+
+# -- two shards of two replicas each (ReplicatedReplacingMergeTree through a local ZooKeeper) ----------
+
+@pytest.fixture
+def replicated_store(ch_replicated):
+    if ch_replicated is None:
+        pytest.skip("clickhouse-server or zookeeper is not installed (make setup-test installs both)")
+    st = open_store(ch_replicated.store_url(f"t_{uuid.uuid4().hex[:12]}"))
+    st.setup()
+    yield st
+    if not st._closed:
+        st._execute(f"DROP DATABASE IF EXISTS `{st.database}`")
+    st.close()
+
+
+def test_replicas_of_a_shard_hold_the_same_rows_and_reads_survive_a_lost_replica(ch_replicated, replicated_store):
+    assert replicated_store.replicated and replicated_store.insert_quorum == 2  # a majority of 2
+    for i in range(12):
+        replicated_store.insert("window", window_rows(2, job=f"r{i}"))
+    counts = [c[0] for c in _local(ch_replicated, replicated_store.database, "SELECT count() FROM windows_data")]
+    assert counts[0] == counts[1] and counts[2] == counts[3] and counts[0] and counts[2], counts
+    assert counts[0] + counts[2] == 24, "each shard's rows once, on both of its replicas"
+    lost = ch_replicated.servers[3]  # the second replica of shard 2
+    lost.stop()
+    try:
+        assert replicated_store.query("SELECT count() AS n FROM windows").column("n")[0].as_py() == 24
+        assert replicated_store.window_stored(("r5", 0, 10))
+    finally:
+        lost.start()
+
+
+def test_a_write_without_its_quorum_fails_and_its_retry_stores_each_window_once(ch_replicated, replicated_store,
+                                                                               monkeypatch):
+    """With one replica of a shard down, a majority of two cannot hold the write: it fails (the shard keeps
+    the unit and retries; nothing is lost), and the retry after the replica is back stores each window once."""
+    import storage.server_backend as sb
+
+    monkeypatch.setattr(sb, "QUORUM_TIMEOUT_S", 3.0)  # ZooKeeper notices the lost replica only after its session
+    batch = __import__("pyarrow").concat_tables([window_rows(2, job=f"q{i}") for i in range(16)])
+    lost = ch_replicated.servers[1]  # the second replica of shard 1
+    lost.stop()
+    try:
+        with pytest.raises(StoreError, match="quorum|alive replicas") as refused:
+            replicated_store.insert("window", batch)
+        assert refused.value.transient, "the shard's checkpoint waits for it like an outage, never gives up"
+    finally:
+        lost.start()
+    replicated_store._wait_replicas_active()
+    replicated_store.insert("window", batch)
+    replicated_store.insert("window", batch)  # a replay
+    assert replicated_store.query(f"SELECT count() AS n FROM {replicated_store._data('windows')}"
+                                  ).column("n")[0].as_py() == 32
+    assert replicated_store.query("SELECT count() AS n FROM windows").column("n")[0].as_py() == 32
+
+
+def test_a_quorum_of_one_keeps_writing_with_a_replica_down(ch_replicated, replicated_store):
+    st = open_store(ch_replicated.store_url(replicated_store.database) + "&insert_quorum=1")
+    lost = ch_replicated.servers[3]
+    lost.stop()
+    try:
+        st.insert("window", window_rows(2, job="one"))
+        assert st.query("SELECT count() AS n FROM windows WHERE job_id = 'one'").column("n")[0].as_py() == 2
+    finally:
+        lost.start()
+        st.close()

@@ -115,6 +115,31 @@ def test_rows_a_live_store_keeps_refusing_are_given_up_and_stop_pinning_the_offs
     assert cp.units_dropped == 1 and cp.pending == []
 
 
+def test_a_refusal_the_store_calls_transient_waits_like_an_outage_and_is_never_given_up():
+    """A replicated shard short of its quorum refuses writes while reads (the probe) still answer."""
+    class Short(Journal):
+        short = True
+
+        def flush(self):
+            if self.short:
+                self._buf = {}
+                err = RuntimeError("Code: 285. Number of alive replicas (1) is less than requested quorum (2)")
+                err.transient = True
+                raise err
+            super().flush()
+
+    sink = Short()
+    cp, _ = checkpoint(sink)
+    cp.add(Unit("window", {"window": table()}, give_up=lambda reason: Unit("failed", {"window": table()})))
+    for t in range(10):  # more passes than max_attempts: still waiting, nothing counted against it
+        cp.commit(float(t))
+    assert len(cp.pending) == 1 and cp.pending[0].what == "window" and cp.pending[0].attempts == 0
+    assert "quorum" in cp.last_error and sink.offsets == {}
+    sink.short = False
+    cp.commit(10.0)
+    assert sink.rows["window"] and sink.offsets["src"] == {("t", 0): 5}
+
+
 def test_best_effort_rows_never_hold_anything_back():
     sink = Journal()
     cp, _ = checkpoint(sink)
