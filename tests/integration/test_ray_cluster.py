@@ -1,5 +1,5 @@
 """`stragglerscope run` on a real multi-node Ray cluster (every node on 127.0.0.1) with a ClickHouse cluster
-of two servers as the store.
+as the store: two shards of two replicas each, replicating through ZooKeeper.
 
 One run, as an infra team would see it: the shard actors spread over the
 nodes; a second driver (a rolling update) adopts them and the first steps
@@ -119,18 +119,18 @@ def test_run_on_a_two_node_ray_cluster_adopts_survives_a_node_loss_and_stores_ea
         broker, ray_local, tmp_path):
     from services.clickhouse_server import ClickHouseCluster, find_server_binary
     from services.ray_cluster import LocalRayCluster
+    from services.zookeeper import LocalZooKeeper, zookeeper_installed
     from storage import open_store
 
-    if not find_server_binary():
-        pytest.skip("clickhouse-server is not installed")
+    if not find_server_binary() or not zookeeper_installed():
+        pytest.skip("clickhouse-server or zookeeper is not installed (make setup-test installs both)")
     tag = f"rc-{uuid.uuid4().hex[:6]}"
     ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, PARTITIONS)
-    keys = _produce(broker.bootstrap, tag, n_jobs=12, windows=6)
-    calm, _ = _run(broker, ray_local, tmp_path, tag, keys, kill=False)  # the reference: local, undisturbed
-    assert len(calm) == len(keys)
+    keys = _produce(broker.bootstrap, f"{tag}-a", n_jobs=12, windows=6)  # more come after the node is lost
 
     drivers = []
-    with ClickHouseCluster(shards=2) as ch, LocalRayCluster(nodes=2, cpus_per_node=3) as cluster:
+    with LocalZooKeeper() as zk, ClickHouseCluster(shards=2, replicas=2, zookeeper_port=zk.port) as ch, \
+            LocalRayCluster(nodes=2, cpus_per_node=3) as cluster:
         env = dict(os.environ, STRAGGLERSCOPE_RAY_ADDRESS=cluster.address,
                    STRAGGLERSCOPE_KAFKA_BOOTSTRAP=broker.bootstrap, STRAGGLERSCOPE_KAFKA_PARTITIONS=str(PARTITIONS),
                    STRAGGLERSCOPE_KAFKA_SOURCE_ID=tag, STRAGGLERSCOPE_STORE_URL=ch.url,
@@ -156,22 +156,23 @@ def test_run_on_a_two_node_ray_cluster_adopts_survives_a_node_loss_and_stores_ea
             assert "a driver started later owns the shards" in first.text, first.text
             assert _on_cluster(cluster.address, tag, 2) == placed, "the same shard processes: no second set"
 
-            # A node lost mid-stream: its shard comes back on the head and replays from the stored offsets.
-            done = _wait_stored(store, tag, len(keys) // 2, 240, second)
-            assert done < len(keys), "the node must be lost mid-stream"
+            # A node lost mid-stream: its shard comes back on the head, replays from the stored offsets, and
+            # takes the records sent after the loss (more jobs, on every partition).
             head = cluster.nodes[0]
             lost = next(node for _, node in placed if node != head)
             cluster.remove_node(lost)
+            keys += _produce(broker.bootstrap, f"{tag}-b", n_jobs=8, windows=4)
             _wait_stored(store, tag, len(keys), 300, second)
             moved = _on_cluster(cluster.address, tag, 2)
             assert [node for _, node in moved] == [head, head], moved
 
             rows = _results(store, tag)
             assert len(rows) == len(keys), "each window exactly once"
-            for srv in ch.servers:  # the results are spread over both ClickHouse shards
-                with open_store(srv.url) as local:
-                    assert _stored_local(local, tag) > 0
-            assert _strip(rows) == _strip(calm), "the same numbers as the undisturbed local run"
+            local = []
+            for srv in ch.servers:  # the results are spread over both ClickHouse shards, on both replicas
+                with open_store(srv.url) as one:
+                    local.append(_stored_local(one, tag))
+            assert local[0] == local[1] > 0 and local[2] == local[3] > 0 and local[0] + local[2] == len(keys), local
 
             # A shard gone for good ends the driver: one line, exit code 2, within its health check.
             _on_cluster(cluster.address, tag, 2, "kill:0")
@@ -185,3 +186,5 @@ def test_run_on_a_two_node_ray_cluster_adopts_survives_a_node_loss_and_stores_ea
             for d in drivers:
                 d.kill()
             store.close()
+    calm, _ = _run(broker, ray_local, tmp_path, tag, keys, kill=False)  # the reference: local, undisturbed
+    assert _strip(rows) == _strip(calm), "the same numbers as an undisturbed local run"
