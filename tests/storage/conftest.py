@@ -64,7 +64,7 @@ def _server_url(ch_server) -> str:
     return ch_server.store_url(f"t_{uuid.uuid4().hex[:12]}")
 
 
-def _url(backend: str, tmp_path, request) -> str:
+def backend_url(backend: str, tmp_path, request) -> str:
     if backend == "chdb":
         return f"chdb://{tmp_path / 'store'}"
     if backend == "cluster":  # the store spread over two servers (``cluster=`` in the URL)
@@ -80,20 +80,25 @@ def _url(backend: str, tmp_path, request) -> str:
 @pytest.fixture
 def store_url(request, tmp_path):
     """URL of an empty store on the backend named by the test's parameter."""
-    return _url(request.param, tmp_path, request)
+    return backend_url(request.param, tmp_path, request)
+
+
+def fresh_store(url: str):
+    """An empty store after setup(), for a fixture to yield from; closed (server: database dropped) after."""
+    from storage import open_store
+
+    s = open_store(url)
+    s.setup()
+    yield s
+    if hasattr(s, "database") and not s._closed:
+        s._execute(f"DROP DATABASE IF EXISTS `{s.database}`")  # on every server of a cluster
+    s.close()
 
 
 @pytest.fixture(params=["chdb", "server", "cluster", "replicated"])
 def store(request, tmp_path):
-    """An empty store after setup(), on each backend in turn; closed (server: database dropped) afterwards."""
-    from storage import open_store
-
-    s = open_store(_url(request.param, tmp_path, request))
-    s.setup()
-    yield s
-    if request.param != "chdb" and not s._closed:
-        s._execute(f"DROP DATABASE IF EXISTS `{s.database}`")  # on every server of a cluster
-    s.close()
+    """An empty store on each backend in turn."""
+    yield from fresh_store(backend_url(request.param, tmp_path, request))
 
 
 @pytest.fixture

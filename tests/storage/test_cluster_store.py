@@ -7,26 +7,18 @@ and a server that lacks tables gaining them at setup.
 """
 from __future__ import annotations
 
-import uuid
 
 import pytest
 
 from storage import StoreError, open_store
-from tests.storage.conftest import window_rows
+from tests.storage.conftest import backend_url, fresh_store, window_rows
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def cluster_store(ch_cluster):
-    if ch_cluster is None:
-        pytest.skip("clickhouse-server is not installed (apt-get install clickhouse-server)")
-    st = open_store(ch_cluster.store_url(f"t_{uuid.uuid4().hex[:12]}"))
-    st.setup()
-    yield st
-    if not st._closed:
-        st._execute(f"DROP DATABASE IF EXISTS `{st.database}`")
-    st.close()
+def cluster_store(request, tmp_path):
+    yield from fresh_store(backend_url("cluster", tmp_path, request))
 
 
 def _local(cluster, database: str, sql: str) -> list:
@@ -118,15 +110,8 @@ def test_a_cluster_the_server_does_not_know_is_one_line(ch_cluster):
 # -- two shards of two replicas each (ReplicatedReplacingMergeTree through a local ZooKeeper) ----------
 
 @pytest.fixture
-def replicated_store(ch_replicated):
-    if ch_replicated is None:
-        pytest.skip("clickhouse-server or zookeeper is not installed (make setup-test installs both)")
-    st = open_store(ch_replicated.store_url(f"t_{uuid.uuid4().hex[:12]}"))
-    st.setup()
-    yield st
-    if not st._closed:
-        st._execute(f"DROP DATABASE IF EXISTS `{st.database}`")
-    st.close()
+def replicated_store(request, tmp_path):
+    yield from fresh_store(backend_url("replicated", tmp_path, request))
 
 
 def test_replicas_of_a_shard_hold_the_same_rows_and_reads_survive_a_lost_replica(ch_replicated, replicated_store):
