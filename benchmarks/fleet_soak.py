@@ -92,6 +92,8 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--session-every-s", type=float, default=600.0)
     ap.add_argument("--store", default="", help="store URL (default: a fresh chDB store in a temp dir)")
+    ap.add_argument("--gpus", default="128,8192", metavar="MIN,MAX",
+                    help="job sizes, log-uniform between MIN and MAX GPUs (powers of two; TP 8 from 64 GPUs up)")
     args = ap.parse_args()
 
     import tempfile
@@ -108,12 +110,15 @@ def main() -> int:
                            # The soak's own progress reads list every window: more rows than an analyst's query.
                            sql={"max_result_rows": 10_000_000, "max_execution_time_s": 300.0})
     rng = np.random.default_rng(0)
-    causes = make_fleet(args.jobs, seed=11, min_gpus=128, max_gpus=8192)
+    lo, hi = (int(x) for x in args.gpus.split(","))
+    causes = make_fleet(args.jobs, seed=11, min_gpus=lo, max_gpus=hi)
     jobs = []
     for i, spec in enumerate(causes):
-        n = int(2 ** rng.uniform(7, 13))
+        n = int(2 ** rng.uniform(np.log2(lo), np.log2(hi)))
         n = 1 << int(round(np.log2(n)))
-        tp, pp = 8, int(rng.choice([2, 4, 8]))
+        # The default sizes draw exactly as before (TP 8, PP 2-8); small jobs get what fits.
+        tp = 8 if n >= 64 else max(1, n // 4)
+        pp = int(rng.choice([p for p in (2, 4, 8) if tp * p <= n] or [1]))
         dp = max(1, n // (tp * pp))
         jobs.append(dataclasses.replace(spec, job_id=f"soak-{i:04d}", layout=JobLayout(dp, pp, tp),
                                         num_microbatches=2 * pp, cause_dp=int(rng.integers(dp)),
