@@ -433,9 +433,9 @@ class Pipeline:
 
         if self.cfg.ray.address:
             check_store_reach(self.cfg.store.url, [nd["NodeManagerAddress"] for nd in ray.nodes() if nd["Alive"]])
-        shard_cpus = self.cfg.ray.shard_cpus if self.cfg.ray.address else 0.0
         self.max_inflight = inflight_per_shard(self.cfg.pipeline.max_inflight, n,
-                                               ray.cluster_resources().get("CPU", 1.0), shard_cpus)
+                                               ray.cluster_resources().get("CPU", 1.0),
+                                               self._actor_options()["num_cpus"])
         shard_cfg = self.cfg.replace(pipeline={"max_inflight": self.max_inflight})
         actor_cls = _make_actor_class()
         layout = [shard_partitions(i, n, self.partitions) for i in range(n)]
@@ -527,7 +527,7 @@ class Pipeline:
                 log.warning("shard %s is beyond pipeline.shards = %d: stopping it", name, n)
                 self._retire(actor, name, time.monotonic() + 30)
 
-    def check_health(self, statuses: list[dict] | None = None) -> list[dict]:
+    def check_health(self) -> list[dict]:
         """The shards' statuses; PipelineError for a shard that is dead for good, Superseded when a later
         driver owns the detached shards. A shard that Ray is restarting is not an error.
 
@@ -557,7 +557,7 @@ class Pipeline:
                 if verdict == "replace":
                     raise Superseded(f"{name} runs another configuration (a later driver replaced it)")
                 self.actors[i] = actor
-        statuses = self.status() if statuses is None else statuses
+        statuses = self.status()
         for st in statuses:
             if st.get("dead"):
                 raise PipelineError(f"shard {st.get('shard')} died and Ray will not restart it: {st.get('error')}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+import time
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlparse
 
@@ -64,11 +65,12 @@ def parse_server_url(url: str) -> dict:
     u = urlparse(url)
     if u.scheme != "clickhouse" or not u.hostname:
         raise StoreError(f"bad ClickHouse URL {url!r}: write clickhouse://user:pass@host:port/db")
-    cluster = dict(parse_qsl(u.query, keep_blank_values=True)).get("cluster")
+    query = dict(parse_qsl(u.query, keep_blank_values=True))  # tls_options refuses repeated and unknown keys
+    cluster = query.get("cluster")
     if cluster is not None and not _IDENT.fullmatch(cluster):
         raise StoreError(f"bad cluster={cluster!r} in store URL {url}: the name of a cluster in the server's "
                          "remote_servers (letters, digits and _)")
-    quorum = dict(parse_qsl(u.query, keep_blank_values=True)).get("insert_quorum")
+    quorum = query.get("insert_quorum")
     if quorum is not None and (not quorum.isdigit() or int(quorum) < 1 or cluster is None):
         raise StoreError(f"bad insert_quorum={quorum!r} in store URL {url}: replicas per shard that must hold "
                          "a write before it returns, 1 or more, with cluster=")
@@ -334,8 +336,6 @@ class ServerStore(SQLStore):
     def _wait_replicas_active(self, timeout_s: float = 60.0) -> None:
         """Until every replica of every data table is active: a new replica joins its shard in ZooKeeper a
         moment after its table is created, and a quorum write before that fails ("alive replicas (1)")."""
-        import time
-
         deadline = time.monotonic() + timeout_s
         pending = list(self._servers())
         while pending:
@@ -389,28 +389,30 @@ class ServerStore(SQLStore):
     def table_columns(self) -> dict[str, dict[str, str]]:
         """On a cluster, the tables and columns that every server has (a server added later lacks some)."""
         mine = super().table_columns()
-        for _address, client in self._peers:
-            cols, _types = self._call(client, "SELECT table, name FROM system.columns "
-                                      "WHERE database = currentDatabase()")
-            theirs = {(str(t), str(n)) for t, n in zip(*cols)} if cols else set()
+        for cols in self._on_peers("SELECT table, name FROM system.columns WHERE database = currentDatabase()"):
+            theirs = {(str(t), str(n)) for t, n in zip(*cols)}
             mine = {t: {n: typ for n, typ in c.items() if (t, n) in theirs} for t, c in mine.items()}
             mine = {t: c for t, c in mine.items() if c}
         return mine
 
     def table_names(self) -> set[str]:
         names = super().table_names()
-        for _address, client in self._peers:
-            cols, _types = self._call(client, "SELECT name FROM system.tables WHERE database = currentDatabase()")
-            names &= {str(n) for n in cols[0]} if cols else set()
+        for cols in self._on_peers("SELECT name FROM system.tables WHERE database = currentDatabase()"):
+            names &= {str(n) for n in cols[0]}
         return names
 
     def active_partitions(self, table: str) -> list[str]:
         parts = set(super().active_partitions(table))
-        for _address, client in self._peers:
-            cols, _types = self._call(client, "SELECT DISTINCT partition FROM system.parts "
-                                      f"WHERE database = currentDatabase() AND table = '{table}' AND active")
-            parts.update(cols[0] if cols else [])
+        for cols in self._on_peers("SELECT DISTINCT partition FROM system.parts "
+                                   f"WHERE database = currentDatabase() AND table = '{table}' AND active"):
+            parts.update(cols[0])
         return sorted(parts)
+
+    def _on_peers(self, sql: str):
+        """``sql``'s columns from each of the cluster's other servers (empty lists for no rows)."""
+        for _address, client in self._peers:
+            cols, types = self._call(client, sql)
+            yield cols or [[] for _ in types]
 
     def _connect(self, database: str, address: str | None = None):
         """A connected client: TCP connect, TLS handshake and the server's hello all within the connect timeout.
@@ -554,22 +556,18 @@ class ServerStore(SQLStore):
                 settings["insert_quorum"] = self.insert_quorum
                 settings["insert_quorum_timeout"] = int(QUORUM_TIMEOUT_S * 1000)
         sql = f"INSERT INTO {ddl.quote(table_name)} ({cols}) VALUES"
+        deadline = time.monotonic() + QUORUM_TIMEOUT_S
         with self._lock:
-            if "insert_quorum" not in settings:
-                self._call(self._client, sql, data, settings=settings)
-                return
-            import time
-
-            deadline = time.monotonic() + QUORUM_TIMEOUT_S
             while True:
                 try:
                     self._call(self._client, sql, data, settings=settings)
                     return
                 except StoreError as e:
-                    code = getattr(e.__cause__, "code", None)
-                    if code not in QUORUM_RETRY_CODES or time.monotonic() > deadline:
+                    # Only quorum writes end so: another writer's quorum is still pending, or this one's fate
+                    # is unknown.
+                    if getattr(e.__cause__, "code", None) not in QUORUM_RETRY_CODES or time.monotonic() > deadline:
                         raise
-                    time.sleep(0.2)  # another writer's quorum is still pending, or this one's fate unknown
+                    time.sleep(0.2)
 
     def close(self) -> None:
         if not self._closed:
