@@ -28,6 +28,13 @@ import threading
 
 STARTUP_TIMEOUT_S = 120.0
 
+WARM_WORKERS_PER_CPU = 3
+"""Ray's idle-worker limit per node (``num_workers_soft_limit``), in workers per CPU. Ray's default (one per
+CPU) counts the shard actors' workers too, so analysis workers started for queued tasks beyond it were killed
+after a second idle and started again for the next window: 50 worker starts in 3 minutes of the small-job
+soak, window p50 20 s. Three per CPU keeps them warm (BENCHMARKS.md, "Where a small window's CPU goes").
+Set on the nodes (the raylets read it), not by the driver."""
+
 
 class LocalRayCluster:
     """A head node plus ``nodes - 1`` more on 127.0.0.1, in a child process; a context manager."""
@@ -118,6 +125,7 @@ class LocalRayCluster:
 def _serve(cpus: float, object_store_mb: int) -> None:
     """The child: hold the cluster, obey stdin, answer on stdout."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("RAY_num_workers_soft_limit", str(int(WARM_WORKERS_PER_CPU * cpus)))
     from ray.cluster_utils import Cluster
 
     def node_args(n_cpus: float) -> dict:
