@@ -151,6 +151,20 @@ class HighWater:
         """Drop every mark (after migrations, or anything else that wrote behind the store's back)."""
         self._tables.clear()
 
+    def mark(self, table: str, job: str, attempt: int, lookup) -> int:
+        """The largest window_id of (job, attempt) stored in ``table`` (``lookup`` as in ``split`` learns it the
+        first time); a window_id above it is not stored."""
+        marks = self._tables.setdefault(table, {})
+        key = (job, attempt)
+        if key not in marks:
+            if len(marks) >= self.max_groups:
+                marks.clear()
+            for k, hi in lookup([job]).items():
+                if marks.get(k, _NOTHING_STORED) < hi:
+                    marks[k] = hi
+            marks.setdefault(key, _NOTHING_STORED)
+        return marks[key]
+
     def split(self, table: str, rows: pa.Table, lookup, enc: Encoded | None = None
               ) -> tuple[pa.Table, pa.Table, PendingMarks]:
         """``(fresh, rest, pending)``: rows that cannot be stored yet, rows that need the stored-key check.

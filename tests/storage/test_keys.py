@@ -130,3 +130,39 @@ def test_chdb_replays_below_the_mark_are_still_checked(tmp_path):
     c.insert("window", window_rows(7, job="j"))  # 0..60: only 60 is new
     assert c.query(count).column("n")[0].as_py() == 7
     c.close()
+
+
+def test_mark_is_learned_once_per_job_attempt():
+    hw = K.HighWater()
+    look = _Lookups({("a", 0): 20, ("a", 1): 5})
+    assert hw.mark("t", "a", 0, look) == 20 and hw.mark("t", "a", 0, look) == 20
+    assert hw.mark("t", "a", 1, look) == 5  # learned by a's lookup already
+    assert hw.mark("t", "b", 0, look) == K._NOTHING_STORED
+    assert look.calls == [["a"], ["b"]]
+    # split() finds the marks known: nothing is looked up again.
+    fresh, rest, _ = hw.split("t", _table(["a", "b"], [0, 0], [30, 0]), look)
+    assert (fresh.num_rows, rest.num_rows) == (2, 0) and len(look.calls) == 2
+
+
+@pytest.mark.integration
+def test_chdb_window_stored_answers_new_windows_from_the_mark(tmp_path, monkeypatch):
+    """A shard asks about every window it sees first: above the job's mark the answer needs no query, and
+    the answers are those of the table."""
+    from storage import open_store
+
+    s = open_store(f"chdb://{tmp_path / 'store'}")
+    s.setup()
+    s.insert("window", window_rows(3, job="j"))  # windows 0, 10, 20
+    s.insert("window", window_rows(1, job="j", first_window=40))  # 30 is a gap
+    selects = []
+    real = s._select
+    monkeypatch.setattr(s, "_select", lambda sql, *a, **k: selects.append(sql) or real(sql, *a, **k))
+    assert [s.window_stored(("j", 0, w)) for w in (0, 20, 30, 40)] == [True, True, False, True]
+    n = len(selects)
+    assert not s.window_stored(("j", 0, 50)) and not s.window_stored(("j", 0, 1000))
+    assert len(selects) == n, "windows above the mark were answered without a query"
+    assert not s.window_stored(("k", 0, 0)) and not s.window_stored(("k", 0, 10))
+    assert len(selects) == n + 1, "a job never stored costs one lookup, then none"
+    s.insert("window", window_rows(1, job="k", first_window=10))
+    assert s.window_stored(("k", 0, 10)) and not s.window_stored(("k", 0, 0))
+    s.close()
