@@ -41,6 +41,8 @@ import numpy as np  # noqa: E402
 
 WARMUP_S = 120.0
 """Windows sent in the first two minutes meet a pipeline that is still starting (reported apart at the end)."""
+LOOKBACK_S = 300.0
+"""Each report reads the windows and alerts stamped from this long before the newest one seen."""
 
 # First match wins. A Ray worker's title says what it runs now (ray::analyze_window, ray::IDLE): every worker
 # that is not a shard counts as analysis, so one pid keeps one role. "ray" is Ray itself (GCS, raylets, agents).
@@ -239,16 +241,17 @@ def main() -> int:
                 heapq.heappush(next_session, (now + float(rng.exponential(args.session_every_s)), j))
             if now - last_report >= 30 or now >= t_end:
                 last_report = now
-                # Only rows newer than those seen: the soak's own reads stay small, so the store's CPU below
-                # is the pipeline's, not this report's.
+                # Only recent rows: the soak's own reads stay small, so the store's CPU below is the
+                # pipeline's, not this report's. A window is stored a commit or two after its analysis, and
+                # shards commit independently, so the look-back reaches well before the newest row seen.
+                since = max(seen_windows.values(), default=0) - int(LOOKBACK_S * 1e9)
                 w = svc.store.query("SELECT job_id, attempt, window_id, analyzed_ns FROM windows "
-                                    "WHERE startsWith(job_id, 'soak-') AND analyzed_ns >= {t:Int64}",
-                                    {"t": max(seen_windows.values(), default=0)})
+                                    "WHERE startsWith(job_id, 'soak-') AND analyzed_ns >= {t:Int64}", {"t": since})
                 for k0, k1, k2, ts in zip(*(w[c].to_pylist() for c in w.column_names)):
                     seen_windows.setdefault((k0, k1, k2), ts)
                 a = svc.store.query("SELECT alert_id, job_id, ts_ns FROM alerts WHERE rule = 'slowdown' "
                                     "AND startsWith(job_id, 'soak-') AND ts_ns >= {t:Int64}",
-                                    {"t": max(seen_alerts.values(), default=0)})
+                                    {"t": max(seen_alerts.values(), default=0) - int(LOOKBACK_S * 1e9)})
                 for aid, ts in zip(a["alert_id"].to_pylist(), a["ts_ns"].to_pylist()):
                     seen_alerts.setdefault(aid, ts)
                 wl = latencies(sent_at, seen_windows)
