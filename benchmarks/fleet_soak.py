@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import heapq
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,10 +51,9 @@ ROLES = (("shards", "ray::ShardActor"), ("analysis", "ray::"), ("store", "-m sto
          ("broker", "tansu"), ("store", "clickhouse"), ("zookeeper", "zookeeper"), ("ray", "/ray/"))
 
 
-def _proc_table():
-    """(pid, command line, resident MB, CPU seconds) of every process we can read."""
-    import os
-
+def _proc_table() -> list[tuple[int, str, float, float]]:
+    """(pid, command line, resident MB, CPU seconds) of every process we can read: one scan of /proc."""
+    out = []
     tick = os.sysconf("SC_CLK_TCK")
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -63,12 +63,11 @@ def _proc_table():
             stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
         except (OSError, StopIteration, ValueError, IndexError):
             continue
-        yield int(pid), cmd, rss / 1024, (int(stat[11]) + int(stat[12])) / tick
+        out.append((int(pid), cmd, rss / 1024, (int(stat[11]) + int(stat[12])) / tick))
+    return out
 
 
 def role_of(pid: int, cmd: str) -> str | None:
-    import os
-
     if pid == os.getpid():
         return "soak"
     return next((role for role, needle in ROLES if needle in cmd), None)
@@ -81,11 +80,11 @@ class CpuByRole:
     def __init__(self):
         self._first: dict[int, float] = {}
         self._last: dict[int, tuple[str, float]] = {}
-        self.sample()
+        self.sample(_proc_table())
         self._first = {pid: cpu for pid, (_, cpu) in self._last.items()}
 
-    def sample(self) -> dict[str, float]:
-        for pid, cmd, _rss, cpu in _proc_table():
+    def sample(self, procs) -> dict[str, float]:
+        for pid, cmd, _rss, cpu in procs:
             role = role_of(pid, cmd)
             if role:
                 self._last[pid] = (role, cpu)
@@ -117,10 +116,10 @@ class ServerParts:
         return written, fetched, active
 
 
-def rss_by_role_mb() -> dict[str, float]:
-    """Resident memory of our processes by role (from /proc), to say which one grows."""
+def rss_by_role_mb(procs) -> dict[str, float]:
+    """Resident memory of our processes by role (``_proc_table``), to say which one grows."""
     out = dict.fromkeys([role for role, _ in ROLES] + ["soak"], 0.0)
-    for pid, cmd, rss, _cpu in _proc_table():
+    for pid, cmd, rss, _cpu in procs:
         role = role_of(pid, cmd)
         if role:
             out[role] += rss
@@ -261,9 +260,10 @@ def main() -> int:
                 lag = sum(s.get("lag", 0) for s in status)
                 loop_max = max((s.get("loop_seconds_max", 0.0) for s in status), default=0.0)
                 mem = mem_used_mb()
-                rss = rss_by_role_mb()
+                procs = _proc_table()
+                rss = rss_by_role_mb(procs)
                 mem_samples.append(mem)
-                by_role = cpu.sample()
+                by_role = cpu.sample(procs)
                 store_parts = ""
                 if parts:
                     written, fetched, active = parts.counts()
@@ -289,7 +289,7 @@ def main() -> int:
         print(f"sent after the first {WARMUP_S:.0f} s: {len(wl)} windows p50/p99={pct(wl, 50):.2f}/{pct(wl, 99):.2f}s, "
               f"{len(al)} alerts p50/p99={pct(al, 50):.2f}/{pct(al, 99):.2f}s")
         print(f"dropped by the producer: {prod.stats.records_dropped}")
-        by_role = cpu.sample()
+        by_role = cpu.sample(_proc_table())
         n = max(1, len(seen_windows))
         print(f"CPU seconds per stored window ({len(seen_windows)} windows): "
               + ", ".join(f"{k} {v / n:.3f}" for k, v in sorted(by_role.items(), key=lambda kv: -kv[1]))

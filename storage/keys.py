@@ -159,10 +159,7 @@ class HighWater:
         if key not in marks:
             if len(marks) >= self.max_groups:
                 marks.clear()
-            for k, hi in lookup([job]).items():
-                if marks.get(k, _NOTHING_STORED) < hi:
-                    marks[k] = hi
-            marks.setdefault(key, _NOTHING_STORED)
+            _learn(marks, [job], [key], lookup)
         return marks[key]
 
     def split(self, table: str, rows: pa.Table, lookup, enc: Encoded | None = None
@@ -186,11 +183,7 @@ class HighWater:
             if len(marks) + len(groups) > self.max_groups:
                 marks.clear()
                 unknown = sorted(set(names))
-            for k, hi in lookup(unknown).items():
-                if marks.get(k, _NOTHING_STORED) < hi:
-                    marks[k] = hi
-            for _j, job, attempt, _lo, _hi in groups:
-                marks.setdefault((job, attempt), _NOTHING_STORED)
+            _learn(marks, unknown, [(job, attempt) for _j, job, attempt, _lo, _hi in groups], lookup)
         pending = PendingMarks(marks, [(job, attempt, hi) for _j, job, attempt, _lo, hi in groups])
         # Whole jobs go to the check: a job's other attempts in the batch are checked too, which is exact.
         stale = np.zeros(len(names), dtype=bool)
@@ -203,3 +196,13 @@ class HighWater:
             return rows.slice(0, 0), rows, pending
         mask = pa.array(stale[codes])
         return rows.filter(pc.invert(mask)), rows.filter(mask), pending
+
+
+def _learn(marks: dict, jobs: list[str], keys, lookup) -> None:
+    """Marks of ``jobs`` from the table (``lookup``), never lowering one; ``keys`` with nothing stored get the
+    lowest mark, so they are known from now on."""
+    for k, hi in lookup(jobs).items():
+        if marks.get(k, _NOTHING_STORED) < hi:
+            marks[k] = hi
+    for k in keys:
+        marks.setdefault(k, _NOTHING_STORED)

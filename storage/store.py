@@ -502,11 +502,12 @@ class SQLStore(Store):
         if marks is not None:
             # Window ids grow within a job attempt: a window above the job's high-water mark is not stored,
             # which answers a shard's question about every new window without a query (a query per window
-            # was 17% of the store's CPU in the small-job soak). The first question of a job learns its mark,
-            # which its first insert then finds known.
+            # was 17% of the store daemon's profile samples in the small-job soak). The first question of a
+            # job learns its mark, which its first insert then finds known.
             spec = ddl.TABLE_OF_KIND["window"]
             with self._lock:
-                hi = marks.mark(spec.data, str(job_id), int(attempt), lambda jobs: self._stored_high_water(spec, jobs))
+                hi = marks.mark(spec.data, str(job_id), int(attempt),
+                                lambda jobs: self._stored_high_water(spec, jobs))
             if int(window_id) > hi:
                 return False
         t = self._select(
