@@ -116,11 +116,14 @@ def test_unchanged_job_is_diagnosed_and_keeps_its_losses(framework, fleet, tmp_p
 
     plain = run_zoo(framework, tmp_path / "plain", slow)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    for attempt in range(2):
-        # A shared 2-core machine now and then slows one whole run: a miss is measured once more, both
-        # runs again. A wrong method misses twice.
+    for attempt in range(3):
+        # A shared 2-core machine now and then slows one whole run: a miss is measured again, both runs,
+        # up to three times, the control first on the second try so that a slow spell lands on the other
+        # run. A wrong method misses every time. (Two tries missed once in a whole-suite run, stop 33: the
+        # control measured slow, slowed/control 1.089 where this level gives 1.13-1.15, S as always.)
         results = {}
-        for name, extra in (("slow", slow), ("ctrl", slow + ["--control"])):
+        runs = [("slow", slow), ("ctrl", slow + ["--control"])]
+        for name, extra in (runs[::-1] if attempt % 2 else runs):
             job = f"{framework}-{name}-{uuid.uuid4().hex[:6]}"
             r = run_zoo(framework, tmp_path / name, extra,
                         trace=["--config", str(cfg), "--job-id", job, "--sample", SAMPLE])

@@ -243,7 +243,10 @@ host, port = os.environ["STRAGGLERSCOPE_TRACE_BOOTSTRAP"].split(":")
 with socket.create_connection((host, int(port)), timeout=20) as s:
     s.sendall(" ".join(os.environ[k] for k in ("RANK", "WORLD_SIZE", "GLOO_SOCKET_IFNAME", "NETFAULTS_MARK")).encode())
     s.shutdown(socket.SHUT_WR)
-    print(s.recv(100).decode())
+    reply = b"".join(iter(lambda: s.recv(100), b""))
+# One write per line: print() under PYTHONUNBUFFERED writes the text and the newline apart, and the three
+# ranks share the launcher's stdout, so their lines interleaved (CI, stop 33). A pipe write this short is atomic.
+os.write(1, reply + b"\\n")
 """
 
 
