@@ -207,7 +207,7 @@ def main() -> int:
           f"{args.minutes:.0f} min", flush=True)
     with cluster_stack, contextlib.ExitStack() as stack:
         svc = start_services(cfg, stack)
-        prod = stack.enter_context(TelemetryProducer(svc.cfg.kafka.bootstrap, client_id="soak",
+        prod = stack.enter_context(TelemetryProducer(svc.cfg.kafka.conn(), client_id="soak",
                                                      max_queue_bytes=512 << 20))
         for j in jobs:
             prod.send(j.registration(time.time_ns(), 3))
@@ -276,7 +276,9 @@ def main() -> int:
                       f"alerts={len(al)} p50/p99={pct(al, 50):.2f}/{pct(al, 99):.2f}s "
                       f"mem={mem:,.0f} MB (+{mem - mem0:,.0f}) longest loop {loop_max:.1f}s {store_parts}"
                       "cpu s " + " ".join(f"{k}={v:,.0f}" for k, v in sorted(by_role.items())) + " "
-                      "rss MB " + " ".join(f"{k}={v:,.0f}" for k, v in rss.items()), flush=True)
+                      "rss MB " + " ".join(f"{k}={v:,.0f}" for k, v in rss.items())
+                      + (f" topic generations deleted {len(svc.generations.deleted)}" if svc.generations else ""),
+                      flush=True)
             time.sleep(0.05)
         half = len(mem_samples) // 2
         if half:

@@ -105,6 +105,32 @@ def topic_partitions(bootstrap: KafkaConn | str, topics: Iterable[str], timeout_
         admin.close()
 
 
+def list_topics(bootstrap: KafkaConn | str, timeout_s: float = 20.0) -> set[str]:
+    """The names of the topics the broker has."""
+    from kafka.errors import KafkaError
+
+    admin = _admin(bootstrap, timeout_s)
+    try:
+        return set(admin.list_topics())
+    except KafkaError as e:
+        raise BrokerError(f"cannot list topics at {bootstrap}: {_reason(e)}") from None
+    finally:
+        admin.close()
+
+
+def delete_topics(bootstrap: KafkaConn | str, names: Iterable[str], timeout_s: float = 20.0) -> None:
+    """Delete ``names`` (and their records)."""
+    from kafka.errors import KafkaError
+
+    admin = _admin(bootstrap, timeout_s)
+    try:
+        admin.delete_topics(list(names))
+    except KafkaError as e:
+        raise BrokerError(f"cannot delete topics at {bootstrap}: {_reason(e)}") from None
+    finally:
+        admin.close()
+
+
 def _describe(admin, topics: list[str]) -> dict[str, int]:
     out = {}
     for t in admin.describe_topics(topics):
@@ -187,9 +213,12 @@ def prepare_topics(bootstrap: KafkaConn | str, partitions: int, replication_fact
 
     ``outputs``: the dead-letter and alert topics too (the pipeline writes them; exporters do not).
     """
-    from core.topics import INPUT_TOPICS, TOPIC_ALERTS, TOPIC_DEAD_LETTER
+    from core.topics import INPUT_TOPICS, TOPIC_ALERTS, TOPIC_DEAD_LETTER, topic_now
 
     wanted = INPUT_TOPICS + ((TOPIC_DEAD_LETTER, TOPIC_ALERTS) if outputs else ())
+    gen_s = as_conn(bootstrap).topic_generation_s
+    if gen_s:  # the current generation, which producers write to from the start (services.topic_generations)
+        wanted += tuple(topic_now(t, gen_s) for t in INPUT_TOPICS)
     counts = ensure_topics(bootstrap, wanted, partitions, timeout_s, replication_factor=replication_factor,
                            min_insync_replicas=min_insync_replicas)
     return check_partitions(counts, INPUT_TOPICS, partitions)

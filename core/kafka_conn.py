@@ -44,6 +44,7 @@ class KafkaConn:
     ssl_certfile: str = ""
     ssl_keyfile: str = ""
     ssl_check_hostname: bool = True
+    topic_generation_s: float = 0.0  # > 0: input topics come in generations (core.topics); travels to `trace`'s ranks
     sasl_password: str = dataclasses.field(default="", repr=False, compare=False)
 
     def __str__(self) -> str:  # where messages name the cluster

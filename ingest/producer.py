@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import pyarrow as pa
 
@@ -89,7 +89,8 @@ class TelemetryProducer:
 
     def __init__(self, bootstrap: KafkaConn | str, *, client_id: str = "stragglerscope", max_queue_bytes: int = 64 << 20,
                  kafka_factory=None, linger_ms: int = 20, spool_dir: str | None = None,
-                 max_spool_bytes: int = 256 << 20, retry_s: float = 2.0, delivery_timeout_s: float = 10.0):
+                 max_spool_bytes: int = 256 << 20, retry_s: float = 2.0, delivery_timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.time):
         from core.kafka_conn import as_conn
 
         self.conn = as_conn(bootstrap)
@@ -107,6 +108,8 @@ class TelemetryProducer:
         self._queued_bytes = 0
         self._lock = threading.Lock()
         self._client = None
+        self._client_generation: int | None = None
+        self._clock = clock  # wall clock: it picks the topic generation
         self._seq = 0
         self._thread = threading.Thread(target=self._run, name="ss-producer", daemon=True)
         self._thread.start()
@@ -227,6 +230,10 @@ class TelemetryProducer:
                 self.stats.records_dropped += table.num_rows
                 continue
             rows = table.num_rows / len(payloads)
+            if self._generation_ended():
+                self._drain(pending)  # settled before the client that sent them goes
+                pending = []
+                self._reset_client()
             for part, payload in enumerate(payloads[:_SEQ_BLOCK]):
                 seq = seq0 + part
                 if self.spooled:  # keep order: behind what is already waiting
@@ -276,6 +283,21 @@ class TelemetryProducer:
                         "producer delivery failed: %s%s; dropping", e, more)
             self._last_warn, self._failed_since_warn = now, 0
 
+    def _generation_ended(self) -> bool:
+        """Whether the client wrote to a topic generation that is over (core.topics); remembers the current one.
+
+        kafka-python's producer asks for the metadata of every topic it ever wrote to, and logs an error
+        for each one that is gone: once old generations are deleted, a training job's log would fill with
+        them. So a new client is made per generation (a connection every ``topic_generation_s``).
+        """
+        if not self.conn.topic_generation_s:
+            return False
+        gen = topics.generation(self._clock(), self.conn.topic_generation_s)
+        ended = self._client is not None and self._client_generation not in (None, gen)
+        if self._client is None or ended:
+            self._client_generation = gen
+        return ended
+
     def _reset_client(self) -> None:
         client, self._client = self._client, None
         if client is not None:
@@ -300,7 +322,10 @@ class TelemetryProducer:
         if client is None:
             return None
         try:
-            return client.send(topic, key=key, value=payload)
+            # The queue and the spool hold the input topic; the generation is the one of the moment the
+            # message leaves (core.topics), so a message spooled through an outage goes to a live one.
+            return client.send(topics.topic_now(topic, self.conn.topic_generation_s, self._clock()),
+                               key=key, value=payload)
         except Exception as e:
             log.warning("producer send failed: %s", e)
             self.stats.send_errors += 1
@@ -326,6 +351,8 @@ class TelemetryProducer:
         """Send the spool oldest first; stop at the first failure (the broker is still away)."""
         if not self.spooled:
             return
+        if self._generation_ended():  # nothing is in flight here
+            self._reset_client()
         while True:
             batch = self._spool.oldest(64)
             if not batch:

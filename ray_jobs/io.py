@@ -63,6 +63,14 @@ class KafkaSource:
     before they were read (position before the beginning) are logged and
     skipped: nothing can bring them back. ``poll``, ``positions`` and ``lag``
     never raise for such a partition; the others are read on.
+
+    With topic generations (``conn.topic_generation_s``, ``core.topics``),
+    ``topics`` names the families, and the source reads them and every
+    generation of them the broker has: new ones are assigned as the broker's
+    metadata shows them (from their stored offset, else the beginning). A generation
+    that disappears once its period is over was retired by
+    ``services.topic_generations``, which deletes one only when the stored
+    offsets are at its end: it is let go, not reported.
     """
 
     PROBLEM_HINT = "stop the pipeline; `stragglerscope offsets show` and README (Broker lost data) tell what to do"
@@ -72,7 +80,12 @@ class KafkaSource:
                  check_interval_s: float = 2.0):
         self.conn = as_conn(bootstrap)
         self.bootstrap = self.conn.bootstrap
-        self.topics = tuple(topics)
+        self.families = tuple(topics)
+        self.generation_s = self.conn.topic_generation_s
+        # The topics read: the families themselves, and with generations those the broker has of them too
+        # (a producer that was not told about generations writes to the family itself).
+        self.topics = self.families
+        self._stored: dict[TopicPartition, int] = {}
         self.partitions = tuple(partitions)
         self.client_id = client_id
         self.max_poll_records = max_poll_records
@@ -99,9 +112,55 @@ class KafkaSource:
             max_partition_fetch_bytes=4 << 20, metadata_max_age_ms=30_000, **self.conn.client_options(),
         )
         no_auto_create(self._consumer)
+        if self.generation_s:
+            # Every metadata refresh then lists all topics, new generations included (see _follow_generations).
+            self._cluster().need_all_topic_metadata = True
+            self.topics = self.families + self._generations(self._consumer.topics())
         self._tps = [KTP(t, p) for t in self.topics for p in self.partitions]
         self._consumer.assign(self._tps)
         self._problems, self._end = {}, {}
+
+    def _generations(self, names) -> tuple[str, ...]:
+        """The generation topics of our families among ``names``, oldest first."""
+        gens = [(topics.split_generation(t), t) for t in names]
+        return tuple(t for (fam, gen), t in sorted(gens, key=lambda x: (x[0][1] or 0, x[1]))
+                     if gen is not None and fam in self.families)
+
+    def _past_generation(self, topic: str) -> bool:
+        """A generation whose period is over: one whose end falls below our position was deleted after it was
+        read (services.topic_generations deletes only those), before our metadata said so; not a loss."""
+        gen = topics.split_generation(topic)[1] if self.generation_s else None
+        return gen is not None and gen < topics.generation(time.time(), self.generation_s)
+
+    def _follow_generations(self) -> None:
+        """Assign new generations from the metadata cache; let go of the retired ones."""
+        cluster = self._cluster()
+        if not self.generation_s or cluster is None:
+            return
+        live = self._generations(cluster.topics())
+        cluster.request_update()  # ask again now (not in 30 s): the next check sees newer generations
+        if not live:
+            return  # an empty cache (a broker that is away, an error answer) says nothing about deletions
+        current = topics.generation(time.time(), self.generation_s)
+        retired = [t for t in self.topics if t not in live and (topics.split_generation(t)[1] or current) < current]
+        new = [t for t in live if t not in self.topics]
+        if not (retired or new):
+            return
+        for t in retired:
+            log.info("topic %s was retired (read to its end, then deleted)", t)
+            for p in self.partitions:
+                self._positions.pop((t, p), None)
+                self._problems.pop((t, p), None)
+        self.topics = tuple(t for t in self.topics if t not in retired) + tuple(new)
+        self._tps = [self._KTP(t, p) for t in self.topics for p in self.partitions]
+        self._consumer.assign(self._tps)  # keeps the fetch state of the partitions it had
+        for t in new:
+            for p in self.partitions:
+                off = self._stored.get((t, p), 0)
+                self._consumer.seek(self._KTP(t, p), off)
+                self._positions[(t, p)] = off
+        for t in new:
+            self._topic_ids[t] = self._topic_id(t)
 
     @property
     def problems(self) -> list[str]:
@@ -130,6 +189,8 @@ class KafkaSource:
         iteration never waits on a broker that is away.
         """
         out = []
+        if not fresh:
+            self._follow_generations()  # a retired generation is no problem
         cluster = self._cluster()
         for topic in self.topics:
             parts = None
@@ -169,6 +230,7 @@ class KafkaSource:
     def seek(self, stored: dict[TopicPartition, int]) -> None:
         if self._consumer is None:
             self.setup()
+        self._stored = dict(stored)  # where generations that appear later start
         present = self._existing(fresh=True)
         begin = self._offsets("beginning", present, strict=True)  # a failure here fails the setup, as before
         self._end = self._offsets("end", present)  # lag before the first fetch; never a loss verdict
@@ -219,7 +281,7 @@ class KafkaSource:
             for r in records:
                 out.append(Message(ktp.topic, ktp.partition, r.offset, r.key, r.value))
         # Registrations first: a window can then see its job's layout in the same batch.
-        out.sort(key=lambda m: m.topic != topics.TOPIC_JOBS)
+        out.sort(key=lambda m: topics.family_of(m.topic) != topics.TOPIC_JOBS)
         return out
 
     def _out_of_range(self, fetched: dict) -> None:
@@ -236,7 +298,7 @@ class KafkaSource:
                             "from %d", tp[0], tp[1], pos, begin[tp] - 1, begin[tp])
                 self._consumer.seek(ktp, begin[tp])
                 self.advance(tp, begin[tp])
-            else:
+            elif not self._past_generation(tp[0]):
                 self._problem(tp, f"the position {pos} is beyond its end: the broker lost records")
 
     def advance(self, tp: TopicPartition, next_offset: int) -> None:
@@ -274,7 +336,8 @@ class KafkaSource:
                 hw = None
             pos = self._positions.get(tp, 0)
             if hw is not None and hw < pos:
-                self._problem(tp, f"its end {hw} is behind the position {pos}: the broker lost records")
+                if not self._past_generation(tp[0]):
+                    self._problem(tp, f"its end {hw} is behind the position {pos}: the broker lost records")
                 continue
             # Before the first fetch answer: the end ListOffsets gave at seek(), a lower bound on Tansu.
             end = hw if hw is not None else self._end.get(tp)

@@ -302,7 +302,15 @@ def check_offsets(cfg: Config, source_id: str, open_store: Callable[[str], Any],
     stored = {tp: off for tp, off in stored.items() if off > 0}
     if not stored:
         return
-    ahead = offsets_ahead(stored, end_offsets(cfg.kafka.conn(), stored))
+    ends = end_offsets(cfg.kafka.conn(), stored)
+    gen_s = cfg.kafka.conn().topic_generation_s
+    if gen_s:  # a past generation that is gone was read to its end and retired (services.topic_generations)
+        from core import topics
+
+        current = topics.generation(time.time(), gen_s)
+        stored = {tp: off for tp, off in stored.items()
+                  if ends.get(tp) is not None or (topics.split_generation(tp[0])[1] or current) >= current}
+    ahead = offsets_ahead(stored, ends)
     if not ahead:
         return
     (topic, part), (off, end) = next(iter(ahead.items()))

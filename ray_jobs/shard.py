@@ -346,7 +346,7 @@ class ShardWorker:
     def _route(self, msg, now: float) -> None:
         try:
             kind, table = codec.decode(msg.value)
-            if topics.TOPIC_OF_KIND.get(kind) != msg.topic:
+            if topics.TOPIC_OF_KIND.get(kind) != topics.family_of(msg.topic):
                 raise codec.DecodeError(f"{kind} record on topic {msg.topic}")
             key = msg.key.decode("utf-8") if msg.key is not None else None
         except (codec.DecodeError, UnicodeDecodeError) as e:

@@ -42,6 +42,7 @@ import pyarrow.compute as pc
 
 from core import codec
 from core import schema as S
+from core.topics import family_of
 from storage import ddl
 from storage.errors import StoreError
 from storage.keys import GROWING_KEY, Encoded, HighWater, PendingMarks, first_of_each_key
@@ -132,7 +133,8 @@ def filter_offsets(rows: list[dict], topics, partitions) -> dict[tuple[str, int]
     parts = None if partitions is None else {int(p) for p in partitions}
     out = {}
     for r in rows:
-        if (topics is None or r["topic"] in topics) and (parts is None or r["partition"] in parts):
+        # An input topic's generations ("ss.ops.g5912", core.topics) belong to it.
+        if (topics is None or family_of(r["topic"]) in topics) and (parts is None or r["partition"] in parts):
             out[(r["topic"], int(r["partition"]))] = int(r["next_offset"])
     return out
 

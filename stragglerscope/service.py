@@ -31,26 +31,33 @@ class Services:
     source_id: str       # names the Kafka cluster in stored offsets
     store: object        # storage.Store, open on store_url
     pipeline: object     # ray_jobs.pipeline.Pipeline, started
+    generations: object = None  # services.topic_generations.TopicGenerations, where input topics roll over
 
 
 def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
+    from core.config import EMBEDDED_TOPIC_GENERATION_S
     from core.kafka_admin import check_reachable
     from ray_jobs.pipeline import check_topics
     from services.broker import LocalBroker
 
     bootstrap = cfg.kafka.bootstrap
+    generation_s = max(0.0, cfg.kafka.topic_generation_s)
     if not bootstrap:
         broker = stack.enter_context(LocalBroker())
         bootstrap = broker.bootstrap
         source_id = cfg.kafka.source_id or broker.cluster_id
         say(f"broker     Tansu on {bootstrap}")
+        if cfg.kafka.topic_generation_s < 0:  # automatic: its memory is bounded only by deleting topics
+            generation_s = EMBEDDED_TOPIC_GENERATION_S
     else:
         check_reachable(bootstrap)
         source_id = cfg.kafka.source_id or bootstrap
         say(f"broker     {cfg.kafka.conn().describe()}")
+    kafka = {"bootstrap": bootstrap, "topic_generation_s": generation_s}
     # Topics first: a wrong partition count is an error before anything else starts.
-    partitions = check_topics(cfg.replace(kafka={"bootstrap": bootstrap}))
-    say(f"topics     {partitions} partitions per input topic")
+    partitions = check_topics(cfg.replace(kafka=kafka))
+    say(f"topics     {partitions} partitions per input topic"
+        + (f", a new generation every {generation_s:g} s (read ones are deleted)" if generation_s else ""))
 
     from ray_jobs.pipeline import Pipeline
     from services.store_daemon import StoreDaemon
@@ -67,7 +74,16 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
     store.setup()
     stack.callback(store.close)
 
-    run_cfg = cfg.replace(kafka={"bootstrap": bootstrap}, store={"url": store_url})
+    run_cfg = cfg.replace(kafka=kafka, store={"url": store_url})
+    keeper = None
+    if generation_s:
+        from ray_jobs.pipeline import stored_offsets
+        from services.topic_generations import TopicGenerations
+
+        keeper = TopicGenerations(run_cfg.kafka.conn(), partitions,
+                                  lambda: stored_offsets(open_store, store_url, source_id),
+                                  replication_factor=cfg.kafka.replication_factor).start()
+        stack.callback(keeper.stop)
     import ray
 
     stack.callback(lambda: ray.shutdown() if ray.is_initialized() else None)
@@ -84,7 +100,7 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
     if cfg.pipeline.metrics_port >= 0:
         port = pipeline.serve_metrics(cfg.pipeline.metrics_port)
         say(f"metrics    http://127.0.0.1:{port}/metrics")
-    return Services(run_cfg, source_id, store, pipeline)
+    return Services(run_cfg, source_id, store, pipeline, keeper)
 
 
 def wait_stored(svc: Services, keys, timeout_s: float) -> set:

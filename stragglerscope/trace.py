@@ -24,6 +24,7 @@ from pathlib import Path
 
 import ingest.autotrace
 from core.config import Config
+from core.kafka_conn import KafkaConn
 
 # The children need our sitecustomize, and the folder holding our packages (a source checkout is not on
 # their path otherwise).
@@ -95,7 +96,9 @@ def run_trace(cfg: Config, opts: TraceOptions) -> int:
             prepare_topics(cfg.kafka.conn(), cfg.kafka.partitions, cfg.kafka.replication_factor, outputs=False,
                            min_insync_replicas=cfg.kafka.min_insync_replicas)
             bootstrap = cfg.kafka.bootstrap
-        transport = "" if embedded or cfg.kafka.security_protocol == "PLAINTEXT" else cfg.kafka.conn().to_json()
+        # The ranks get the transport's settings (TLS, SASL, topic generations) unless they are all defaults.
+        conn = (svc.cfg if embedded else cfg).kafka.conn()
+        transport = "" if conn == KafkaConn(bootstrap=conn.bootstrap) else conn.to_json()
         spool = os.path.join(run_dir, "spool") if embedded else os.path.join(
             tempfile.gettempdir(), f"stragglerscope-spool-{job_id}")
         settings = TraceSettings(job_id=job_id, bootstrap=bootstrap, layout=layout, sampling=sampling,

@@ -55,6 +55,42 @@ def test_sends_to_the_topic_of_the_kind_keyed_by_job():
     assert p.stats.records_dropped == 0
 
 
+def test_with_topic_generations_each_message_goes_to_the_generation_of_the_moment_it_is_sent():
+    from core.kafka_conn import KafkaConn
+
+    kafka = FakeKafka()
+    before = topics.generation(time.time(), 600)
+    with TelemetryProducer(KafkaConn("x", topic_generation_s=600), kafka_factory=lambda: kafka) as p:
+        p.send(_ops())
+    after = topics.generation(time.time(), 600)
+    ((topic, key, _),) = kafka.sent
+    family, gen = topics.split_generation(topic)
+    assert family == topics.TOPIC_OPS and before <= gen <= after and key == b"j"
+
+
+def test_a_new_client_per_topic_generation_after_the_last_one_delivered_everything():
+    from core.kafka_conn import KafkaConn
+
+    clients = []
+
+    def factory():
+        clients.append(FakeKafka())
+        return clients[-1]
+
+    now = [6000.0]
+    with TelemetryProducer(KafkaConn("x", topic_generation_s=600), kafka_factory=factory, clock=lambda: now[0]) as p:
+        p.send(_ops())
+        assert p.flush(10)
+        now[0] = 6600.0  # the next generation
+        p.send(_ops())
+        p.send(_ops())
+    # kafka-python's client keeps asking for the metadata of every topic it wrote to, deleted ones too
+    assert [len(c.sent) for c in clients] == [1, 2]
+    (first,), (second, third) = [[t for t, _, _ in c.sent] for c in clients]
+    assert (first, second, third) == ("ss.ops.g10", "ss.ops.g11", "ss.ops.g11")
+    assert p.stats.records_sent == 3 * _ops().num_rows
+
+
 def test_full_queue_drops_instead_of_blocking():
     gate = threading.Event()
     kafka = FakeKafka(gate=gate)
