@@ -61,3 +61,9 @@ def split_generation(topic: str) -> tuple[str, int | None]:
 def family_of(topic: str) -> str:
     """The input topic ``topic`` belongs to ("ss.ops" for "ss.ops.g5912" and for "ss.ops")."""
     return split_generation(topic)[0]
+
+
+def past_generation(topic: str, generation_s: float, now_s: float) -> bool:
+    """Whether ``topic`` is a generation whose period ended before ``now_s`` (False for a plain topic)."""
+    gen = split_generation(topic)[1]
+    return bool(generation_s) and gen is not None and gen < generation(now_s, generation_s)

@@ -122,15 +122,14 @@ class KafkaSource:
 
     def _generations(self, names) -> tuple[str, ...]:
         """The generation topics of our families among ``names``, oldest first."""
-        gens = [(topics.split_generation(t), t) for t in names]
-        return tuple(t for (fam, gen), t in sorted(gens, key=lambda x: (x[0][1] or 0, x[1]))
-                     if gen is not None and fam in self.families)
+        found = [(gen, t) for t in names for fam, gen in [topics.split_generation(t)]
+                 if gen is not None and fam in self.families]
+        return tuple(t for _, t in sorted(found))
 
     def _past_generation(self, topic: str) -> bool:
         """A generation whose period is over: one whose end falls below our position was deleted after it was
         read (services.topic_generations deletes only those), before our metadata said so; not a loss."""
-        gen = topics.split_generation(topic)[1] if self.generation_s else None
-        return gen is not None and gen < topics.generation(time.time(), self.generation_s)
+        return topics.past_generation(topic, self.generation_s, time.time())
 
     def _follow_generations(self) -> None:
         """Assign new generations from the metadata cache; let go of the retired ones."""
@@ -141,8 +140,7 @@ class KafkaSource:
         cluster.request_update()  # ask again now (not in 30 s): the next check sees newer generations
         if not live:
             return  # an empty cache (a broker that is away, an error answer) says nothing about deletions
-        current = topics.generation(time.time(), self.generation_s)
-        retired = [t for t in self.topics if t not in live and (topics.split_generation(t)[1] or current) < current]
+        retired = [t for t in self.topics if t not in live and self._past_generation(t)]
         new = [t for t in live if t not in self.topics]
         if not (retired or new):
             return
@@ -159,7 +157,6 @@ class KafkaSource:
                 off = self._stored.get((t, p), 0)
                 self._consumer.seek(self._KTP(t, p), off)
                 self._positions[(t, p)] = off
-        for t in new:
             self._topic_ids[t] = self._topic_id(t)
 
     @property

@@ -303,13 +303,12 @@ def check_offsets(cfg: Config, source_id: str, open_store: Callable[[str], Any],
     if not stored:
         return
     ends = end_offsets(cfg.kafka.conn(), stored)
-    gen_s = cfg.kafka.conn().topic_generation_s
-    if gen_s:  # a past generation that is gone was read to its end and retired (services.topic_generations)
-        from core import topics
+    # A past generation that is gone was read to its end and retired (services.topic_generations).
+    from core.topics import past_generation
 
-        current = topics.generation(time.time(), gen_s)
-        stored = {tp: off for tp, off in stored.items()
-                  if ends.get(tp) is not None or (topics.split_generation(tp[0])[1] or current) >= current}
+    gen_s, now = cfg.kafka.conn().topic_generation_s, time.time()
+    stored = {tp: off for tp, off in stored.items()
+              if ends.get(tp) is not None or not past_generation(tp[0], gen_s, now)}
     ahead = offsets_ahead(stored, ends)
     if not ahead:
         return

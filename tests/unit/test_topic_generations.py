@@ -67,3 +67,10 @@ def test_the_setting_is_checked_and_a_configured_kafka_keeps_whole_topics():
 def test_the_generation_setting_travels_to_traced_ranks():
     conn = KafkaConn(bootstrap="127.0.0.1:9092", topic_generation_s=600)
     assert KafkaConn.from_json(conn.bootstrap, conn.to_json()).topic_generation_s == 600
+
+
+def test_a_past_generation_is_one_whose_period_is_over():
+    assert topics.past_generation("ss.ops.g99", 10, 1005)
+    assert not topics.past_generation("ss.ops.g100", 10, 1005)
+    assert not topics.past_generation("ss.ops", 10, 1005)  # a plain topic never is
+    assert not topics.past_generation("ss.ops.g99", 0, 1005)  # nor anything without generations
