@@ -10,7 +10,8 @@ For each factor, builds (once, cached under bench_data/) the tiled trace with
 - runs it once more in-process under cProfile and prints the seconds of each
   phase: reading the trace, preparing (validate, sort), the graph, measuring
   durations and delays, the main pass (T, replay, T_ideal, S_t, S_pp, M_S),
-  the pair pass (S_dp), the top-worker pass (M_W), the summary and the JSON.
+  the pair pass (S_dp) and the top-worker pass (M_W) together (they run on
+  threads, analyzers/whatif/parallel.py), the summary and the JSON.
 Prints the time ratio of the last to the first factor.
 
 A fresh checkout compiles the analyzer's kernels on first use (numba, cached in
@@ -51,16 +52,16 @@ def tiled(factor: int) -> tuple[Path, Path]:
     return trace, meta
 
 
-PHASES = (  # (label, function whose cumulative time it is), in the order they run
-    ("read", "core/golden.py", "load_golden"),
-    ("prepare", "analyzers/whatif/load.py", "prepare_ops"),
-    ("graph", "analyzers/whatif/graph.py", "build_graph"),
-    ("measure", "analyzers/whatif/kernels.py", "measure"),
-    ("passes", "analyzers/whatif/kernels.py", "pass_columns"),
-    ("pairs", "analyzers/whatif/kernels.py", "pass_pairs"),
-    ("replay check", "analyzers/whatif/kernels.py", "replay_gap"),
-    ("summary", "analyzers/whatif/api.py", "summarise"),
-    ("json", "json/__init__.py", "dump"),
+PHASES = (  # (label, file, function whose cumulative time it is, caller or None), in the order they run
+    ("read", "core/golden.py", "load_golden", None),
+    ("prepare", "analyzers/whatif/load.py", "prepare_ops", None),
+    ("graph", "analyzers/whatif/graph.py", "build_graph", None),
+    ("measure", "analyzers/whatif/graph.py", "measure", None),
+    # The passes run on threads (analyzers/whatif/parallel.py): their wall time is that of the calling thread
+    # in map_slices, which runs one slice itself and waits for the others.
+    ("passes", "analyzers/whatif/parallel.py", "map_slices", "run_scenarios"),
+    ("summary", "analyzers/whatif/api.py", "summarise", None),
+    ("json", "json/__init__.py", "dump", None),
 )
 
 
@@ -75,8 +76,10 @@ def _phases(trace: Path, meta: Path) -> None:
     total = time.perf_counter() - t0
     stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
     out = {}
-    for label, file, name in PHASES:
-        out[label] = sum(v[3] for (f, _, n), v in stats.items() if n == name and f.endswith(file))
+    for label, file, name, caller in PHASES:
+        out[label] = sum(
+            v[3] if caller is None else sum(c[3] for (_, _, cn), c in v[4].items() if cn == caller)
+            for (f, _, n), v in stats.items() if n == name and f.endswith(file))
     out["total"] = total
     print(json.dumps(out))
 

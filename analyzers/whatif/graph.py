@@ -24,7 +24,7 @@ import dataclasses
 
 import numpy as np
 
-from . import kernels
+from . import kernels, parallel
 from . import opcodes as T
 from .levels import levels_of_groups
 from .load import PreparedOps
@@ -81,36 +81,48 @@ class Graph:
         n, B = self.n, self.batch
         self.orig = np.empty((n, B), np.float64)
         self.delay = np.empty((n, B), np.int32)  # int ns, exact; >= -10 ms after the clamp
-        cap = _over_room(self)
-        while True:
-            over = (np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.float64))
-            neg, clamped, n_over = kernels.measure(
-                self.pred_ptr, self.pred_idx, self.g_off, self.in_group, self.is_comm, self.row_local,
-                self.row_base, p.start, p.dur, DELAY_CLAMP_NS, self.orig, self.delay, *over)
-            if n_over <= cap:
-                break
-            cap = n_over
-        if n_over:
-            r, c, v = (x[:n_over] for x in over)
-            o = np.argsort(r, kind="stable")
+        # Column ranges, one per thread, in whole blocks of the kernel's 8 columns.
+        n_thr = max(1, min(parallel.threads(n * B), B // 8))
+        cuts = [B * i // n_thr // 8 * 8 for i in range(n_thr)] + [B]
+        parts = parallel.map_slices(list(zip(cuts[:-1], cuts[1:])), self._measure_columns(p), n_thr)
+        self.counts["negative_transfer"] = sum(x[0] for x in parts)
+        self.counts["delay_clamped"] = sum(x[1] for x in parts)
+        r, c, v = (np.concatenate([x[2][i] for x in parts]) for i in range(3))
+        if len(r):
+            o = np.argsort(r, kind="stable")  # by row, then by column: a pass reads them in this order
             self.delay_over = (r[o], c[o], v[o])
         else:
             self.delay_over = None
-        self.counts["negative_transfer"] = neg
-        self.counts["delay_clamped"] = clamped
+
+    def _measure_columns(self, p: PreparedOps):
+        def run(ranges):
+            out = []
+            for c_lo, c_hi in ranges:
+                cap = _over_room(self, c_hi - c_lo)
+                while True:
+                    over = (np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.float64))
+                    neg, clamped, n_over = kernels.measure(
+                        self.pred_ptr, self.pred_idx, self.g_off, self.in_group, self.is_comm, self.row_local,
+                        self.row_base, p.start, p.dur, DELAY_CLAMP_NS, c_lo, c_hi, self.orig, self.delay, *over)
+                    if n_over <= cap:
+                        break
+                    cap = n_over
+                out.append((neg, clamped, tuple(x[:n_over] for x in over)))
+            return out
+        return run
 
     def replay_gap(self, E: np.ndarray, col: int, p: PreparedOps, b0: int = 0) -> float:
         """Largest |simulated - traced| end (ns) of column ``col`` of a pass on batch columns from ``b0``."""
         return float(kernels.replay_gap(E, col, self.row_local, self.row_base, b0, p.start, p.dur))
 
 
-def _over_room(g: Graph) -> int:
+def _over_room(g: Graph, n_columns: int) -> int:
     """Room for delays over 2.1 s in a first measuring call (a second one makes room for more).
 
     They are mostly those of ops that wait only for the step start (a step's first op after a long
     gap): one for each of those in every batch column.
     """
-    return g.batch * int(np.count_nonzero(g.pred_idx[g.pred_ptr[:-1]] == 0)) + 1024
+    return n_columns * int(np.count_nonzero(g.pred_idx[g.pred_ptr[:-1]] == 0)) + 1024
 
 
 def _run_starts(sorted_keys: np.ndarray) -> np.ndarray:

@@ -58,19 +58,24 @@ def pass_columns(pred_ptr, pred_idx, g_off, ideal, orig, delay, over_r, over_c, 
     duration (``orig[i, b0 + c]``) in column j, else ``ideal[i]``. Columns with ``keep_delay[j]`` add the
     launch delay (``delay``, int32 ns; the rare longer ones in ``over_*``, sorted by row). Starts before
     the group max go to ``S_all`` when ``want_start``.
+
+    The row loops are written as compare-and-select so that they vectorise (``max()`` on floats does
+    not); times are never NaN or -0.0, so the result is the same.
     """
     n1, nb, k = E.shape
     W = nb * k  # a row of E: every (batch column, scenario column), contiguous
     E2 = E.reshape((n1, W))
-    E2[0, :] = 0.0
+    for w in range(W):
+        E2[0, w] = 0.0
     gm = np.empty(W)
     acc = np.empty(W)
+    dur = np.empty(W)
     dcols = np.flatnonzero(keep_delay)
+    nd = dcols.shape[0]
     n_over = over_r.shape[0]
     cur = 0
     for gi in range(g_off.shape[0] - 1):
         a, b = g_off[gi], g_off[gi + 1]
-        gm[:] = -np.inf
         for m in range(a, b):
             p0, p1 = pred_ptr[m], pred_ptr[m + 1]
             row = E2[pred_idx[p0]]
@@ -79,36 +84,43 @@ def pass_columns(pred_ptr, pred_idx, g_off, ideal, orig, delay, over_r, over_c, 
             for q in range(p0 + 1, p1):
                 row = E2[pred_idx[q]]
                 for w in range(W):
-                    acc[w] = max(acc[w], row[w])
+                    v = row[w]
+                    acc[w] = v if v > acc[w] else acc[w]
             # Launch delays, in the columns that keep them (the rare long ones come from ``over_*``).
-            if dcols.shape[0]:
+            if nd:
                 for c in range(nb):
                     d = np.float64(delay[m, b0 + c])
-                    for j in dcols:
-                        acc[c * k + j] += d
+                    for jj in range(nd):
+                        acc[c * k + dcols[jj]] += d
                 while cur < n_over and over_r[cur] < m:
                     cur += 1
                 q = cur
                 while q < n_over and over_r[q] == m:
                     c = over_c[q] - b0
                     if 0 <= c < nb:
-                        for j in dcols:
-                            acc[c * k + j] += over_v[q]  # the int32 delay is 0 there: one rounding
+                        for jj in range(nd):
+                            acc[c * k + dcols[jj]] += over_v[q]  # the int32 delay is 0 there: one rounding
                     q += 1
             if want_start:
                 S_all[m].reshape(W)[:] = acc
-            for w in range(W):
-                gm[w] = max(gm[w], acc[w])
+            if m == a:
+                for w in range(W):
+                    gm[w] = acc[w]
+            else:
+                for w in range(W):
+                    v = acc[w]
+                    gm[w] = v if v > gm[w] else gm[w]
         for m in range(a, b):
-            # The ideal duration everywhere, then the original one in the columns that keep it.
-            out = E2[m + 1]
+            # Each column's duration: the original one where the column keeps it, else the ideal one.
             di = ideal[m]
+            kr = keep[m]
+            for c in range(nb):
+                o = orig[m, b0 + c]
+                for j in range(k):
+                    dur[c * k + j] = o if kr[j] else di
+            out = E2[m + 1]
             for w in range(W):
-                out[w] = gm[w] + di
-            for j in range(k):
-                if keep[m, j]:
-                    for c in range(nb):
-                        out[c * k + j] = gm[c * k + j] + orig[m, b0 + c]
+                out[w] = gm[w] + dur[w]
 
 
 @_entry(outputs=(7,))
@@ -143,18 +155,18 @@ def pass_pairs(pred_ptr, pred_idx, sg_off, sg_wide, ideal, orig, b0, E):  # prag
                 out[2 * c + 1] = gm[2 * c + 1] + di
 
 
-@_entry(outputs=(10, 11, 12, 13, 14))
-def measure(pred_ptr, pred_idx, g_off, in_group, is_comm, row_local, row_base, start, dur, clamp_ns,
+@_entry(outputs=(12, 13, 14, 15, 16))
+def measure(pred_ptr, pred_idx, g_off, in_group, is_comm, row_local, row_base, start, dur, clamp_ns, c_lo, c_hi,
             orig, delay, over_r, over_c, over_v):  # pragma: no cover - compiled
-    """Original durations ``orig`` and launch delays ``delay`` [n, B] of every op and batch column, read
-    from the trace (``start``/``dur`` at row ``row_base[c] + row_local[i]``).
+    """Original durations ``orig`` and launch delays ``delay`` [n, B] of every op and batch columns
+    [c_lo, c_hi), read from the trace (``start``/``dur`` at row ``row_base[c] + row_local[i]``).
 
     A grouped op's original duration is its transfer: its end minus the group's latest start (below 0
     counts as negative and becomes 0). A delay is the op's start minus its predecessors' latest actual
     end; below ``clamp_ns`` it counts as clamped and becomes 0; past int32 it goes to ``over_*`` (as
     many as fit; the returned count says how many there were). Returns (negative, clamped, over).
     """
-    n, B = orig.shape
+    n = orig.shape[0]
     cap = over_r.shape[0]
     neg = 0
     clamped = 0
@@ -166,8 +178,8 @@ def measure(pred_ptr, pred_idx, g_off, in_group, is_comm, row_local, row_base, s
     en[0, :] = 0
     gmax = np.empty(cb_max, np.int64)
     dep = np.empty(cb_max, np.int64)
-    for c0 in range(0, B, cb_max):
-        cb = min(cb_max, B - c0)
+    for c0 in range(c_lo, c_hi, cb_max):
+        cb = min(cb_max, c_hi - c0)
         # Gather the columns' times into level order first: the loop below then reads nearby rows only.
         for i in range(n):
             for j in range(cb):
@@ -342,7 +354,7 @@ def warm() -> None:
             orig, delay = np.zeros((2, 1), f64), np.zeros((2, 1), i32)
             over = (np.zeros(1, i64), np.zeros(1, i64), np.zeros(1, f64))
             measure(ptr, pidx, bounds, flags, flags, rows, np.zeros(1, i64), np.zeros(2, i64), np.zeros(2, dur_t),
-                    -1, orig, delay, *over)
+                    -1, 0, 1, orig, delay, *over)
             E = np.zeros((3, 1, 2), f64)
             replay_gap(E, 1, rows, np.zeros(1, i64), 0, np.zeros(2, i64), np.zeros(2, dur_t))
         E = np.zeros((3, 1, 2), f64)

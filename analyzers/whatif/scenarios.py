@@ -24,6 +24,7 @@ import numpy as np
 from core.optypes import OPTYPES
 
 from . import opcodes as T
+from . import parallel
 from .graph import Graph, build_graph
 from .load import PreparedOps
 from .simulate import (
@@ -133,13 +134,22 @@ def _keys(g: Graph, top: np.ndarray | None) -> np.ndarray:
     return k
 
 
-def _batches(g: Graph, k: int) -> list[tuple[int, int, np.ndarray | None]]:
-    """Batch column ranges bounded by BATCH_BYTES of simulated times, with their steps."""
+def _batches(g: Graph, k: int, n_threads: int = 1) -> list[tuple[int, int, np.ndarray | None]]:
+    """Batch column ranges, with their steps, bounded by BATCH_BYTES of simulated times over all threads."""
     if g.batch == 1:
         return [(0, 1, None)]
-    nb = max(1, BATCH_BYTES // max(1, (g.n + 1) * k * 8))
+    nb = max(1, BATCH_BYTES // n_threads // max(1, (g.n + 1) * k * 8))
     steps = np.arange(g.batch)
     return [(b0, min(b0 + nb, g.batch), steps[b0:b0 + nb]) for b0 in range(0, g.batch, nb)]
+
+
+def _pieces(graphs: list[Graph], k: int, n_threads: int) -> list[tuple[int, int, int, np.ndarray | None]]:
+    """(graph index, b0, b1, steps) of every batch of every graph: the independent work of one pass."""
+    return [(gi, b0, b1, st) for gi, g in enumerate(graphs) for b0, b1, st in _batches(g, k, n_threads)]
+
+
+def _threads(graphs: list[Graph], k: int) -> int:
+    return parallel.threads(sum(g.n * g.batch for g in graphs) * k)
 
 
 def _collect(acc: dict, steps: np.ndarray, vals: np.ndarray) -> None:
@@ -169,25 +179,35 @@ def run_scenarios(p: PreparedOps, *, overlapped_dp: bool, chunk_ops: int = CHUNK
     delay = [False, True] + [False] * (len(names) - 2)
     main = Scenarios(tuple(names), np.array(key), np.array(value), np.array(invert), np.array(delay))
 
-    per_step: dict[str, dict[int, float]] = {nm: {} for nm in names}
-    pair: dict[tuple[int, int], float] = {}
-    replay_err = 0.0
-    work = Work()
-    for g, ideal in zip(graphs, ideals):
-        keys = _keys(g, None)
-        for b0, b1, bsteps in _batches(g, len(main)):
-            E, _ = simulate(g, ideal, keys, main, b0=b0, b1=b1, work=work)
-            st, tt = step_times(g, E, bsteps)
-            for j, nm in enumerate(names):
-                _collect(per_step[nm], st, tt[:, j])
+    def main_pass(pieces):
+        """T, the replay and the other main columns of some batches, with the replay's largest gap."""
+        work, out, gi_keys = Work(), [], (-1, None)
+        for gi, b0, b1, bsteps in pieces:
+            g = graphs[gi]
+            if gi_keys[0] != gi:
+                gi_keys = (gi, _keys(g, None))
+            E, _ = simulate(g, ideals[gi], gi_keys[1], main, b0=b0, b1=b1, work=work)
             # Fidelity of the model: the replay with delays must end every op where the trace does.
-            if g.n:
-                replay_err = max(replay_err, g.replay_gap(E, 1, p, b0))
-            del E
-        for b0, b1, bsteps in _batches(g, 2):
-            s2, d2, t2 = pair_step_times(g, simulate_pairs(g, ideal, b0=b0, b1=b1, work=work), bsteps, n_dp)
-            for s, d, v in zip(s2.tolist(), d2.tolist(), t2):
-                pair[(s, d)] = v
+            out.append((*step_times(g, E, bsteps), g.replay_gap(E, 1, p, b0) if g.n else 0.0))
+        return out
+
+    def pair_pass(pieces):
+        work = Work()
+        return [pair_step_times(graphs[gi], simulate_pairs(graphs[gi], ideals[gi], b0=b0, b1=b1, work=work),
+                                bsteps, n_dp) for gi, b0, b1, bsteps in pieces]
+
+    per_step: dict[str, dict[int, float]] = {nm: {} for nm in names}
+    n_thr = _threads(graphs, len(main))
+    replay_err = 0.0
+    for st, tt, gap in parallel.map_slices(_pieces(graphs, len(main), n_thr), main_pass, n_thr):
+        for j, nm in enumerate(names):
+            _collect(per_step[nm], st, tt[:, j])
+        replay_err = max(replay_err, gap)
+    pair: dict[tuple[int, int], float] = {}
+    n_thr = _threads(graphs, 2)
+    for s2, d2, t2 in parallel.map_slices(_pieces(graphs, 2, n_thr), pair_pass, n_thr):
+        for s, d, v in zip(s2.tolist(), d2.tolist(), t2):
+            pair[(s, d)] = v
 
     steps_idx = np.array(sorted(per_step["T"]), np.int64)
 
@@ -219,16 +239,22 @@ def run_scenarios(p: PreparedOps, *, overlapped_dp: bool, chunk_ops: int = CHUNK
         top[d, x] = 1
     mw_sc = Scenarios(("mw_rem", "mw_add"), np.array([K_TOP, K_TOP]), np.array([1, 1]),
                       np.array([True, False]), np.array([False, False]))
-    mw: dict[str, dict[int, float]] = {"mw_rem": {}, "mw_add": {}}
-    for g, ideal in zip(graphs, ideals):
-        keys = _keys(g, top)
-        for b0, b1, bsteps in _batches(g, 2):
-            E, _ = simulate(g, ideal, keys, mw_sc, b0=b0, b1=b1, work=work)
-            st, tt = step_times(g, E, bsteps)
-            _collect(mw["mw_rem"], st, tt[:, 0])
-            _collect(mw["mw_add"], st, tt[:, 1])
 
-    del work
+    def mw_pass(pieces):
+        work, out, gi_keys = Work(), [], (-1, None)
+        for gi, b0, b1, bsteps in pieces:
+            g = graphs[gi]
+            if gi_keys[0] != gi:
+                gi_keys = (gi, _keys(g, top))
+            out.append(step_times(g, simulate(g, ideals[gi], gi_keys[1], mw_sc, b0=b0, b1=b1, work=work)[0], bsteps))
+        return out
+
+    mw: dict[str, dict[int, float]] = {"mw_rem": {}, "mw_add": {}}
+    n_thr = _threads(graphs, 2)
+    for st, tt in parallel.map_slices(_pieces(graphs, 2, n_thr), mw_pass, n_thr):
+        _collect(mw["mw_rem"], st, tt[:, 0])
+        _collect(mw["mw_add"], st, tt[:, 1])
+
     actual = _actual_step_times(p, steps_idx)
     return Run(
         steps=p.steps[steps_idx], actual=actual, sim=sim, replay=arr(per_step["replay"]), ideal=ideal_t,

@@ -88,7 +88,7 @@ def test_more_long_delays_than_the_first_room_are_all_kept(monkeypatch):
     t, lay = vpp_window(dp=2, pp=2, vpp=1, m=3, n_steps=3)
     t = _late_optimizer(_late_optimizer(t, 1, 1, 1), 0, 1, 2)
     expected = analyze(t, lay)
-    monkeypatch.setattr(graph, "_over_room", lambda g: 0)
+    monkeypatch.setattr(graph, "_over_room", lambda g, n_columns: 0)
     res = analyze(t, lay)
     g = res.model.run.graphs[0]
     assert g.delay_over is not None and len(g.delay_over[0]) == 2
