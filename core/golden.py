@@ -59,13 +59,19 @@ def load_golden(trace_parquet: str | os.PathLike, meta_yaml: str | os.PathLike, 
     nearest ns (float32 seconds carry less than that).
 
     ``lean=True`` is for analysis only: the columns the what-if analyzer reads
-    (the OP_SPAN names) in the file's own narrow types, the op type kept
-    dictionary-encoded and ``job_id`` a one-value dictionary. At 16,384 GPUs
-    that is less than half the memory and time of the OP_SPAN table.
+    (the OP_SPAN names), the op type kept dictionary-encoded and ``job_id`` a
+    one-value dictionary. At 16,384 GPUs that is less than half the memory and
+    time of the OP_SPAN table. Files with integer ids are read a row group at a
+    time straight into the columns the analyzer works in (``_read_lean``);
+    others as a whole file, in the file's own types.
     """
     layout, meta = read_meta(meta_yaml)
     import pyarrow.parquet as pq
 
+    if lean:
+        table = _read_lean(trace_parquet, meta)
+        if table is not None:
+            return table, layout
     try:
         if lean:
             names = set(pq.read_schema(trace_parquet).names)
@@ -87,22 +93,9 @@ def load_golden(trace_parquet: str | os.PathLike, meta_yaml: str | os.PathLike, 
         return np.asarray(t.column(name).fill_null(default).to_numpy(), dtype=dtype)
 
     def ns(name: str) -> pa.Array:
-        # A chunk at a time: the float64 temporaries stay in the cache instead of costing [n] arrays.
         # NaN and nulls stay null here; the analyzer rejects and reports those rows.
-        out = np.empty(n, np.int64)
-        bad = np.zeros(n, bool)
-        a = 0
-        for chunk in t.column(name).chunks:
-            x = chunk.to_numpy(zero_copy_only=False).astype(np.float64)
-            b = a + len(x)
-            nonfinite = ~np.isfinite(x)
-            if nonfinite.any():
-                x[nonfinite] = 0.0
-                bad[a:b] = nonfinite
-            x *= 1e9
-            np.rint(x, out=x)
-            np.copyto(out[a:b], x, casting="unsafe")
-            a = b
+        out, bad = np.empty(n, np.int64), np.zeros(n, bool)
+        _to_ns(t.column(name), out, bad)
         return pa.array(out, pa.int64(), mask=bad if bad.any() else None)
 
     if lean:
@@ -152,3 +145,127 @@ def load_golden(trace_parquet: str | os.PathLike, meta_yaml: str | os.PathLike, 
     # The parquet columns are garbage now: hand their pages back (about 40% of the table at 4,096 GPUs).
     release_memory()
     return table, layout
+
+
+# The lean columns' types: those ``analyzers.whatif.load.prepare_ops`` works in, so that it copies none of them.
+_LEAN_INT = {"dp_rank": ("dp_rank", np.int32, 0), "stage": ("pp_rank", np.int32, 0), "step": ("step", np.int64, 0),
+             "seq_id": ("seq_id", np.int32, 0), "mc": ("mc", np.int32, 0), "gmc": ("gmc", np.int32, -1),
+             "mb_id": ("mb_id", np.int32, -1)}
+"""golden column -> (OP_SPAN name, type, value of a null); a null optional id gets its default there too."""
+
+
+def _read_lean(trace_parquet: str | os.PathLike, meta: dict) -> pa.Table | None:
+    """The lean table read a row group at a time into its final columns, or None where that cannot be done.
+
+    Why: reading the whole file first holds the decoded file, its combined chunks and the converted
+    columns at once (about three times the table). Here each row group is decoded, converted into the
+    final arrays and dropped, so the only new memory is the table itself. On these VMs the first touch
+    of a page is the expensive part (0.3 to 2 s per GB), so that is also most of the time saved.
+
+    None (the caller reads the whole file instead) for ids that are not integers, a value that does not
+    fit its column, or an op type that is neither strings nor a dictionary of strings: the whole-file
+    path reports what is wrong with them.
+    """
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(trace_parquet)
+    except FileNotFoundError:
+        raise GoldenTraceError(f"trace file not found: {trace_parquet}") from None
+    except (OSError, pa.ArrowException) as e:
+        raise GoldenTraceError(f"cannot read trace {trace_parquet}: {e}".splitlines()[0]) from None
+    schema = pf.schema_arrow
+    names = set(schema.names)
+    if any(c not in names for c in GOLDEN_REQUIRED):
+        return None  # the whole-file path names the missing columns
+    ints = [c for c in _LEAN_INT if c in names]
+    if not all(pa.types.is_integer(schema.field(c).type) for c in ints):
+        return None
+    if not all(pa.types.is_floating(schema.field(c).type) or pa.types.is_integer(schema.field(c).type)
+               for c in ("start_ts", "duration")):
+        return None
+    ot = schema.field("optype").type
+    if pa.types.is_dictionary(ot):
+        ot = ot.value_type
+    if not (pa.types.is_string(ot) or pa.types.is_large_string(ot)):
+        return None
+    n = pf.metadata.num_rows
+    cols = {c: np.empty(n, _LEAN_INT[c][1]) for c in ints}
+    times = {c: np.empty(n, np.int64) for c in ("start_ts", "duration")}
+    bad_time = {c: np.zeros(n, bool) for c in times}
+    type_idx = np.empty(n, np.int16)
+    type_null = np.zeros(n, bool)
+    type_names: dict[str, int] = {}  # the file's op type names, in order of appearance
+    a = 0
+    try:
+        for rg in range(pf.num_row_groups):
+            t = pf.read_row_group(rg, columns=[c for c in LEAN_COLUMNS if c in names])
+            b = a + t.num_rows
+            for c in ints:
+                _, dtype, null = _LEAN_INT[c]
+                x = t.column(c).fill_null(null).to_numpy()
+                if not np.can_cast(x.dtype, dtype) and len(x) and (
+                        int(x.min()) < np.iinfo(dtype).min or int(x.max()) > np.iinfo(dtype).max):
+                    return None
+                cols[c][a:b] = x
+            for c in times:
+                _to_ns(t.column(c), times[c][a:b], bad_time[c][a:b])
+            ty = t.column("optype")
+            if not pa.types.is_dictionary(ty.type):
+                ty = ty.dictionary_encode()
+            k = a
+            for chunk in ty.chunks:
+                # The file's dictionaries may differ by row group: map each onto one list of names.
+                lut = np.array([type_names.setdefault(s, len(type_names)) for s in chunk.dictionary.to_pylist()]
+                               + [0], np.int16)  # the extra entry: where a null's index points
+                idx = chunk.indices.fill_null(len(lut) - 1).to_numpy()
+                type_idx[k:k + len(idx)] = lut[idx]
+                if chunk.null_count:
+                    type_null[k:k + len(idx)] = chunk.is_null().to_numpy(zero_copy_only=False)
+                k += len(idx)
+            a = b
+            del t, ty
+    except (OSError, pa.ArrowException) as e:
+        raise GoldenTraceError(f"cannot read trace {trace_parquet}: {e}".splitlines()[0]) from None
+    if len(type_names) > np.iinfo(np.int16).max:
+        return None
+    release_memory()  # the row groups' buffers
+    dictionary = pa.array(list(type_names), pa.string())
+
+    def masked(x: np.ndarray, bad: np.ndarray) -> pa.Array:
+        return pa.array(x, mask=bad if bad.any() else None)
+
+    out = {
+        "job_id": pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)),
+                                                 pa.array([str(meta.get("trial_name", ""))])),
+        "dp_rank": pa.array(cols.pop("dp_rank")), "pp_rank": pa.array(cols.pop("stage")),
+        "step": pa.array(cols.pop("step")),
+        "optype": pa.DictionaryArray.from_arrays(masked(type_idx, type_null), dictionary),
+        "start_ns": masked(times["start_ts"], bad_time["start_ts"]),
+        "duration_ns": masked(times["duration"], bad_time["duration"]),
+    }
+    for c, x in cols.items():
+        out[_LEAN_INT[c][0]] = pa.array(x)
+    return pa.table(out)
+
+
+def _to_ns(col: pa.ChunkedArray, out: np.ndarray, bad: np.ndarray) -> None:
+    """Seconds (float or int) into int64 ns in ``out``, rounded to the nearest ns; null or NaN rows in ``bad``.
+
+    A chunk at a time: the float64 temporaries stay in the cache instead of costing [n] arrays.
+    """
+    a = 0
+    for chunk in col.chunks:
+        b = a + len(chunk)
+        if chunk.null_count:
+            bad[a:b] = chunk.is_null().to_numpy(zero_copy_only=False)
+            chunk = chunk.fill_null(0)
+        x = chunk.to_numpy(zero_copy_only=False).astype(np.float64)
+        nonfinite = ~np.isfinite(x)
+        if nonfinite.any():
+            x[nonfinite] = 0.0
+            bad[a:b] |= nonfinite
+        x *= 1e9
+        np.rint(x, out=x)
+        np.copyto(out[a:b], x, casting="unsafe")
+        a = b

@@ -261,13 +261,35 @@ def _stream_key(step_idx, dp, pp, code, stream_of_code, dp_size, pp_size, i):  #
     return ((np.int64(step_idx[i]) * dp_size + dp[i]) * pp_size + pp[i]) * 8 + stream_of_code[code[i]]
 
 
+INSERTION_MAX = 256
+"""Buckets up to this size are put in order by insertion (a few sorted runs, such as a worker-step's
+forwards and backwards recorded type by type); larger ones by two stable sorts (no quadratic worst case)."""
+
+
+@numba.njit(**_JIT)
+def _insertion_sort(order, a, b, rel, seq):  # pragma: no cover - compiled
+    """Stable sort of ``order[a:b]`` by (rel, seq) in place."""
+    for t in range(a + 1, b):
+        i = order[t]
+        r, s = rel[i], seq[i]
+        u = t
+        while u > a:
+            j = order[u - 1]
+            if rel[j] > r or (rel[j] == r and seq[j] > s):
+                order[u] = j
+                u -= 1
+            else:
+                break
+        order[u] = i
+
+
 @_entry(outputs=())
 def sort_rows(step_idx, dp, pp, code, stream_of_code, dp_size, pp_size, n_steps, rel, seq):  # pragma: no cover
     """Row order by (step, dp, pp, stream, start, seq), equal rows in input order.
 
     A stable counting sort puts every stream of a worker-step in its own bucket (traces arrive in
     per-worker runs, so this is two sequential passes); a bucket out of (start, seq) order is then
-    sorted on its own, by two stable sorts.
+    sorted on its own (``INSERTION_MAX``).
     """
     n = rel.shape[0]
     n_keys = n_steps * dp_size * pp_size * 8
@@ -287,6 +309,9 @@ def sort_rows(step_idx, dp, pp, code, stream_of_code, dp_size, pp_size, n_steps,
         for t in range(a + 1, b):
             i0, i1 = order[t - 1], order[t]
             if rel[i1] < rel[i0] or (rel[i1] == rel[i0] and seq[i1] < seq[i0]):
+                if b - a <= INSERTION_MAX:
+                    _insertion_sort(order, a, b, rel, seq)
+                    break
                 seg = order[a:b].copy()
                 seg = seg[np.argsort(seq[seg], kind="mergesort")]
                 order[a:b] = seg[np.argsort(rel[seg], kind="mergesort")]

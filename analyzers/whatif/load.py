@@ -133,6 +133,17 @@ def _codes_of(strings: pa.Array) -> tuple[np.ndarray, None]:
 
 def prepare_ops(ops: pa.Table, layout: JobLayout, *, allow_incomplete: bool = True) -> PreparedOps:
     """Validate, clean and sort op spans (see the module docstring)."""
+    return prepare_ops_taking([ops], layout, allow_incomplete=allow_incomplete)
+
+
+def prepare_ops_taking(box: list[pa.Table], layout: JobLayout, *, allow_incomplete: bool = True) -> PreparedOps:
+    """``prepare_ops`` of the table in ``box`` (a one-element list), which it empties.
+
+    A caller that keeps no other reference to the table lets each column's memory go as soon as it
+    has been used: the step and start columns before the sort, the table itself before the gather
+    (with a 16k-GPU window, half a GB less at the peak).
+    """
+    ops = box.pop()
     if not isinstance(ops, pa.Table):
         raise WhatIfInputError(f"ops must be a pyarrow.Table, got {type(ops).__name__}")
     if not isinstance(layout, JobLayout):
@@ -174,6 +185,7 @@ def prepare_ops(ops: pa.Table, layout: JobLayout, *, allow_incomplete: bool = Tr
     job_id = ""
     if "job_id" in ops.column_names and n_in:
         job_id = str(_column(ops, "job_id")[0].as_py() or "")
+    del ops  # the columns above are views of its buffers: each buffer now lives as long as its view
     if bad.any():
         idx = np.flatnonzero(~bad)
         dp, pp, step, start, dur, codes, seq, mc, gmc, mb = (
@@ -184,13 +196,14 @@ def prepare_ops(ops: pa.Table, layout: JobLayout, *, allow_incomplete: bool = Tr
 
     steps = np.unique(pc.unique(pa.array(step)).to_numpy(zero_copy_only=False))
     span = int(steps[-1]) - int(steps[0]) + 1
-    if span == len(steps):  # consecutive steps: no search
-        step_idx = (step - steps[0]).astype(np.int32)
-    elif span <= 4 * len(step) + 1024:  # a lookup table: one gather instead of a binary search per op
-        lut = np.zeros(span, np.int32)
-        lut[steps - steps[0]] = np.arange(len(steps), dtype=np.int32)
-        step_idx = lut[step - steps[0]]
-        del lut
+    if span <= 4 * len(step) + 1024:
+        # Offsets from the first step, written as int32 directly (an int64 temporary is 240 MB at 16k GPUs).
+        step_idx = np.subtract(step, steps[0], out=np.empty(len(step), np.int32), casting="unsafe")
+        if span != len(steps):  # not consecutive: a lookup table, one gather instead of a search per op
+            lut = np.zeros(span, np.int32)
+            lut[steps - steps[0]] = np.arange(len(steps), dtype=np.int32)
+            step_idx = lut[step_idx]
+            del lut
     else:
         step_idx = np.searchsorted(steps, step).astype(np.int32)
     del step
@@ -273,4 +286,4 @@ def _major_key(step_idx, dp, pp, codes, layout: JobLayout) -> np.ndarray:
     return major
 
 
-__all__ = ["CODE", "REQUIRED", "PreparedOps", "WhatIfInputError", "prepare_ops"]
+__all__ = ["CODE", "REQUIRED", "PreparedOps", "WhatIfInputError", "prepare_ops", "prepare_ops_taking"]

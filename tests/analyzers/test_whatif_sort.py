@@ -28,11 +28,15 @@ def _rows(seed: int, n: int, dp: int, pp: int, n_steps: int, shuffled: float):
 
 
 @pytest.mark.parametrize("seed,shuffled", [(0, 0.0), (1, 0.05), (2, 1.0)])
-def test_the_counting_sort_gives_the_lexsort_order(seed, shuffled):
-    lay = JobLayout(dp_size=3, pp_size=2)
-    step_idx, d, p, codes, rel, seq = _rows(seed, 20_000, 3, 2, 5, shuffled)
+@pytest.mark.parametrize("dp,pp,n_steps", [(3, 2, 5), (1, 1, 2)], ids=["small-buckets", "large-buckets"])
+def test_the_counting_sort_gives_the_lexsort_order(seed, shuffled, dp, pp, n_steps):
+    """Buckets of about 170 rows are put in order by insertion, of thousands by two stable sorts."""
+    lay = JobLayout(dp_size=dp, pp_size=pp)
+    step_idx, d, p, codes, rel, seq = _rows(seed, 20_000, dp, pp, n_steps, shuffled)
+    sizes = np.bincount(load._major_key(step_idx, d, p, codes, lay))
+    assert (sizes.max() <= load.kernels.INSERTION_MAX) == (dp > 1)
     expected = np.lexsort((seq, rel, load._major_key(step_idx, d, p, codes, lay)))
-    got = load._sort_order(step_idx, d, p, codes, rel, seq, lay, 5)
+    got = load._sort_order(step_idx, d, p, codes, rel, seq, lay, n_steps)
     assert np.array_equal(got, expected)
 
 
