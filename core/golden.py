@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from core.arrow_numpy import array, is_null, strings, values
 from core.layout import JobLayout
 from core.memory import release_memory
 from core.schema import OP_SPAN
@@ -90,7 +91,7 @@ def load_golden(trace_parquet: str | os.PathLike, meta_yaml: str | os.PathLike, 
     def col(name: str, dtype, default: int) -> np.ndarray:
         if name not in t.column_names:
             return np.full(n, default, dtype)
-        return np.asarray(t.column(name).fill_null(default).to_numpy(), dtype=dtype)
+        return np.asarray(values(t.column(name), default), dtype=dtype)
 
     def ns(name: str) -> pa.Array:
         # NaN and nulls stay null here; the analyzer rejects and reports those rows.
@@ -203,7 +204,7 @@ def _read_lean(trace_parquet: str | os.PathLike, meta: dict) -> pa.Table | None:
             b = a + t.num_rows
             for c in ints:
                 _, dtype, null = _LEAN_INT[c]
-                x = t.column(c).fill_null(null).to_numpy()
+                x = values(t.column(c), null)
                 if not np.can_cast(x.dtype, dtype) and len(x) and (
                         int(x.min()) < np.iinfo(dtype).min or int(x.max()) > np.iinfo(dtype).max):
                     return None
@@ -218,10 +219,10 @@ def _read_lean(trace_parquet: str | os.PathLike, meta: dict) -> pa.Table | None:
                 # The file's dictionaries may differ by row group: map each onto one list of names.
                 lut = np.array([type_names.setdefault(s, len(type_names)) for s in chunk.dictionary.to_pylist()]
                                + [0], np.int16)  # the extra entry: where a null's index points
-                idx = chunk.indices.fill_null(len(lut) - 1).to_numpy()
+                idx = values(chunk.indices, len(lut) - 1)
                 type_idx[k:k + len(idx)] = lut[idx]
                 if chunk.null_count:
-                    type_null[k:k + len(idx)] = chunk.is_null().to_numpy(zero_copy_only=False)
+                    type_null[k:k + len(idx)] = is_null(chunk)
                 k += len(idx)
             a = b
             del t, ty
@@ -230,22 +231,22 @@ def _read_lean(trace_parquet: str | os.PathLike, meta: dict) -> pa.Table | None:
     if len(type_names) > np.iinfo(np.int16).max:
         return None
     release_memory()  # the row groups' buffers
-    dictionary = pa.array(list(type_names), pa.string())
+    dictionary = strings(list(type_names))
 
     def masked(x: np.ndarray, bad: np.ndarray) -> pa.Array:
-        return pa.array(x, mask=bad if bad.any() else None)
+        return array(x, bad)
 
     out = {
-        "job_id": pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int8)),
-                                                 pa.array([str(meta.get("trial_name", ""))])),
-        "dp_rank": pa.array(cols.pop("dp_rank")), "pp_rank": pa.array(cols.pop("stage")),
-        "step": pa.array(cols.pop("step")),
+        "job_id": pa.DictionaryArray.from_arrays(array(np.zeros(n, np.int8)),
+                                                 strings([str(meta.get("trial_name", ""))])),
+        "dp_rank": array(cols.pop("dp_rank")), "pp_rank": array(cols.pop("stage")),
+        "step": array(cols.pop("step")),
         "optype": pa.DictionaryArray.from_arrays(masked(type_idx, type_null), dictionary),
         "start_ns": masked(times["start_ts"], bad_time["start_ts"]),
         "duration_ns": masked(times["duration"], bad_time["duration"]),
     }
     for c, x in cols.items():
-        out[_LEAN_INT[c][0]] = pa.array(x)
+        out[_LEAN_INT[c][0]] = array(x)
     return pa.table(out)
 
 
@@ -258,9 +259,8 @@ def _to_ns(col: pa.ChunkedArray, out: np.ndarray, bad: np.ndarray) -> None:
     for chunk in col.chunks:
         b = a + len(chunk)
         if chunk.null_count:
-            bad[a:b] = chunk.is_null().to_numpy(zero_copy_only=False)
-            chunk = chunk.fill_null(0)
-        x = chunk.to_numpy(zero_copy_only=False).astype(np.float64)
+            bad[a:b] = is_null(chunk)
+        x = values(chunk, 0).astype(np.float64)
         nonfinite = ~np.isfinite(x)
         if nonfinite.any():
             x[nonfinite] = 0.0

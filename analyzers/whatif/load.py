@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from core.arrow_numpy import array, is_null, strings, values
 from core.layout import JobLayout
 from core.memory import release_memory
 from core.optypes import OPTYPES
@@ -90,16 +91,16 @@ def _int_col(t: pa.Table, name: str, dtype, default: int, bad: np.ndarray) -> np
         return np.full(n, default, dtype)
     c = _column(t, name)
     if c.null_count:
-        bad |= np.asarray(c.is_null().to_numpy(zero_copy_only=False))
+        bad |= is_null(c)
         c = c.fill_null(default)
     if pa.types.is_floating(c.type):
-        x = c.to_numpy(zero_copy_only=False)
+        x = values(c)
         nonfinite = ~np.isfinite(x)
         bad |= nonfinite
         return np.where(nonfinite, default, x).astype(dtype)
     if not (pa.types.is_integer(c.type) or pa.types.is_boolean(c.type)):
         raise WhatIfInputError(f"column {name!r} is {c.type}, want an integer")
-    x = c.to_numpy(zero_copy_only=False)
+    x = values(c)
     if x.dtype != dtype and (np.issubdtype(x.dtype, np.integer) and np.iinfo(x.dtype).bits > np.iinfo(dtype).bits):
         lo, hi = (int(x.min()), int(x.max())) if len(x) else (0, 0)
         if lo < np.iinfo(dtype).min or hi > np.iinfo(dtype).max:
@@ -112,23 +113,23 @@ def _codes(t: pa.Table) -> tuple[np.ndarray, list[str]]:
     c = _column(t, "optype")
     if pa.types.is_dictionary(c.type):
         dict_codes = _codes_of(c.dictionary.cast(pa.string()))
-        idx = c.indices.fill_null(0).to_numpy(zero_copy_only=False)
+        idx = values(c.indices, 0)
         codes = dict_codes[0][idx] if len(dict_codes[0]) else np.full(len(idx), -1, np.int8)
         if c.null_count:
-            codes = np.where(c.is_null().to_numpy(zero_copy_only=False), -1, codes).astype(np.int8)
+            codes = np.where(is_null(c), -1, codes).astype(np.int8)
     else:
         codes, _ = _codes_of(c.cast(pa.string()))
     unknown_mask = codes < 0
     names: list[str] = []
     if unknown_mask.any():
-        u = pc.unique(c.filter(pa.array(unknown_mask)).cast(pa.string())).to_pylist()
+        u = pc.unique(c.filter(array(unknown_mask)).cast(pa.string())).to_pylist()
         names = sorted(str(x) for x in u)
     return codes.astype(np.int8), names
 
 
-def _codes_of(strings: pa.Array) -> tuple[np.ndarray, None]:
-    idx = pc.index_in(strings, value_set=pa.array(list(OPTYPES), pa.string()))
-    return np.asarray(idx.fill_null(-1).to_numpy(zero_copy_only=False), dtype=np.int8), None
+def _codes_of(names: pa.Array) -> tuple[np.ndarray, None]:
+    idx = pc.index_in(names, value_set=strings(list(OPTYPES)))
+    return np.asarray(values(idx, -1), dtype=np.int8), None
 
 
 def prepare_ops(ops: pa.Table, layout: JobLayout, *, allow_incomplete: bool = True) -> PreparedOps:
@@ -194,7 +195,7 @@ def prepare_ops_taking(box: list[pa.Table], layout: JobLayout, *, allow_incomple
     if len(codes) == 0:
         raise WhatIfInputError("no usable op spans (all rows rejected or empty input)")
 
-    steps = np.unique(pc.unique(pa.array(step)).to_numpy(zero_copy_only=False))
+    steps = np.unique(values(pc.unique(array(step))))
     span = int(steps[-1]) - int(steps[0]) + 1
     if span <= 4 * len(step) + 1024:
         # Offsets from the first step, written as int32 directly (an int64 temporary is 240 MB at 16k GPUs).
