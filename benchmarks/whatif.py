@@ -11,7 +11,7 @@ For each factor, builds (once, cached under bench_data/) the tiled trace with
   phase: reading the trace, preparing (validate, sort), the graph, measuring
   durations and delays, the main pass (T, replay, T_ideal, S_t, S_pp, M_S),
   the pair pass (S_dp) and the top-worker pass (M_W) together (they run on
-  threads, analyzers/whatif/parallel.py), the summary and the JSON.
+  threads, core/parallel.py), the summary and the JSON.
 Prints the time ratio of the last to the first factor.
 
 A fresh checkout compiles the analyzer's kernels on first use (numba, cached in
@@ -54,12 +54,12 @@ def tiled(factor: int) -> tuple[Path, Path]:
 
 PHASES = (  # (label, file, function whose cumulative time it is, caller or None), in the order they run
     ("read", "core/golden.py", "load_golden", None),
-    ("prepare", "analyzers/whatif/load.py", "prepare_ops", None),
+    ("prepare", "analyzers/whatif/load.py", "prepare_ops_taking", None),
     ("graph", "analyzers/whatif/graph.py", "build_graph", None),
     ("measure", "analyzers/whatif/graph.py", "measure", None),
-    # The passes run on threads (analyzers/whatif/parallel.py): their wall time is that of the calling thread
+    # The passes run on threads (core/parallel.py): their wall time is that of the calling thread
     # in map_slices, which runs one slice itself and waits for the others.
-    ("passes", "analyzers/whatif/parallel.py", "map_slices", "run_scenarios"),
+    ("passes", "core/parallel.py", "map_slices", "run_scenarios"),
     ("summary", "analyzers/whatif/api.py", "summarise", None),
     ("json", "json/__init__.py", "dump", None),
 )

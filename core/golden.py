@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from core import parallel
 from core.arrow_numpy import array, is_null, strings, values
 from core.layout import JobLayout
 from core.memory import release_memory
@@ -196,36 +197,45 @@ def _read_lean(trace_parquet: str | os.PathLike, meta: dict) -> pa.Table | None:
     bad_time = {c: np.zeros(n, bool) for c in times}
     type_idx = np.empty(n, np.int16)
     type_null = np.zeros(n, bool)
-    type_names: dict[str, int] = {}  # the file's op type names, in order of appearance
-    a = 0
-    try:
-        for rg in range(pf.num_row_groups):
-            t = pf.read_row_group(rg, columns=[c for c in LEAN_COLUMNS if c in names])
-            b = a + t.num_rows
+    type_names: dict[str, int] = {}  # the file's op type names (setdefault is atomic: threads share it)
+    starts = np.cumsum([0] + [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)])
+    wanted = [c for c in LEAN_COLUMNS if c in names]
+
+    def read(groups: list[int]) -> list[bool]:
+        """Row groups into their rows of the final columns; False where a value does not fit."""
+        f = pq.ParquetFile(trace_parquet)  # a reader per thread
+        fits = []
+        for rg in groups:
+            t = f.read_row_group(rg, columns=wanted)
+            a, b = int(starts[rg]), int(starts[rg + 1])
             for c in ints:
                 _, dtype, null = _LEAN_INT[c]
                 x = values(t.column(c), null)
                 if not np.can_cast(x.dtype, dtype) and len(x) and (
                         int(x.min()) < np.iinfo(dtype).min or int(x.max()) > np.iinfo(dtype).max):
-                    return None
+                    return [False]
                 cols[c][a:b] = x
             for c in times:
                 _to_ns(t.column(c), times[c][a:b], bad_time[c][a:b])
             ty = t.column("optype")
             if not pa.types.is_dictionary(ty.type):
                 ty = ty.dictionary_encode()
-            k = a
             for chunk in ty.chunks:
                 # The file's dictionaries may differ by row group: map each onto one list of names.
                 lut = np.array([type_names.setdefault(s, len(type_names)) for s in chunk.dictionary.to_pylist()]
                                + [0], np.int16)  # the extra entry: where a null's index points
                 idx = values(chunk.indices, len(lut) - 1)
-                type_idx[k:k + len(idx)] = lut[idx]
+                type_idx[a:a + len(idx)] = lut[idx]
                 if chunk.null_count:
-                    type_null[k:k + len(idx)] = is_null(chunk)
-                k += len(idx)
-            a = b
-            del t, ty
+                    type_null[a:a + len(idx)] = is_null(chunk)
+                a += len(idx)
+            fits.append(True)
+        return fits
+
+    try:
+        # Threads, a run of row groups each: most of the time is first touches of the columns' new pages.
+        if not all(parallel.map_slices(list(range(pf.num_row_groups)), read, parallel.threads(n))):
+            return None
     except (OSError, pa.ArrowException) as e:
         raise GoldenTraceError(f"cannot read trace {trace_parquet}: {e}".splitlines()[0]) from None
     if len(type_names) > np.iinfo(np.int16).max:

@@ -24,7 +24,9 @@ import dataclasses
 
 import numpy as np
 
-from . import kernels, parallel
+from core import parallel
+
+from . import kernels
 from . import opcodes as T
 from .levels import levels_of_groups
 from .load import PreparedOps

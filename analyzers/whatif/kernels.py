@@ -319,37 +319,39 @@ def sort_rows(step_idx, dp, pp, code, stream_of_code, dp_size, pp_size, n_steps,
     return order
 
 
-@_entry(outputs=(12, 13, 14, 15, 16, 17, 18, 19, 20, 21))
-def gather_rows(order, step_idx, dp, pp, code, rel, dur, seq, mc, gmc, mb, pp_size,
-                step_o, dp_o, pp_o, code_o, rel_o, dur_o, seq_o, mc_o, gmc_o, mb_o):  # pragma: no cover
-    """The rows in ``order`` into the (narrower) output columns, exact re-deliveries dropped.
+@_entry(outputs=(14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24))
+def gather_rows(order, t0, t1, step_idx, dp, pp, code, rel, dur, seq, mc, gmc, mb, pp_size,
+                step_o, dp_o, pp_o, code_o, rel_o, dur_o, seq_o, mc_o, gmc_o, mb_o, dup):  # pragma: no cover
+    """Rows ``order[t0:t1]`` into positions [t0, t1) of the (narrower) output columns.
 
-    A re-delivery repeats the previous row's step, worker, type, seq and start. A chunk below 0 becomes
-    0 (the model has none) and a missing global chunk (below 0) follows from the chunk and the stage.
-    Returns the number of rows written.
+    ``dup[t]`` marks an exact re-delivery: it repeats the previous row's step, worker, type, seq and
+    start (the caller drops those). A chunk below 0 becomes 0 (the model has none) and a missing
+    global chunk (below 0) follows from the chunk and the stage. Ranges are independent (threads).
+    Returns the number of re-deliveries in the range.
     """
-    m = 0
-    for t in range(order.shape[0]):
+    n_dup = 0
+    for t in range(t0, t1):
         i = order[t]
+        d = False
         if t > 0:
             j = order[t - 1]
-            if (rel[i] == rel[j] and code[i] == code[j] and seq[i] == seq[j] and dp[i] == dp[j]
-                    and pp[i] == pp[j] and step_idx[i] == step_idx[j]):
-                continue
-        step_o[m] = step_idx[i]
-        dp_o[m] = dp[i]
-        pp_o[m] = pp[i]
-        code_o[m] = code[i]
-        rel_o[m] = rel[i]
-        dur_o[m] = dur[i]
-        seq_o[m] = seq[i]
+            d = (rel[i] == rel[j] and code[i] == code[j] and seq[i] == seq[j] and dp[i] == dp[j]
+                 and pp[i] == pp[j] and step_idx[i] == step_idx[j])
+        dup[t] = d
+        n_dup += d
+        step_o[t] = step_idx[i]
+        dp_o[t] = dp[i]
+        pp_o[t] = pp[i]
+        code_o[t] = code[i]
+        rel_o[t] = rel[i]
+        dur_o[t] = dur[i]
+        seq_o[t] = seq[i]
         c = max(mc[i], 0)
-        mc_o[m] = c
+        mc_o[t] = c
         g = gmc[i]
-        gmc_o[m] = c * pp_size + pp[i] if g < 0 else g
-        mb_o[m] = mb[i]
-        m += 1
-    return m
+        gmc_o[t] = c * pp_size + pp[i] if g < 0 else g
+        mb_o[t] = mb[i]
+    return n_dup
 
 
 def warm() -> None:
@@ -368,7 +370,8 @@ def warm() -> None:
             first, rel = relative_starts(z, np.arange(2, dtype=i64), 1)
             order = sort_rows(z, z, z, np.zeros(2, np.int8), stream, 1, 1, 1, rel, z)
             out = [np.empty(2, t) for t in (step_t, rank_t, rank_t, np.int8, i64, i64, i32, i16, i16, i32)]
-            gather_rows(order, z, z, z, np.zeros(2, np.int8), rel, np.zeros(2, i64), z, z, z, z, 1, *out)
+            gather_rows(order, 0, 2, z, z, z, np.zeros(2, np.int8), rel, np.zeros(2, i64), z, z, z, z, 1, *out,
+                        np.empty(2, np.bool_))
     bounds = np.array([0, 1, 2], i64)  # group starts, then n
     ptr = np.array([0, 1, 2], i64)
     flags = np.zeros(2, np.bool_)

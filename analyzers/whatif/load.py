@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from core import parallel
 from core.arrow_numpy import array, is_null, strings, values
 from core.layout import JobLayout
 from core.memory import release_memory
@@ -216,14 +217,25 @@ def prepare_ops_taking(box: list[pa.Table], layout: JobLayout, *, allow_incomple
     rank_t = _narrow(max(layout.dp_size, layout.pp_size))
     n = len(order)
     # One gather, then the narrowest types that hold the values (a 7.5M-op window: 27 bytes an op). The
-    # gather's own types are few, so its compiled variants are too (kernels.warm compiles them all).
+    # gather's own types are few, so its compiled variants are too (kernels.warm compiles them all). A large
+    # window is gathered on threads, a range of rows each (most of its time is first touches of new pages).
     out = tuple(np.empty(n, t) for t in (_narrow(len(steps)), rank_t, rank_t, np.int8, np.int64, np.int64,
                                          np.int32, np.int16, np.int16, np.int32))
-    kept = kernels.gather_rows(order, step_idx, dp, pp, codes, rel, dur, seq, mc, gmc, mb, layout.pp_size, *out)
+    dup = np.empty(n, bool)
+    n_thr = parallel.threads(n)
+    cuts = [n * i // n_thr for i in range(n_thr + 1)]
+
+    def gather(ranges):
+        return [kernels.gather_rows(order, t0, t1, step_idx, dp, pp, codes, rel, dur, seq, mc, gmc, mb,
+                                    layout.pp_size, *out, dup) for t0, t1 in ranges]
+
+    n_dup = sum(parallel.map_slices(list(zip(cuts[:-1], cuts[1:])), gather, n_thr))
     del order, step_idx, dp, pp, codes, rel, dur, seq, mc, gmc, mb
-    if kept < n:
-        warnings.append(f"{n - kept} duplicate op spans dropped")
-        out = tuple(x[:kept].copy() for x in out)
+    if n_dup:
+        warnings.append(f"{n_dup} duplicate op spans dropped")
+        keep = ~dup
+        out = tuple(x[keep] for x in out)
+    del dup
     step_idx, dp, pp, codes, rel, dur, seq, mc, gmc, mb = out
     del out
     dur, seq, mb = _fit(dur), _fit(seq), _fit(mb)

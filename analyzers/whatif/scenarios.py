@@ -21,10 +21,10 @@ import math
 
 import numpy as np
 
+from core import parallel
 from core.optypes import OPTYPES
 
 from . import opcodes as T
-from . import parallel
 from .graph import Graph, build_graph
 from .load import PreparedOps
 from .simulate import (

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from analyzers.whatif import analyze, run_cli
-from core import golden
+from core import golden, parallel
 from core.golden import load_golden
 
 ST = Path(__file__).resolve().parent.parent / "golden" / "whatif" / "ST"
@@ -47,7 +47,10 @@ def _set(t: pa.Table, name: str, arr) -> pa.Table:
     return t.set_column(t.schema.get_field_index(name), name, arr)
 
 
-def test_row_groups_with_their_own_dictionaries(tmp_path):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_row_groups_with_their_own_dictionaries(tmp_path, monkeypatch, threads):
+    monkeypatch.setattr(parallel, "MIN_PARALLEL_CELLS", 0)  # row groups read on threads
+    monkeypatch.setenv(parallel.ENV, str(threads))
     t = _st()
     # Each row group's op types dictionary-encoded on its own: a row group's dictionary lists only its types,
     # in its own order.
@@ -99,6 +102,8 @@ def test_missing_optional_columns_and_unsigned_ids(tmp_path):
 
 @pytest.mark.parametrize("change", ["float ids", "ids past int32"])
 def test_files_it_cannot_stream_are_read_whole(tmp_path, monkeypatch, change):
+    monkeypatch.setattr(parallel, "MIN_PARALLEL_CELLS", 0)  # a value that does not fit, seen on a thread
+    monkeypatch.setenv(parallel.ENV, "3")
     t = _st()
     if change == "float ids":
         t = _set(t, "stage", t["stage"].cast(pa.float64()))

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
 import pytest
 
-from analyzers.whatif import analyze, parallel, scenarios
+from analyzers.whatif import analyze, scenarios
+from core import parallel
 
 from .synth import vpp_window
 from .test_whatif_compact import _late_optimizer
@@ -80,3 +82,21 @@ def test_slices_come_back_in_item_order():
     items = list(range(11))
     out = parallel.map_slices(items, lambda part: [x * 10 for x in part], 4)
     assert out == [x * 10 for x in items]
+
+
+def test_re_deliveries_are_dropped_the_same_on_threads(spied, monkeypatch):
+    """The gather marks re-deliveries per range of rows; a duplicate on a range's first row is still seen."""
+    t, lay = _window()
+    again = t.take(list(range(0, t.num_rows, 7)))  # every 7th row delivered twice
+    t2 = pa.concat_tables([t, again])
+    monkeypatch.setenv(parallel.ENV, "1")
+    one = analyze(t2, lay).to_json_dict()
+    for n in (2, 3, 5):
+        monkeypatch.setenv(parallel.ENV, str(n))
+        spied.clear()
+        many = analyze(t2, lay).to_json_dict()
+        assert max(spied) == n
+        assert json.dumps(one, sort_keys=True) == json.dumps(many, sort_keys=True)
+    assert f"{again.num_rows} duplicate op spans dropped" in one["warnings"]
+    monkeypatch.setenv(parallel.ENV, "1")
+    assert json.dumps(analyze(t, lay).to_json_dict()["slowdown"]) == json.dumps(one["slowdown"])

@@ -1,10 +1,11 @@
-"""The what-if analysis of a large window on several threads.
+"""Large columnar work on several threads: the what-if analysis of a big window, and reading its trace.
 
-Why threads: the compiled kernels release the GIL (``nogil``), and the pieces
-of a pass are independent: its batch columns, or the column blocks of
-measuring. On two cores a 16k-GPU window's passes take about half the time.
+Why threads: the what-if's compiled kernels, numpy copies and parquet decoding
+release the GIL, and the pieces are independent: a pass's batch columns, the
+column blocks of measuring, ranges of rows of the gather, row groups of a
+file. On two cores a 16k-GPU window's passes take about half the time.
 
-Small windows (the pipeline's usual ones) stay on the calling thread: below
+Small work (the pipeline's usual windows) stays on the calling thread: below
 ``MIN_PARALLEL_CELLS`` a thread's start costs more than it saves, and the
 pipeline already runs one analysis per shard on every core.
 
@@ -18,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
 
 MIN_PARALLEL_CELLS = 4_000_000
-"""(op, column) cells of a pass below which it runs on the calling thread."""
+"""Cells ((op, column) of a pass, rows of a table) below which work runs on the calling thread."""
 MAX_THREADS = 8
-ENV = "STRAGGLERSCOPE_WHATIF_THREADS"
+ENV = "STRAGGLERSCOPE_THREADS"
 """Overrides the thread count (1 = the calling thread only)."""
 
 T = TypeVar("T")
@@ -28,7 +29,7 @@ R = TypeVar("R")
 
 
 def threads(cells: int) -> int:
-    """How many threads a pass of ``cells`` (op, column) cells uses."""
+    """How many threads work of ``cells`` cells uses."""
     if cells < MIN_PARALLEL_CELLS:
         return 1
     env = os.environ.get(ENV, "").strip()
