@@ -222,14 +222,7 @@ def prepare_ops_taking(box: list[pa.Table], layout: JobLayout, *, allow_incomple
     out = tuple(np.empty(n, t) for t in (_narrow(len(steps)), rank_t, rank_t, np.int8, np.int64, np.int64,
                                          np.int32, np.int16, np.int16, np.int32))
     dup = np.empty(n, bool)
-    n_thr = parallel.threads(n)
-    cuts = [n * i // n_thr for i in range(n_thr + 1)]
-
-    def gather(ranges):
-        return [kernels.gather_rows(order, t0, t1, step_idx, dp, pp, codes, rel, dur, seq, mc, gmc, mb,
-                                    layout.pp_size, *out, dup) for t0, t1 in ranges]
-
-    n_dup = sum(parallel.map_slices(list(zip(cuts[:-1], cuts[1:])), gather, n_thr))
+    n_dup = _gather(order, (step_idx, dp, pp, codes, rel, dur, seq, mc, gmc, mb, layout.pp_size, *out, dup))
     del order, step_idx, dp, pp, codes, rel, dur, seq, mc, gmc, mb
     if n_dup:
         warnings.append(f"{n_dup} duplicate op spans dropped")
@@ -256,6 +249,18 @@ def prepare_ops_taking(box: list[pa.Table], layout: JobLayout, *, allow_incomple
         steps=steps, step_start_ns=step_start, layout=layout, job_id=job_id, warnings=tuple(warnings),
         unknown_optypes=tuple(unknown), missing_workers=missing_workers, n_input=n_in,
     )
+
+
+def _gather(order: np.ndarray, args: tuple) -> int:
+    """``kernels.gather_rows`` over all rows, a range of rows per thread; the number of re-deliveries."""
+    n = len(order)
+    n_thr = parallel.threads(n)
+    cuts = [n * i // n_thr for i in range(n_thr + 1)]
+
+    def gather(ranges):
+        return [kernels.gather_rows(order, t0, t1, *args) for t0, t1 in ranges]
+
+    return sum(parallel.map_slices(list(zip(cuts[:-1], cuts[1:])), gather, n_thr))
 
 
 def _fit(x: np.ndarray) -> np.ndarray:
