@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import queue
 
 import numpy as np
 
@@ -139,6 +140,9 @@ def _batches(g: Graph, k: int, n_threads: int = 1) -> list[tuple[int, int, np.nd
     if g.batch == 1:
         return [(0, 1, None)]
     nb = max(1, BATCH_BYTES // n_threads // max(1, (g.n + 1) * k * 8))
+    step = 4 // math.gcd(k, 4)  # batch columns whose rows of E are whole vectors (see padded_columns)
+    if nb > step:
+        nb -= nb % step
     steps = np.arange(g.batch)
     return [(b0, min(b0 + nb, g.batch), steps[b0:b0 + nb]) for b0 in range(0, g.batch, nb)]
 
@@ -179,9 +183,18 @@ def run_scenarios(p: PreparedOps, *, overlapped_dp: bool, chunk_ops: int = CHUNK
     delay = [False, True] + [False] * (len(names) - 2)
     main = Scenarios(tuple(names), np.array(key), np.array(value), np.array(invert), np.array(delay))
 
+    # Scratch memory handed on from pass to pass, one per thread: fresh pages cost more than the pass.
+    spare: queue.SimpleQueue[Work] = queue.SimpleQueue()
+
+    def take() -> Work:
+        try:
+            return spare.get_nowait()
+        except queue.Empty:
+            return Work()
+
     def main_pass(pieces):
         """T, the replay and the other main columns of some batches, with the replay's largest gap."""
-        work, out, gi_keys = Work(), [], (-1, None)
+        work, out, gi_keys = take(), [], (-1, None)
         for gi, b0, b1, bsteps in pieces:
             g = graphs[gi]
             if gi_keys[0] != gi:
@@ -189,12 +202,15 @@ def run_scenarios(p: PreparedOps, *, overlapped_dp: bool, chunk_ops: int = CHUNK
             E, _ = simulate(g, ideals[gi], gi_keys[1], main, b0=b0, b1=b1, work=work)
             # Fidelity of the model: the replay with delays must end every op where the trace does.
             out.append((*step_times(g, E, bsteps), g.replay_gap(E, 1, p, b0) if g.n else 0.0))
+        spare.put(work)
         return out
 
     def pair_pass(pieces):
-        work = Work()
-        return [pair_step_times(graphs[gi], simulate_pairs(graphs[gi], ideals[gi], b0=b0, b1=b1, work=work),
-                                bsteps, n_dp) for gi, b0, b1, bsteps in pieces]
+        work = take()
+        out = [pair_step_times(graphs[gi], simulate_pairs(graphs[gi], ideals[gi], b0=b0, b1=b1, work=work),
+                               bsteps, n_dp) for gi, b0, b1, bsteps in pieces]
+        spare.put(work)
+        return out
 
     per_step: dict[str, dict[int, float]] = {nm: {} for nm in names}
     n_thr = _threads(graphs, len(main))
@@ -241,12 +257,13 @@ def run_scenarios(p: PreparedOps, *, overlapped_dp: bool, chunk_ops: int = CHUNK
                       np.array([True, False]), np.array([False, False]))
 
     def mw_pass(pieces):
-        work, out, gi_keys = Work(), [], (-1, None)
+        work, out, gi_keys = take(), [], (-1, None)
         for gi, b0, b1, bsteps in pieces:
             g = graphs[gi]
             if gi_keys[0] != gi:
                 gi_keys = (gi, _keys(g, top))
             out.append(step_times(g, simulate(g, ideals[gi], gi_keys[1], mw_sc, b0=b0, b1=b1, work=work)[0], bsteps))
+        spare.put(work)
         return out
 
     mw: dict[str, dict[int, float]] = {"mw_rem": {}, "mw_add": {}}
