@@ -52,14 +52,14 @@ def tiled(factor: int) -> tuple[Path, Path]:
     return trace, meta
 
 
-PHASES = (  # (label, file, function whose cumulative time it is, caller or None), in the order they run
+PHASES = (  # (label, file, function whose cumulative time it is, its callers or None), in the order they run
     ("read", "core/golden.py", "load_golden", None),
     ("prepare", "analyzers/whatif/load.py", "prepare_ops_taking", None),
     ("graph", "analyzers/whatif/graph.py", "build_graph", None),
     ("measure", "analyzers/whatif/graph.py", "measure", None),
     # The passes run on threads (core/parallel.py): their wall time is that of the calling thread
     # in map_slices, which runs one slice itself and waits for the others.
-    ("passes", "core/parallel.py", "map_slices", "run_scenarios"),
+    ("passes", "core/parallel.py", "map_slices", ("run_scenarios", "column_pass")),
     ("summary", "analyzers/whatif/api.py", "summarise", None),
     ("json", "json/__init__.py", "dump", None),
 )
@@ -78,7 +78,7 @@ def _phases(trace: Path, meta: Path) -> None:
     out = {}
     for label, file, name, caller in PHASES:
         out[label] = sum(
-            v[3] if caller is None else sum(c[3] for (_, _, cn), c in v[4].items() if cn == caller)
+            v[3] if caller is None else sum(c[3] for (_, _, cn), c in v[4].items() if cn in caller)
             for (f, _, n), v in stats.items() if n == name and f.endswith(file))
     out["total"] = total
     print(json.dumps(out))

@@ -9,6 +9,7 @@ what-if analyzer makes of the spans is ``analyzers.whatif``'s, and
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -74,16 +75,12 @@ def load_golden(trace_parquet: str | os.PathLike, meta_yaml: str | os.PathLike, 
         table = _read_lean(trace_parquet, meta)
         if table is not None:
             return table, layout
-    try:
+    with _reading(trace_parquet):
         if lean:
             names = set(pq.read_schema(trace_parquet).names)
             t = pq.read_table(trace_parquet, columns=[c for c in LEAN_COLUMNS if c in names])
         else:
             t = pq.read_table(trace_parquet)
-    except FileNotFoundError:
-        raise GoldenTraceError(f"trace file not found: {trace_parquet}") from None
-    except (OSError, pa.ArrowException) as e:
-        raise GoldenTraceError(f"cannot read trace {trace_parquet}: {e}".splitlines()[0]) from None
     missing = [c for c in GOLDEN_REQUIRED if c not in t.column_names]
     if missing:
         raise GoldenTraceError(f"trace {trace_parquet} lacks columns {missing}")
@@ -149,6 +146,17 @@ def load_golden(trace_parquet: str | os.PathLike, meta_yaml: str | os.PathLike, 
     return table, layout
 
 
+@contextlib.contextmanager
+def _reading(trace_parquet: str | os.PathLike):
+    """A trace file's read errors as ``GoldenTraceError`` with a one-line reason."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise GoldenTraceError(f"trace file not found: {trace_parquet}") from None
+    except (OSError, pa.ArrowException) as e:
+        raise GoldenTraceError(f"cannot read trace {trace_parquet}: {e}".splitlines()[0]) from None
+
+
 # The lean columns' types: those ``analyzers.whatif.load.prepare_ops`` works in, so that it copies none of them.
 _LEAN_INT = {"dp_rank": ("dp_rank", np.int32, 0), "stage": ("pp_rank", np.int32, 0), "step": ("step", np.int64, 0),
              "seq_id": ("seq_id", np.int32, 0), "mc": ("mc", np.int32, 0), "gmc": ("gmc", np.int32, -1),
@@ -170,12 +178,8 @@ def _read_lean(trace_parquet: str | os.PathLike, meta: dict) -> pa.Table | None:
     """
     import pyarrow.parquet as pq
 
-    try:
+    with _reading(trace_parquet):
         pf = pq.ParquetFile(trace_parquet)
-    except FileNotFoundError:
-        raise GoldenTraceError(f"trace file not found: {trace_parquet}") from None
-    except (OSError, pa.ArrowException) as e:
-        raise GoldenTraceError(f"cannot read trace {trace_parquet}: {e}".splitlines()[0]) from None
     schema = pf.schema_arrow
     names = set(schema.names)
     if any(c not in names for c in GOLDEN_REQUIRED):
@@ -232,12 +236,10 @@ def _read_lean(trace_parquet: str | os.PathLike, meta: dict) -> pa.Table | None:
             fits.append(True)
         return fits
 
-    try:
+    with _reading(trace_parquet):
         # Threads, a run of row groups each: most of the time is first touches of the columns' new pages.
         if not all(parallel.map_slices(list(range(pf.num_row_groups)), read, parallel.threads(n))):
             return None
-    except (OSError, pa.ArrowException) as e:
-        raise GoldenTraceError(f"cannot read trace {trace_parquet}: {e}".splitlines()[0]) from None
     if len(type_names) > np.iinfo(np.int16).max:
         return None
     release_memory()  # the row groups' buffers

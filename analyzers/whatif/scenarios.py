@@ -192,18 +192,23 @@ def run_scenarios(p: PreparedOps, *, overlapped_dp: bool, chunk_ops: int = CHUNK
         except queue.Empty:
             return Work()
 
-    def main_pass(pieces):
-        """T, the replay and the other main columns of some batches, with the replay's largest gap."""
-        work, out, gi_keys = take(), [], (-1, None)
-        for gi, b0, b1, bsteps in pieces:
-            g = graphs[gi]
-            if gi_keys[0] != gi:
-                gi_keys = (gi, _keys(g, None))
-            E, _ = simulate(g, ideals[gi], gi_keys[1], main, b0=b0, b1=b1, work=work)
-            # Fidelity of the model: the replay with delays must end every op where the trace does.
-            out.append((*step_times(g, E, bsteps), g.replay_gap(E, 1, p, b0) if g.n else 0.0))
-        spare.put(work)
-        return out
+    def column_pass(sc: Scenarios, top: np.ndarray | None, replay_check: bool):
+        """(steps, T[step, column], the replay's largest gap) of every batch, the batches on threads."""
+        def run(pieces):
+            work, out, gi_keys = take(), [], (-1, None)
+            for gi, b0, b1, bsteps in pieces:
+                g = graphs[gi]
+                if gi_keys[0] != gi:
+                    gi_keys = (gi, _keys(g, top))
+                E, _ = simulate(g, ideals[gi], gi_keys[1], sc, b0=b0, b1=b1, work=work)
+                # Fidelity of the model: the replay with delays must end every op where the trace does.
+                gap = g.replay_gap(E, 1, p, b0) if replay_check and g.n else 0.0
+                out.append((*step_times(g, E, bsteps), gap))
+            spare.put(work)
+            return out
+
+        n_thr = _threads(graphs, len(sc))
+        return parallel.map_slices(_pieces(graphs, len(sc), n_thr), run, n_thr)
 
     def pair_pass(pieces):
         work = take()
@@ -213,9 +218,8 @@ def run_scenarios(p: PreparedOps, *, overlapped_dp: bool, chunk_ops: int = CHUNK
         return out
 
     per_step: dict[str, dict[int, float]] = {nm: {} for nm in names}
-    n_thr = _threads(graphs, len(main))
     replay_err = 0.0
-    for st, tt, gap in parallel.map_slices(_pieces(graphs, len(main), n_thr), main_pass, n_thr):
+    for st, tt, gap in column_pass(main, None, True):
         for j, nm in enumerate(names):
             _collect(per_step[nm], st, tt[:, j])
         replay_err = max(replay_err, gap)
@@ -256,19 +260,8 @@ def run_scenarios(p: PreparedOps, *, overlapped_dp: bool, chunk_ops: int = CHUNK
     mw_sc = Scenarios(("mw_rem", "mw_add"), np.array([K_TOP, K_TOP]), np.array([1, 1]),
                       np.array([True, False]), np.array([False, False]))
 
-    def mw_pass(pieces):
-        work, out, gi_keys = take(), [], (-1, None)
-        for gi, b0, b1, bsteps in pieces:
-            g = graphs[gi]
-            if gi_keys[0] != gi:
-                gi_keys = (gi, _keys(g, top))
-            out.append(step_times(g, simulate(g, ideals[gi], gi_keys[1], mw_sc, b0=b0, b1=b1, work=work)[0], bsteps))
-        spare.put(work)
-        return out
-
     mw: dict[str, dict[int, float]] = {"mw_rem": {}, "mw_add": {}}
-    n_thr = _threads(graphs, 2)
-    for st, tt in parallel.map_slices(_pieces(graphs, 2, n_thr), mw_pass, n_thr):
+    for st, tt, _ in column_pass(mw_sc, top, False):
         _collect(mw["mw_rem"], st, tt[:, 0])
         _collect(mw["mw_add"], st, tt[:, 1])
 
