@@ -157,9 +157,10 @@ def _reading(trace_parquet: str | os.PathLike):
         raise GoldenTraceError(f"cannot read trace {trace_parquet}: {e}".splitlines()[0]) from None
 
 
-# The lean columns' types: those ``analyzers.whatif.load.prepare_ops`` works in, so that it copies none of them.
-_LEAN_INT = {"dp_rank": ("dp_rank", np.int32, 0), "stage": ("pp_rank", np.int32, 0), "step": ("step", np.int64, 0),
-             "seq_id": ("seq_id", np.int32, 0), "mc": ("mc", np.int32, 0), "gmc": ("gmc", np.int32, -1),
+# The lean columns' types: those ``analyzers.whatif.load.prepare_ops`` works in, so that it copies none of them
+# (a step past int32 falls back to the whole-file read).
+_LEAN_INT = {"dp_rank": ("dp_rank", np.int32, 0), "stage": ("pp_rank", np.int32, 0), "step": ("step", np.int32, 0),
+             "seq_id": ("seq_id", np.int32, 0), "mc": ("mc", np.int16, 0), "gmc": ("gmc", np.int16, -1),
              "mb_id": ("mb_id", np.int32, -1)}
 """golden column -> (OP_SPAN name, type, value of a null); a null optional id gets its default there too."""
 

@@ -370,7 +370,8 @@ def warm() -> None:
             first, rel = relative_starts(z, np.arange(2, dtype=i64), 1)
             order = sort_rows(z, z, z, np.zeros(2, np.int8), stream, 1, 1, 1, rel, z)
             out = [np.empty(2, t) for t in (step_t, rank_t, rank_t, np.int8, i64, i64, i32, i16, i16, i32)]
-            gather_rows(order, 0, 2, z, z, z, np.zeros(2, np.int8), rel, np.zeros(2, i64), z, z, z, z, 1, *out,
+            z16 = np.zeros(2, i16)  # chunks: OP_SPAN's int16
+            gather_rows(order, 0, 2, z, z, z, np.zeros(2, np.int8), rel, np.zeros(2, i64), z, z16, z16, z, 1, *out,
                         np.empty(2, np.bool_))
     bounds = np.array([0, 1, 2], i64)  # group starts, then n
     ptr = np.array([0, 1, 2], i64)

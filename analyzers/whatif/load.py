@@ -86,10 +86,11 @@ def _column(t: pa.Table, name: str) -> pa.Array:
 
 
 def _int_col(t: pa.Table, name: str, dtype, default: int, bad: np.ndarray) -> np.ndarray:
-    """Column as ``dtype``; nulls and non-finite values mark rows in ``bad``."""
+    """Column as ``dtype`` (None: an integer column as it is, floats as int64); nulls and non-finite
+    values mark rows in ``bad``."""
     n = t.num_rows
     if name not in t.column_names:
-        return np.full(n, default, dtype)
+        return np.full(n, default, dtype or np.int64)
     c = _column(t, name)
     if c.null_count:
         bad |= is_null(c)
@@ -98,10 +99,12 @@ def _int_col(t: pa.Table, name: str, dtype, default: int, bad: np.ndarray) -> np
         x = values(c)
         nonfinite = ~np.isfinite(x)
         bad |= nonfinite
-        return np.where(nonfinite, default, x).astype(dtype)
+        return np.where(nonfinite, default, x).astype(dtype or np.int64)
     if not (pa.types.is_integer(c.type) or pa.types.is_boolean(c.type)):
         raise WhatIfInputError(f"column {name!r} is {c.type}, want an integer")
     x = values(c)
+    if dtype is None:
+        return x if np.issubdtype(x.dtype, np.integer) else x.astype(np.int64)
     if x.dtype != dtype and (np.issubdtype(x.dtype, np.integer) and np.iinfo(x.dtype).bits > np.iinfo(dtype).bits):
         lo, hi = (int(x.min()), int(x.max())) if len(x) else (0, 0)
         if lo < np.iinfo(dtype).min or hi > np.iinfo(dtype).max:
@@ -159,7 +162,7 @@ def prepare_ops_taking(box: list[pa.Table], layout: JobLayout, *, allow_incomple
     # Native widths: the columns of a 7.5M-op window are read without copies where possible.
     dp = _int_col(ops, "dp_rank", np.int32, 0, bad)
     pp = _int_col(ops, "pp_rank", np.int32, 0, bad)
-    step = _int_col(ops, "step", np.int64, 0, bad)
+    step = _int_col(ops, "step", None, 0, bad)  # any integer type: it only becomes step offsets
     start = _int_col(ops, "start_ns", np.int64, 0, bad)
     dur = _int_col(ops, "duration_ns", np.int64, 0, bad)
     n_null = int(bad.sum())
@@ -181,8 +184,8 @@ def prepare_ops_taking(box: list[pa.Table], layout: JobLayout, *, allow_incomple
     bad |= codes < 0
     quiet = np.zeros(n_in, bool)
     seq = _int_col(ops, "seq_id", np.int32, 0, quiet)
-    mc = _int_col(ops, "mc", np.int32, 0, quiet)
-    gmc = _int_col(ops, "gmc", np.int32, -1, quiet)
+    mc = _int_col(ops, "mc", np.int16, 0, quiet)  # OP_SPAN's types: a chunk index
+    gmc = _int_col(ops, "gmc", np.int16, -1, quiet)
     mb = _int_col(ops, "mb_id", np.int32, -1, quiet)
     job_id = ""
     if "job_id" in ops.column_names and n_in:
@@ -196,7 +199,7 @@ def prepare_ops_taking(box: list[pa.Table], layout: JobLayout, *, allow_incomple
     if len(codes) == 0:
         raise WhatIfInputError("no usable op spans (all rows rejected or empty input)")
 
-    steps = np.unique(values(pc.unique(array(step))))
+    steps = np.unique(values(pc.unique(array(step)))).astype(np.int64)
     span = int(steps[-1]) - int(steps[0]) + 1
     if span <= 4 * len(step) + 1024:
         # Offsets from the first step, written as int32 directly (an int64 temporary is 240 MB at 16k GPUs).

@@ -65,7 +65,7 @@ def test_row_groups_with_their_own_dictionaries(tmp_path, monkeypatch, threads):
     assert pq.ParquetFile(trace).num_row_groups == 7
     lean, _ = load_golden(trace, meta, lean=True)
     assert lean["optype"].num_chunks == 1 and pa.types.is_dictionary(lean["optype"].type)
-    assert lean["dp_rank"].type == pa.int32() and lean["gmc"].type == pa.int32()
+    assert lean["dp_rank"].type == pa.int32() and lean["gmc"].type == pa.int16() and lean["step"].type == pa.int32()
     _same_as_whole_file(tmp_path, trace, meta)
 
 
@@ -100,20 +100,22 @@ def test_missing_optional_columns_and_unsigned_ids(tmp_path):
     _same_as_whole_file(tmp_path, trace, meta)
 
 
-@pytest.mark.parametrize("change", ["float ids", "ids past int32"])
+@pytest.mark.parametrize("change", ["float ids", "steps past int32", "ids past int32"])
 def test_files_it_cannot_stream_are_read_whole(tmp_path, monkeypatch, change):
     monkeypatch.setattr(parallel, "MIN_PARALLEL_CELLS", 0)  # a value that does not fit, seen on a thread
     monkeypatch.setenv(parallel.ENV, "3")
     t = _st()
     if change == "float ids":
         t = _set(t, "stage", t["stage"].cast(pa.float64()))
+    elif change == "steps past int32":
+        t = _set(t, "step", pc.add(t["step"], pa.scalar(2**33, pa.int64())))
     else:
         t = _set(t, "seq_id", pc.add(t["seq_id"].cast(pa.int64()), pa.scalar(2**40, pa.int64())))
     trace, meta = _write(tmp_path, t)
     calls = []
     real = golden._read_lean
     monkeypatch.setattr(golden, "_read_lean", lambda *a: calls.append(real(*a)) or calls[-1])
-    if change == "float ids":
+    if change != "ids past int32":
         _same_as_whole_file(tmp_path, trace, meta)
     else:  # the whole-file path says what is wrong
         with pytest.raises(ValueError, match="seq_id"):
