@@ -42,7 +42,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = ROOT / ".venv" / "bin" / "stragglerscope"
-S_TOL = 1e-6  # relative difference of S above which the two are reported as disagreeing
+S_TOL = 1e-4
+"""Relative difference of S above which the two are reported as disagreeing. On the golden traces they agree
+to 1e-9; the tiled traces differ by about 6e-5: tile_trace.py scales durations but not starts, which leaves
+tens of thousands of transfers slightly below 0 (none in the real traces). The analyzer sets those to 0
+(and warns), the artifact keeps them down to -10 ms."""
 
 _spec = importlib.util.spec_from_file_location("bench_whatif", Path(__file__).resolve().parent / "whatif.py")
 _bench_whatif = importlib.util.module_from_spec(_spec)
