@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -202,7 +203,8 @@ def _read_lean(trace_parquet: str | os.PathLike, meta: dict) -> pa.Table | None:
     bad_time = {c: np.zeros(n, bool) for c in times}
     type_idx = np.empty(n, np.int16)
     type_null = np.zeros(n, bool)
-    type_names: dict[str, int] = {}  # the file's op type names (setdefault is atomic: threads share it)
+    type_names: dict[str, int] = {}  # the file's op type names, numbered as first seen (threads share it)
+    naming = threading.Lock()
     starts = np.cumsum([0] + [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)])
     wanted = [c for c in LEAN_COLUMNS if c in names]
 
@@ -227,8 +229,9 @@ def _read_lean(trace_parquet: str | os.PathLike, meta: dict) -> pa.Table | None:
                 ty = ty.dictionary_encode()
             for chunk in ty.chunks:
                 # The file's dictionaries may differ by row group: map each onto one list of names.
-                lut = np.array([type_names.setdefault(s, len(type_names)) for s in chunk.dictionary.to_pylist()]
-                               + [0], np.int16)  # the extra entry: where a null's index points
+                with naming:
+                    lut = np.array([type_names.setdefault(s, len(type_names))
+                                    for s in chunk.dictionary.to_pylist()] + [0], np.int16)  # [-1]: a null's
                 idx = values(chunk.indices, len(lut) - 1)
                 type_idx[a:a + len(idx)] = lut[idx]
                 if chunk.null_count:
@@ -246,17 +249,14 @@ def _read_lean(trace_parquet: str | os.PathLike, meta: dict) -> pa.Table | None:
     release_memory()  # the row groups' buffers
     dictionary = strings(list(type_names))
 
-    def masked(x: np.ndarray, bad: np.ndarray) -> pa.Array:
-        return array(x, bad)
-
     out = {
         "job_id": pa.DictionaryArray.from_arrays(array(np.zeros(n, np.int8)),
                                                  strings([str(meta.get("trial_name", ""))])),
         "dp_rank": array(cols.pop("dp_rank")), "pp_rank": array(cols.pop("stage")),
         "step": array(cols.pop("step")),
-        "optype": pa.DictionaryArray.from_arrays(masked(type_idx, type_null), dictionary),
-        "start_ns": masked(times["start_ts"], bad_time["start_ts"]),
-        "duration_ns": masked(times["duration"], bad_time["duration"]),
+        "optype": pa.DictionaryArray.from_arrays(array(type_idx, type_null), dictionary),
+        "start_ns": array(times["start_ts"], bad_time["start_ts"]),
+        "duration_ns": array(times["duration"], bad_time["duration"]),
     }
     for c, x in cols.items():
         out[_LEAN_INT[c][0]] = array(x)

@@ -61,3 +61,10 @@ def map_slices(items: Sequence[T], fn: Callable[[Sequence[T]], list[R]], n_threa
         for f in futures:
             out.extend(f.result())
     return out
+
+
+def ranges(n: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """[0, n) cut into ``parts`` contiguous (lo, hi) ranges, inner cuts at multiples of ``align``."""
+    parts = max(1, parts)
+    cuts = [n * i // parts // align * align for i in range(parts)] + [n]
+    return [(lo, hi) for lo, hi in zip(cuts[:-1], cuts[1:]) if hi > lo]

@@ -83,23 +83,10 @@ class Graph:
         n, B = self.n, self.batch
         self.orig = np.empty((n, B), np.float64)
         self.delay = np.empty((n, B), np.int32)  # int ns, exact; >= -10 ms after the clamp
-        # Column ranges, one per thread, in whole blocks of the kernel's 8 columns.
-        n_thr = max(1, min(parallel.threads(n * B), B // 8))
-        cuts = [B * i // n_thr // 8 * 8 for i in range(n_thr)] + [B]
-        parts = parallel.map_slices(list(zip(cuts[:-1], cuts[1:])), self._measure_columns(p), n_thr)
-        self.counts["negative_transfer"] = sum(x[0] for x in parts)
-        self.counts["delay_clamped"] = sum(x[1] for x in parts)
-        r, c, v = (np.concatenate([x[2][i] for x in parts]) for i in range(3))
-        if len(r):
-            o = np.argsort(r, kind="stable")  # by row, then by column: a pass reads them in this order
-            self.delay_over = (r[o], c[o], v[o])
-        else:
-            self.delay_over = None
 
-    def _measure_columns(self, p: PreparedOps):
-        def run(ranges):
+        def run(columns):
             out = []
-            for c_lo, c_hi in ranges:
+            for c_lo, c_hi in columns:
                 cap = _over_room(self, c_hi - c_lo)
                 while True:
                     over = (np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.float64))
@@ -111,7 +98,18 @@ class Graph:
                     cap = n_over
                 out.append((neg, clamped, tuple(x[:n_over] for x in over)))
             return out
-        return run
+
+        # Column ranges, one per thread, in whole blocks of the kernel's 8 columns.
+        n_thr = max(1, min(parallel.threads(n * B), B // 8))
+        parts = parallel.map_slices(parallel.ranges(B, n_thr, 8), run, n_thr)
+        self.counts["negative_transfer"] = sum(x[0] for x in parts)
+        self.counts["delay_clamped"] = sum(x[1] for x in parts)
+        r, c, v = (np.concatenate([x[2][i] for x in parts]) for i in range(3))
+        if len(r):
+            o = np.argsort(r, kind="stable")  # by row, then by column: a pass reads them in this order
+            self.delay_over = (r[o], c[o], v[o])
+        else:
+            self.delay_over = None
 
     def replay_gap(self, E: np.ndarray, col: int, p: PreparedOps, b0: int = 0) -> float:
         """Largest |simulated - traced| end (ns) of column ``col`` of a pass on batch columns from ``b0``."""

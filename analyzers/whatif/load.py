@@ -256,14 +256,12 @@ def prepare_ops_taking(box: list[pa.Table], layout: JobLayout, *, allow_incomple
 
 def _gather(order: np.ndarray, args: tuple) -> int:
     """``kernels.gather_rows`` over all rows, a range of rows per thread; the number of re-deliveries."""
-    n = len(order)
-    n_thr = parallel.threads(n)
-    cuts = [n * i // n_thr for i in range(n_thr + 1)]
+    n_thr = parallel.threads(len(order))
 
-    def gather(ranges):
-        return [kernels.gather_rows(order, t0, t1, *args) for t0, t1 in ranges]
+    def gather(rows):
+        return [kernels.gather_rows(order, t0, t1, *args) for t0, t1 in rows]
 
-    return sum(parallel.map_slices(list(zip(cuts[:-1], cuts[1:])), gather, n_thr))
+    return sum(parallel.map_slices(parallel.ranges(len(order), n_thr), gather, n_thr))
 
 
 def _fit(x: np.ndarray) -> np.ndarray:
