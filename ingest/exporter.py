@@ -54,6 +54,40 @@ log = logging.getLogger(__name__)
 _STEP_END = object()
 """Queued behind a sampled step's last CUDA event pair: the resolver then sends the step."""
 
+_CHAIN_MAX_NS = 10 * 10**9
+"""Anchors are carried from one step to the next by GPU time only across gaps shorter than this: the GPU's
+and the host's clocks drift apart by some parts per million."""
+
+
+class _StepAnchor:
+    """Where a sampled step's reference event sits on the host clock; the step's CUDA spans are placed by it.
+
+    The training thread records the event when the step starts; the GPU reaches it only once the work
+    queued before it is done, which is later by the queue's depth when the loop runs ahead of the GPU.
+    The resolver thread fixes ``perf_ns`` (see ``_anchor``): until then it is the record time, a lower
+    bound."""
+
+    __slots__ = ("ev", "recorded_ns", "perf_ns")
+
+    def __init__(self, ev, recorded_ns: int):
+        self.ev, self.recorded_ns, self.perf_ns = ev, recorded_ns, recorded_ns
+
+
+def place_anchor(recorded_ns: int, seen_done_ns: int, waited: bool, chained_ns: int | None) -> int:
+    """Host time (perf_counter ns) at which a step's reference event completed, from what the resolver saw.
+
+    - ``waited``: the resolver blocked on the event while it was pending and woke at ``seen_done_ns``: that
+      is when it completed, to within the wake-up latency (tens of microseconds).
+    - Otherwise it had completed some time between its record (``recorded_ns``: an event cannot complete
+      before the host records it) and ``seen_done_ns``. ``chained_ns``, the previous step's anchor plus the
+      GPU time between the two events, is a second lower bound; it is the exact one while the GPU keeps
+      running ahead of the host, where the record time is early by the queue's depth.
+    """
+    if waited:
+        return seen_done_ns
+    low = recorded_ns if chained_ns is None else max(recorded_ns, chained_ns)
+    return min(low, seen_done_ns)
+
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
@@ -132,7 +166,8 @@ class RankExporter:
         self._dumped_for: tuple | None = None
         self._closed = threading.Event()
         self._pending_cuda: queue.Queue = queue.Queue()
-        self._step_ref = None
+        self._step_ref: _StepAnchor | None = None
+        self._last_anchor: _StepAnchor | None = None  # the resolver's: the previous step's, for chaining
         threading.Thread(target=self._heartbeat_loop, name="ss-heartbeat", daemon=True).start()
         self._resolver = None
         if self._cuda is not None:
@@ -184,7 +219,8 @@ class RankExporter:
         if self._window is not None and self._cuda is not None:
             ev = self._event()
             ev.record()
-            self._step_ref = (ev, time.perf_counter_ns())
+            self._step_ref = _StepAnchor(ev, time.perf_counter_ns())
+            self._pending_cuda.put(self._step_ref)  # placed on the host clock by the resolver, before the ops
 
     def finish_step(self, completed: bool = True) -> None:
         """End the current step; ``completed`` False when it raised (it then does not count as done)."""
@@ -375,7 +411,10 @@ class RankExporter:
                     # collective): send what is resolved first, a hang's evidence included.
                     self._emit_buffered(batch)
                     batch, due = [], None
-                self._resolve(item, batch)
+                if isinstance(item, _StepAnchor):
+                    self._anchor(item)
+                else:
+                    self._resolve(item, batch)
             if due is None and (batch or item is _STEP_END):
                 due = time.monotonic() + self.send_every_s
             if due is not None and (time.monotonic() >= due or len(batch) >= 4096):
@@ -386,7 +425,7 @@ class RankExporter:
     @staticmethod
     def _ready_before(item: tuple, due: float) -> bool:
         """Whether the item's last event completes before ``due`` (polled: ``synchronize`` cannot time out)."""
-        last = item[0] if isinstance(item[1], int) else item[1]
+        last = item.ev if isinstance(item, _StepAnchor) else item[0] if isinstance(item[1], int) else item[1]
         try:
             while not last.query():
                 if time.monotonic() >= due:
@@ -396,17 +435,36 @@ class RankExporter:
             pass
         return True
 
+    def _anchor(self, ref: _StepAnchor) -> None:
+        """Place a step's reference event on the host clock (``place_anchor``); on failure it keeps its
+        record time, which places the step's spans as if the GPU had been idle when the step began."""
+        try:
+            waited = not ref.ev.query()
+            if waited:
+                ref.ev.synchronize()
+            seen = time.perf_counter_ns()
+            chained = None
+            prev = self._last_anchor
+            if prev is not None:
+                gap = int(prev.ev.elapsed_time(ref.ev) * 1e6)
+                if 0 <= gap < _CHAIN_MAX_NS:
+                    chained = prev.perf_ns + gap
+            ref.perf_ns = place_anchor(ref.recorded_ns, seen, waited, chained)
+            self._last_anchor = ref
+        except Exception as e:
+            self.stats.errors += 1
+            log.warning("CUDA step anchor failed: %s", e)
+
     def _resolve(self, item: tuple, batch: list[tuple]) -> None:
         start, end, ref, meta = item
         try:
-            ref_ev, ref_perf = ref
             if isinstance(end, int):  # a host-timed op placed on the stream: ``end`` is its duration
                 start.synchronize()
                 dur = end
             else:
                 end.synchronize()
                 dur = int(start.elapsed_time(end) * 1e6)
-            t0 = ref_perf + int(ref_ev.elapsed_time(start) * 1e6)
+            t0 = ref.perf_ns + int(ref.ev.elapsed_time(start) * 1e6)
             batch.append((self._to_job_clock(t0), dur) + meta)
         except Exception as e:
             self.stats.errors += 1

@@ -9,12 +9,13 @@ waits for the resolver, so the last ops are not lost.
 from __future__ import annotations
 
 import threading
+import time
 import types
 
 import pytest
 
 from core import schema as S
-from ingest.exporter import RankExporter, Sampling
+from ingest.exporter import RankExporter, Sampling, place_anchor
 
 
 class FakeGpu:
@@ -37,6 +38,21 @@ class FakeGpu:
         with self.cv:
             self.done = len(self.events) - 1 if upto is None else upto
             self.cv.notify_all()
+
+    def play(self, after_s: float) -> threading.Thread:
+        """Run what is queued in real time, starting ``after_s`` from now (the GPU still busy with earlier
+        work): event i completes at ``self.base_ns`` + its GPU time, on the host's perf_counter."""
+        def run():
+            time.sleep(after_s)
+            self.base_ns = time.perf_counter_ns()
+            for ev in list(self.events):
+                wait = self.base_ns + ev.t * 1e6 - time.perf_counter_ns()
+                if wait > 0:
+                    time.sleep(wait / 1e9)
+                self.complete(upto=ev.idx)
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
 
 
 class FakeEvent:
@@ -177,3 +193,42 @@ def test_collectives_recorded_while_the_resolver_sends_are_never_lost(gpu):
     assert len(rows) == calls
     assert len({(r["step"], r["seq"]) for r in rows}) == calls
     assert len(_rows(sent, "op_span")) == calls
+
+
+def test_an_anchor_is_the_wake_time_when_waited_for_else_the_tightest_lower_bound():
+    # waited on while pending: completion is when the resolver woke
+    assert place_anchor(recorded_ns=100, seen_done_ns=900, waited=True, chained_ns=None) == 900
+    # already complete when seen: between the record and the sighting; the chain is a second lower bound
+    assert place_anchor(recorded_ns=100, seen_done_ns=900, waited=False, chained_ns=None) == 100
+    assert place_anchor(recorded_ns=100, seen_done_ns=900, waited=False, chained_ns=600) == 600
+    assert place_anchor(recorded_ns=700, seen_done_ns=900, waited=False, chained_ns=600) == 700
+    # a chain that overshoots (its previous anchor a late wake-up) is cut at the sighting
+    assert place_anchor(recorded_ns=100, seen_done_ns=900, waited=False, chained_ns=950) == 900
+
+
+@pytest.mark.parametrize("gap_ms", [3.0, 0.0])  # unrecorded work between steps, or none (the chained anchor)
+def test_spans_of_a_loop_running_ahead_of_the_gpu_are_placed_when_the_gpu_ran_them(monkeypatch, gap_ms):
+    """The training thread queues three steps in a millisecond while the GPU is still busy for 150 ms more.
+    Before, spans were placed from the host time at which their step was recorded: 150 ms early here, as
+    early as the queue was deep in a real job that does not sync every step (found on the H100)."""
+    gpu = FakeGpu(auto=False)
+    monkeypatch.setattr(RankExporter, "_cuda_module", staticmethod(lambda use_cuda: gpu.module))
+    sent = []
+    exp = _exporter(sent)
+    truth = {}  # (step, optype) -> GPU time of the span's start event, ms
+    for step in range(3):
+        with exp.step(step):
+            gpu.run(gap_ms)
+            for optype in ("forward-compute", "backward-compute"):
+                with exp.op(optype):
+                    truth[step, optype] = gpu.clock_ms
+                    gpu.run(15.0)
+    player = gpu.play(after_s=0.15)
+    player.join(5)
+    exp.close()
+    rows = _rows(sent, "op_span")
+    assert len(rows) == 6 and exp.stats.errors == 0
+    for r in rows:
+        expected = exp._to_job_clock(gpu.base_ns + int(truth[r["step"], r["optype"]] * 1e6))
+        assert abs(r["start_ns"] - expected) < 8_000_000, (r["step"], r["optype"], (r["start_ns"] - expected) / 1e6)
+        assert r["duration_ns"] == 15_000_000
