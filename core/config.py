@@ -101,6 +101,8 @@ class PipelineConfig:
     """Analyses in flight per shard (at the limit it stops polling); 0 = two per analysis CPU of the Ray cluster."""
     idle_timeout_s: float = 20.0
     """A window with no new record for this long is analysed as incomplete."""
+    ccl_grace_s: float = 5.0
+    """A window whose op spans are complete waits at most this long for every rank's collectives of its last step."""
     max_buffered_rows: int = 5_000_000
     """Rows held in open windows per shard before the shard stops polling."""
     metrics_port: int = 0

@@ -40,7 +40,7 @@ class WindowDispatch:
         self.cfg = cfg
         self.clock = clock
         self._is_stored = is_stored
-        self.tracker = WindowTracker(cfg.idle_timeout_s, is_stored=self._ask_store)
+        self.tracker = WindowTracker(cfg.idle_timeout_s, is_stored=self._ask_store, ccl_grace_s=cfg.ccl_grace_s)
         self._submit = submit
         self.max_world_size = max_world_size
         self.name = name

@@ -11,7 +11,11 @@ Close policy (ARCHITECTURE.md, "Windows and delivery"): a window is ready when
 every worker (dp, pp) of the registered layout has reported the end of every
 profiled step of the window (its ``optimizer`` op), or after ``idle_timeout_s``
 without new records (then it is analysed as incomplete and says what is
-missing). Records for a window that was already stored are late: counted and
+missing). Collective records travel on their own topic and can be read after
+the op spans they go with: a window whose op spans are complete also waits,
+at most ``ccl_grace_s``, until every rank's collectives of its last step are
+in (the link diagnosis compares each collective across all its members, and
+records read after the analysis are dropped as late). Records for a window that was already stored are late: counted and
 dropped. Exact duplicate ops are dropped by the analyzer's dedup.
 """
 from __future__ import annotations
@@ -39,6 +43,8 @@ class OpenWindow:
     first_offset: dict[TopicPartition, int] = dataclasses.field(default_factory=dict)
     step_ends: set = dataclasses.field(default_factory=set)  # (dp, pp, step) with an optimizer op
     steps: set = dataclasses.field(default_factory=set)
+    ccl_ranks_at: dict = dataclasses.field(default_factory=dict)  # step -> ranks with collective records of it
+    ops_complete_at: float | None = None  # when the op spans were first seen complete
     last_seen: float = 0.0
     dispatched: bool = False
 
@@ -67,8 +73,10 @@ class WindowTracker:
     """
 
     def __init__(self, idle_timeout_s: float = 30.0, is_stored: Callable[[WindowKey], bool] | None = None,
-                 max_stored_keys: int = 200_000):
+                 max_stored_keys: int = 200_000, ccl_grace_s: float = 5.0):
         self.idle_timeout_s = idle_timeout_s
+        self.ccl_grace_s = ccl_grace_s
+        self._ccl_jobs: set[tuple[str, int]] = set()  # (job, attempt) that sent collective records
         self._is_stored = is_stored or (lambda key: False)
         self.jobs: dict[tuple[str, int], Registration] = {}
         self.open: dict[WindowKey, OpenWindow] = {}
@@ -97,6 +105,11 @@ class WindowTracker:
             win = self._open(key, part.num_rows, tp, offset, now, key in stored)
             if win is not None:
                 win.ccl_tables.append(part)
+                self._ccl_jobs.add(key[:2])
+                steps = part["step"].to_numpy()
+                ranks = part["rank"].to_numpy()
+                for step in np.unique(steps).tolist():
+                    win.ccl_ranks_at.setdefault(step, set()).update(np.unique(ranks[steps == step]).tolist())
 
     def _stored_among(self, keys: list[WindowKey]) -> set[WindowKey]:
         """The keys whose windows are stored already, asking ``is_stored`` about keys never seen.
@@ -153,6 +166,8 @@ class WindowTracker:
             info = self.jobs.get(key[:2])
             complete, note = self._completeness(win, info)
             idle = now - win.last_seen >= self.idle_timeout_s
+            if complete and not idle and not self._collectives_in(win, info, now):
+                continue
             if complete or idle:
                 win.dispatched = True
                 ops = pa.concat_tables(win.tables) if win.tables else OP_SPAN.empty_table()
@@ -172,6 +187,19 @@ class WindowTracker:
         if len(win.step_ends) < need:
             return False, f"{need - len(win.step_ends)} of {need} worker-steps did not finish"
         return True, ""
+
+    def _collectives_in(self, win: OpenWindow, info: Registration, now: float) -> bool:
+        """Whether the window may go to the analysis as far as its collective records are concerned: every
+        rank has some of its last step, or ``ccl_grace_s`` passed since its op spans were complete. Only
+        windows of jobs that send collective records wait (replays, imports and hand-instrumented loops
+        without ``instrument_distributed`` send none); a rank without collectives in the last step costs
+        its window the grace."""
+        if not win.ccl_ranks_at and win.key[:2] not in self._ccl_jobs:
+            return True
+        if win.ops_complete_at is None:
+            win.ops_complete_at = now
+        have = win.ccl_ranks_at.get(max(win.steps), ())
+        return len(have) >= info.n_gpus or now - win.ops_complete_at >= self.ccl_grace_s
 
     def mark_stored(self, key: WindowKey) -> None:
         self.open.pop(key, None)
