@@ -15,8 +15,9 @@ missing). Collective records travel on their own topic and can be read after
 the op spans they go with: a window whose op spans are complete also waits,
 at most ``ccl_grace_s``, until every rank's collectives of its last step are
 in (the link diagnosis compares each collective across all its members, and
-records read after the analysis are dropped as late). Records for a window that was already stored are late: counted and
-dropped. Exact duplicate ops are dropped by the analyzer's dedup.
+records read after the analysis are dropped as late). Records for a window
+that was already stored are late: counted and dropped. Exact duplicate ops
+are dropped by the analyzer's dedup.
 """
 from __future__ import annotations
 
