@@ -1,6 +1,6 @@
 """Accuracy of `stragglerscope trace` on unchanged jobs, three slowdown levels per framework (issue 17).
 
-    .venv/bin/python benchmarks/trace_accuracy.py [--frameworks pipelining,interleaved,ddp,fsdp,plain]
+    .venv/bin/python benchmarks/trace_accuracy.py [--frameworks pipelining,interleaved,ddp,fsdp,plain] [--scale K]
 
 For each framework and delay level d (aimed near 1.2x, 1.5x and 2x the
 normal step): rank 0 slowed by d in every forward and backward, and the control
@@ -42,6 +42,9 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--frameworks", default=",".join(CASES))
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiply each job's simulated accelerator time and its delays (the same slowdowns, with "
+                        "the host's scheduling noise a K-th of the step)")
     a = p.parse_args()
     rows = []
     with LocalBroker() as b:
@@ -49,6 +52,9 @@ def main() -> None:
 
         def measure(fw, extra):
             ranks, lay, args, _ = CASES[fw]
+            args = list(args)
+            i = args.index("--gpu-ms") + 1
+            args[i] = str(float(args[i]) * a.scale)
             job = f"acc-{uuid.uuid4().hex[:6]}"
             rep = run(fw, ranks, [*args, "--steps", "14", *extra], bootstrap=b.bootstrap, job_id=job, sample="6/8")
             ops = read_ops(b.bootstrap, job)
@@ -57,7 +63,7 @@ def main() -> None:
 
         for fw in a.frameworks.split(","):
             normal, _ = measure(fw, [])
-            for d in CASES[fw][3]:
+            for d in (d * a.scale for d in CASES[fw][3]):
                 slow = ["--slow-rank", "0", "--delay-ms", str(d)]
                 t_slow, res = measure(fw, slow)
                 t_ctrl, res_c = measure(fw, slow + ["--control"])
@@ -67,7 +73,7 @@ def main() -> None:
                 s, s_c = res["slowdown"], res_c["slowdown"]
                 rows.append((fw, d, t_slow / normal, s, ratio, s / ratio - 1, f"dp{top[0]}/pp{top[1]}",
                              res["launch_slowdown"], s_c, s / s_c / ratio - 1))
-                print(f"{fw:<12}{d:>5} ms  slowed {t_slow / normal:5.2f}x  S={s:.3f}  slowed/control={ratio:.3f}  "
+                print(f"{fw:<12}{d:>5g} ms  slowed {t_slow / normal:5.2f}x  S={s:.3f}  slowed/control={ratio:.3f}  "
                       f"err {rows[-1][5]:+.1%}  top {rows[-1][6]}  fidelity {res['launch_slowdown']:.3f}  "
                       f"control S={s_c:.3f}  S/S_control err {rows[-1][9]:+.1%}", flush=True)
     print("\n| framework | d ms | slowed vs normal | S | slowed/control | error | top DP/PP | fidelity | control S "
