@@ -27,8 +27,10 @@ from services.broker import LocalBroker
 
 # framework -> (ranks, layout, zoo arguments, three delays in ms)
 CASES = {
-    "pipelining": (4, JobLayout(2, 2), ["--gpu-ms", "10"], (6, 15, 30)),
-    "interleaved": (4, JobLayout(2, 2, vpp_size=2), ["--gpu-ms", "10"], (4, 8, 16)),
+    # Every job simulates 40 ms of device time per forward: with 10 ms the host's scheduling noise was a quarter
+    # of a pipeline step's compute and the controls' own S reached 1.03 (BENCHMARKS.md, 2026-11-27).
+    "pipelining": (4, JobLayout(2, 2), ["--gpu-ms", "40"], (24, 60, 120)),
+    "interleaved": (4, JobLayout(2, 2, vpp_size=2), ["--gpu-ms", "40"], (16, 32, 64)),
     "ddp": (4, JobLayout(4, 1), ["--gpu-ms", "40"], (12, 32, 64)),
     "fsdp": (2, JobLayout(2, 1), ["--gpu-ms", "40"], (16, 40, 80)),
     "plain": (4, JobLayout(4, 1), ["--gpu-ms", "40"], (12, 32, 64)),
