@@ -41,14 +41,16 @@ class FakeGpu:
 
     def play(self, after_s: float) -> threading.Thread:
         """Run what is queued in real time, starting ``after_s`` from now (the GPU still busy with earlier
-        work): event i completes at ``self.base_ns`` + its GPU time, on the host's perf_counter."""
+        work): event i completes at about ``after_s`` + its GPU time; ``ev.done_ns`` is when it did, on the
+        host's perf_counter."""
         def run():
             time.sleep(after_s)
-            self.base_ns = time.perf_counter_ns()
+            base = time.perf_counter_ns()
             for ev in list(self.events):
-                wait = self.base_ns + ev.t * 1e6 - time.perf_counter_ns()
+                wait = base + ev.t * 1e6 - time.perf_counter_ns()
                 if wait > 0:
                     time.sleep(wait / 1e9)
+                ev.done_ns = time.perf_counter_ns()
                 self.complete(upto=ev.idx)
         t = threading.Thread(target=run, daemon=True)
         t.start()
@@ -215,13 +217,14 @@ def test_spans_of_a_loop_running_ahead_of_the_gpu_are_placed_when_the_gpu_ran_th
     monkeypatch.setattr(RankExporter, "_cuda_module", staticmethod(lambda use_cuda: gpu.module))
     sent = []
     exp = _exporter(sent)
-    truth = {}  # (step, optype) -> GPU time of the span's start event, ms
+    truth = {}  # (step, optype) -> (the step's reference event, GPU time of the span's start event in ms)
     for step in range(3):
         with exp.step(step):
+            ref = exp._step_ref.ev
             gpu.run(gap_ms)
             for optype in ("forward-compute", "backward-compute"):
                 with exp.op(optype):
-                    truth[step, optype] = gpu.clock_ms
+                    truth[step, optype] = ref, gpu.clock_ms
                     gpu.run(15.0)
     player = gpu.play(after_s=0.15)
     player.join(5)
@@ -229,6 +232,8 @@ def test_spans_of_a_loop_running_ahead_of_the_gpu_are_placed_when_the_gpu_ran_th
     rows = _rows(sent, "op_span")
     assert len(rows) == 6 and exp.stats.errors == 0
     for r in rows:
-        expected = exp._to_job_clock(gpu.base_ns + int(truth[r["step"], r["optype"]] * 1e6))
+        # when the GPU reached the step's first event, plus the GPU time from it to the span's start
+        ref, t_ms = truth[r["step"], r["optype"]]
+        expected = exp._to_job_clock(ref.done_ns + int((t_ms - ref.t) * 1e6))
         assert abs(r["start_ns"] - expected) < 8_000_000, (r["step"], r["optype"], (r["start_ns"] - expected) / 1e6)
         assert r["duration_ns"] == 15_000_000
