@@ -95,9 +95,11 @@ def fresh_store(url: str):
     s.close()
 
 
-@pytest.fixture(params=["chdb", "server", "cluster", "replicated"])
+@pytest.fixture(params=["chdb", *(pytest.param(b, marks=pytest.mark.integration)
+                                    for b in ("server", "cluster", "replicated"))])
 def store(request, tmp_path):
-    """An empty store on each backend in turn."""
+    """An empty store on each backend in turn; the ClickHouse servers' variants are integration tests (they
+    start servers), so a unit-tier file that takes ``store`` runs its chDB variant there."""
     yield from fresh_store(backend_url(request.param, tmp_path, request))
 
 
