@@ -58,8 +58,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-MODES = {"bare": None, "10%": "10/100", "100%": "1/1", "agree": "1/1", "slow": "1/1", "det-bare": None,
-         "det-100%": "1/1"}
+MODES = {"bare": None, "10%": "10/100", "100%": "1/1", "agree": "1/1", "slow": "1/1", "ahead": "1/1",
+         "det-bare": None, "det-100%": "1/1"}
+CHECKS = ("agree", "slow", "ahead")  # the checking runs: hand events beside the recorded spans
 DROP = 10          # warm-up steps left out of every figure
 PROFILED = 3       # last steps of the checking runs seen by the profiler
 
@@ -130,7 +131,7 @@ def child(a: argparse.Namespace) -> None:
     os.environ.setdefault("MASTER_PORT", str(a.port))
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     captured = []
-    if a.mode in ("agree", "slow"):
+    if a.mode in CHECKS:
         from ingest.autotrace.session import current
 
         exp = current().exporter
@@ -149,8 +150,18 @@ def child(a: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     g = torch.Generator(device="cpu").manual_seed(1)
     data = [torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g).to(dev) for _ in range(a.microbatches)]
-    hand = a.mode in ("agree", "slow")
+    hand = a.mode in CHECKS
+    ahead = a.mode == "ahead"  # reads the loss every --sync-every steps: the host runs ahead of the GPU
     ev = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else None
+    refs: list = []  # (event, perf_counter ns): events recorded on an idle stream, so they ran when recorded
+
+    def take_ref():  # the GPU clock tied to the host clock, again at every sync (no drift between the two)
+        if hand and cuda:
+            torch.cuda.synchronize()
+            r = ev()
+            r.record()
+            refs.append((r, time.perf_counter_ns()))
+    take_ref()
     slow_a = torch.randn(2048, 2048, device=dev, dtype=dtype) / 2048 ** 0.5 if a.mode == "slow" else None
     prof = None
     steps, cpu_steps, losses, hand_rows, pending = [], [], [], [], []
@@ -166,7 +177,7 @@ def child(a: argparse.Namespace) -> None:
     seen_warnings = caught.__enter__()
     warnings.simplefilter("always")
     for step in range(a.steps if not det else a.det_steps):
-        if hand and cuda and step == a.steps - PROFILED:
+        if hand and cuda and not ahead and step == a.steps - PROFILED:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                       torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
@@ -177,6 +188,7 @@ def child(a: argparse.Namespace) -> None:
             evs = [ev() for _ in range(4)] if hand and cuda else None
             if a.mode == "slow" and mb == 1 and cuda:
                 model.extra = (a.slow_matmuls, (ev(), ev()), slow_a)
+            rec_ns = time.perf_counter_ns()
             if evs:
                 evs[0].record()
             with torch.profiler.record_function(f"{tag}_fwd"):
@@ -191,12 +203,14 @@ def child(a: argparse.Namespace) -> None:
                 loss.backward()
             if evs:
                 evs[3].record()
-                pending.append((step, mb, evs, extra[1] if extra else None))
+                pending.append((step, mb, evs, extra[1] if extra else None, rec_ns, len(refs) - 1))
             total += loss.detach().float()
         dist.all_reduce(total)  # the step's sync, as a data-parallel job's gradient reduction would be
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(total.item())  # waits for the GPU: the step is done
+        if not ahead or (step + 1) % a.sync_every == 0 or step == a.steps - 1:
+            losses.append(total.item())  # waits for the GPU: the step is done
+            take_ref()
         now, cnow = time.perf_counter(), time.process_time()
         steps.append(now - t_prev)
         cpu_steps.append(cnow - c_prev)
@@ -205,8 +219,11 @@ def child(a: argparse.Namespace) -> None:
     if prof is not None:
         prof.__exit__(None, None, None)
         kernels = _kernel_sums(prof, Path(a.work) / f"trace-{a.mode}.json")
-    for step, mb, evs, extra in pending:
+    for step, mb, evs, extra, rec_ns, ref in pending:
+        r_ev, r_ns = refs[ref]
         hand_rows.append(dict(step=step, mb=mb, fwd_ns=int(evs[0].elapsed_time(evs[1]) * 1e6),
+                              # host time (perf ns) at which the GPU reached the forward, and of its launch
+                              fwd_gpu_at_ns=r_ns + int(r_ev.elapsed_time(evs[0]) * 1e6), fwd_launch_ns=rec_ns,
                               bwd_ns=int(evs[2].elapsed_time(evs[3]) * 1e6),
                               extra_ns=int(extra[0].elapsed_time(extra[1]) * 1e6) if extra else 0,
                               **{f"{k}_{what}_ns": kernels[f"ss_{step}_{mb}_{k}"][i]
@@ -222,7 +239,8 @@ def child(a: argparse.Namespace) -> None:
 
         sess = current()
         sess.close()  # flush now: the spans below must be complete
-        report.update(exporter_errors=sess.exporter.stats.errors, ops_sent=sess.exporter.stats.ops,
+        report.update(clock_ns=sess.exporter._anchor_ns + sess.exporter.clock_offset_ns,  # perf ns -> span clock
+                      exporter_errors=sess.exporter.stats.errors, ops_sent=sess.exporter.stats.ops,
                       records_sent=sess.producer.stats.records_sent,
                       records_dropped=sess.producer.stats.records_dropped)
     if captured:
@@ -267,7 +285,7 @@ def _run_child(a: argparse.Namespace, mode: str, rnd: int, bootstrap: str) -> di
     cmd = [sys.executable, __file__, "--child", mode, "--round", str(rnd), "--bootstrap", bootstrap,
            "--out", a.out, "--work", a.work, "--port", str(free_port())]
     for k in ("steps", "microbatches", "batch", "seq", "vocab", "d_model", "layers", "heads", "slow_matmuls",
-              "det_steps"):
+              "det_steps", "sync_every"):
         cmd += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if a.tiny:
         cmd.append("--tiny")
@@ -372,6 +390,30 @@ def _check_run(rep: dict, ops) -> dict:
     return out
 
 
+def _placement(rep: dict) -> dict | None:
+    """Where the recorded forward spans start against when the GPU reached them (hand events tied to the
+    host clock at every sync), and the launch-to-GPU lag: a placement by record time is early by that lag."""
+    if "clock_ns" not in rep or not rep["hand"] or "fwd_gpu_at_ns" not in rep["hand"][0]:
+        return None
+    start = {(r["step"], r["mb_id"]): r["start_ns"] - rep["clock_ns"] for r in rep["ops"]
+             if r["optype"] == "forward-compute"}
+    err, lag = [], []
+    for h in rep["hand"]:
+        got = start.get((h["step"], h["mb"]))
+        if h["step"] >= DROP and got is not None:
+            err.append((got - h["fwd_gpu_at_ns"]) / 1e6)
+            lag.append((h["fwd_gpu_at_ns"] - h["fwd_launch_ns"]) / 1e6)
+    if not err:
+        return None
+    q = lambda xs, f: sorted(xs)[min(len(xs) - 1, int(f * len(xs)))]  # noqa: E731
+    out = dict(n=len(err), err_median_ms=statistics.median(err), err_p90_abs_ms=q([abs(e) for e in err], 0.9),
+               err_max_abs_ms=max(map(abs, err)), lag_median_ms=statistics.median(lag), lag_max_ms=max(lag))
+    print(f"  forward starts vs the GPU (ms, n={out['n']}): recorded - GPU median {out['err_median_ms']:+.3f}, "
+          f"p90 |.| {out['err_p90_abs_ms']:.3f}, max |.| {out['err_max_abs_ms']:.3f}; launch-to-GPU lag median "
+          f"{out['lag_median_ms']:.2f}, max {out['lag_max_ms']:.2f} (a record-time placement's error)")
+    return out
+
+
 def _slowed(rep: dict, summary: dict) -> None:
     """The slowed microbatch's recorded forward against the extra work's own events."""
     fwd: dict = {}
@@ -415,7 +457,7 @@ def driver(a: argparse.Namespace) -> None:
             if not a.only or mode in a.only:
                 reps[mode].append(_run_child(a, mode, 0, b.bootstrap))
                 Path(a.out, "runs.json").write_text(json.dumps(reps))
-        for mode in ("agree", "slow"):
+        for mode in CHECKS:
             if a.only and mode not in a.only:
                 continue
             rep = _run_child(a, mode, 0, b.bootstrap)
@@ -439,9 +481,10 @@ def driver(a: argparse.Namespace) -> None:
         print(f"deterministic kernels: losses of {len(dl[0])} steps bitwise equal bare vs 100%: "
               f"{summary['deterministic_losses_equal']} (last {dl[0][-1]} vs {dl[1][-1]}); warnings: "
               f"{summary['deterministic_warnings']}")
-    for mode in ("agree", "slow"):
+    for mode in CHECKS:
         if reps[mode]:
             summary[mode] = _check_run(reps[mode][0], tables[mode])
+            summary[mode]["placement"] = _placement(reps[mode][0])
     if reps["slow"]:
         _slowed(reps["slow"][0], summary)
     Path(a.out, "summary.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -464,6 +507,7 @@ def main() -> None:
     p.add_argument("--slow-matmuls", type=int, default=60, help="2048^3 bf16 products added to the slowed forward")
     p.add_argument("--only", type=lambda t: t.split(","), default=[],
                    help="only these checking runs (agree,slow,det-bare,det-100%%): no overhead rounds")
+    p.add_argument("--sync-every", type=int, default=10, help="the ahead run reads its loss every N steps")
     p.add_argument("--det-steps", type=int, default=20, help="steps of the deterministic pair (losses compared)")
     p.add_argument("--tiny", action="store_true", help="a small model on CPU: checks the script, measures nothing")
     p.add_argument("--child", choices=list(MODES), help=argparse.SUPPRESS)
