@@ -29,7 +29,14 @@ profile their last 3 steps:
 - ``slow``: an extra chain of matmuls in the forward of microbatch 1 of every
   step, timed by its own events: the recorded forward of microbatch 1 must
   exceed the others by that time. The what-if replay of the recorded spans
-  must reproduce the step times (its launch slowdown).
+  must reproduce the step times (its launch slowdown);
+- ``ahead``: as ``agree`` but reading the loss only every ``--sync-every``
+  steps, so the host runs ahead of the GPU by its launch queue.
+
+Every checking run also ties the GPU clock to the host's at each sync (an
+event recorded on an idle stream) and reports where each recorded forward span
+starts against when the GPU reached it, beside the launch-to-GPU lag (how
+early a placement by record time would be).
 
 A deterministic pair (``det-bare``, ``det-100%``: deterministic algorithms,
 math attention) compares the losses bitwise; the usual kernels differ run to

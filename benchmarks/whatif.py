@@ -69,6 +69,9 @@ def _phases(trace: Path, meta: Path) -> None:
     """One in-process run of the command under cProfile: seconds per phase, as JSON on stdout."""
     sys.path.insert(0, str(ROOT))
     from analyzers.whatif import run_cli
+    from core.memory import small_pages
+
+    small_pages()  # as the command does (stragglerscope.cli.main)
 
     prof = cProfile.Profile()
     t0 = time.perf_counter()

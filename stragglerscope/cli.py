@@ -222,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from core.memory import small_pages
+
+    small_pages()  # before any large array: huge-page faults cost 4x on first touch here (core/memory.py)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
