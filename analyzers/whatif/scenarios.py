@@ -41,6 +41,9 @@ CHUNK_OPS = 1_000_000
 """Ops per chunk of steps: bounds the memory of a pass (ops x columns x 8 bytes)."""
 BATCH_BYTES = 256 << 20
 """Simulated times held at once in a batched pass."""
+ROW_CELLS = 16
+"""Batch columns x scenario columns of a pass, at most (but at least one batch column): a row of E is then a few
+cache lines, and the rows an op's predecessors sit in (a level of the graph back) stay in the core's cache."""
 TOP_WORKER_FRACTION = 0.03
 
 K_ALL, K_GROUP, K_PP, K_DP, K_TOP = range(5)
@@ -140,6 +143,8 @@ def _batches(g: Graph, k: int, n_threads: int = 1) -> list[tuple[int, int, np.nd
     if g.batch == 1:
         return [(0, 1, None)]
     nb = max(1, BATCH_BYTES // n_threads // max(1, (g.n + 1) * k * 8))
+    # At least a batch per thread: a narrow pass (pairs, top workers) would otherwise be one batch on one thread.
+    nb = min(nb, -(-g.batch // n_threads), max(1, ROW_CELLS // k))
     step = 4 // math.gcd(k, 4)  # batch columns whose rows of E are whole vectors (see padded_columns)
     if nb > step:
         nb -= nb % step
