@@ -100,3 +100,16 @@ def test_re_deliveries_are_dropped_the_same_on_threads(spied, monkeypatch):
     assert f"{again.num_rows} duplicate op spans dropped" in one["warnings"]
     monkeypatch.setenv(parallel.ENV, "1")
     assert json.dumps(analyze(t, lay).to_json_dict()["slowdown"]) == json.dumps(one["slowdown"])
+
+
+@pytest.mark.parametrize("k", [2, 19])
+def test_every_thread_gets_a_batch_of_short_rows(k):
+    """A pass of few columns (pairs, top workers) was one batch of every step, on one thread."""
+    class G:  # the two attributes _batches reads
+        n, batch = 170_496, 44
+
+    for n_thr in (1, 2, 3):
+        pieces = scenarios._batches(G, k, n_thr)
+        assert len(pieces) >= n_thr
+        assert [c for _, _, st in pieces for c in st] == list(range(G.batch))  # every step once, in order
+        assert all((b1 - b0) * k <= max(k, scenarios.ROW_CELLS) for b0, b1, _ in pieces)
