@@ -1,4 +1,5 @@
-"""Giving freed memory back to the operating system between phases of big-table work."""
+"""Memory policy of big-table work: freed memory back to the operating system between phases, and the
+page size numpy asks for."""
 from __future__ import annotations
 
 import os

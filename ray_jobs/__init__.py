@@ -6,7 +6,7 @@ Every path to Ray in this project goes through this package first.
 
 The GCS keeps a record of every finished task, up to 100,000 by default, at about
 3.7 MB per 1,000 tasks: with an analysis task per window, a fleet of 3,000 small
-jobs (10 windows/s) grew it by 2 MB a minute for the first three hours. 10,000
+jobs (10 windows/s) grows it by 2 MB a minute for almost three hours. 10,000
 keeps the recent ones for Ray's state API and its memory flat (BENCHMARKS.md,
 "3,000 jobs for 30 minutes"). Read by the GCS that ``ray.init`` starts here.
 """
