@@ -246,7 +246,7 @@ def child(a: argparse.Namespace) -> None:
 
         sess = current()
         sess.close()  # flush now: the spans below must be complete
-        report.update(clock_ns=sess.exporter._anchor_ns + sess.exporter.clock_offset_ns,  # perf ns -> span clock
+        report.update(clock_ns=sess.exporter._to_job_clock(0),  # perf ns -> the spans' clock
                       exporter_errors=sess.exporter.stats.errors, ops_sent=sess.exporter.stats.ops,
                       records_sent=sess.producer.stats.records_sent,
                       records_dropped=sess.producer.stats.records_dropped)
@@ -513,7 +513,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--slow-matmuls", type=int, default=60, help="2048^3 bf16 products added to the slowed forward")
     p.add_argument("--only", type=lambda t: t.split(","), default=[],
-                   help="only these checking runs (agree,slow,det-bare,det-100%%): no overhead rounds")
+                   help="only these checking runs (agree,slow,ahead,det-bare,det-100%%): no overhead rounds")
     p.add_argument("--sync-every", type=int, default=10, help="the ahead run reads its loss every N steps")
     p.add_argument("--det-steps", type=int, default=20, help="steps of the deterministic pair (losses compared)")
     p.add_argument("--tiny", action="store_true", help="a small model on CPU: checks the script, measures nothing")

@@ -3,6 +3,7 @@ page size numpy asks for."""
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import pyarrow as pa
@@ -42,9 +43,8 @@ def small_pages() -> None:
     """
     if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
         return  # the user's choice, which numpy applied when it was imported
-    os.environ["NUMPY_MADVISE_HUGEPAGE"] = "0"  # read by numpy in the processes started from here (Ray workers)
-    import numpy as np
-
+    os.environ["NUMPY_MADVISE_HUGEPAGE"] = "0"  # read when numpy is imported, here or in a process started from here
+    np = sys.modules.get("numpy")  # already imported: numpy's own switch (private, so looked up with care)
     setter = getattr(getattr(getattr(np, "_core", None), "multiarray", None), "_set_madvise_hugepage", None)
-    if setter is not None:  # numpy's own switch for an already imported numpy (private, so looked up with care)
+    if setter is not None:
         setter(False)

@@ -1,6 +1,7 @@
 """core.memory.small_pages: numpy stops asking for huge pages, unless the user chose."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,8 +16,6 @@ PROBE = textwrap.dedent("""
 
 
 def _probe(env_value: str | None) -> str:
-    import os
-
     env = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
     if env_value is not None:
         env["NUMPY_MADVISE_HUGEPAGE"] = env_value
