@@ -176,6 +176,10 @@ class _Attempt:
     signals: list = dataclasses.field(default_factory=list)
     _cache: tuple | None = None
 
+    def __getstate__(self) -> dict:
+        """Pickled without the cache of ``progress`` (numpy arrays, rebuilt on demand): state is plain data."""
+        return {**self.__dict__, "_cache": None}
+
     def seen(self, ns: int) -> None:
         if ns >= 0 and (self.first_seen_ns < 0 or ns < self.first_seen_ns):
             self.first_seen_ns = ns

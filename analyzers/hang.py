@@ -5,9 +5,10 @@ flight and since when, host, dumped stacks) and, per (group, rank), the last
 collective sequence number it entered and the last it completed (Flight
 Recorder's view). ``evaluate(now_ns)`` decides:
 
-- **node_loss**: some ranks' heartbeats stopped (older than
-  ``heartbeat_timeout_s``) while others still report: those ranks are
-  missing, their hosts the suspects.
+- **node_loss**: some ranks' heartbeats stopped (``heartbeat_timeout_s``
+  older than the job's newest heartbeat) while others still report: those
+  ranks are missing, their hosts the suspects. Every rank silent for the
+  timeout at ``now`` is node loss too, while the caller's input lives.
 - otherwise, when no rank has made progress for the hang threshold
   ``max(floor_s, k x median step time)`` (``max(floor_s, startup_s)`` while
   no rank has begun its first step):
@@ -220,7 +221,19 @@ class HangTracker:
 
     def _node_loss(self, now_ns: int, input_alive: bool) -> Hang | None:
         timeout = self.params.heartbeat_timeout_s * _NS
-        lost = sorted(r for r, st in self.ranks.items() if st.ts >= 0 and now_ns - st.ts > timeout)
+        heard = [st.ts for st in self.ranks.values() if st.ts >= 0]
+        if not heard:
+            return None
+        # Some ranks are lost when the job's other ranks reported for longer than the timeout after them: judged
+        # against the job's own newest heartbeat, not the evaluation clock, so that an input late by any delay
+        # (the job's heartbeats share one partition, hence one lag) cannot make a rank that reports read as
+        # silent. Only when every rank fell silent does the clock decide, and then only while our input lives.
+        # A stamp ahead of the clock counts as the clock: a peer's clock minutes fast (inside the tolerance the
+        # boundary leaves alone) must not make the others look minutes silent.
+        newest = min(max(heard), now_ns)
+        if now_ns - newest > timeout:
+            newest = now_ns
+        lost = sorted(r for r, st in self.ranks.items() if st.ts >= 0 and newest - st.ts > timeout)
         alive = [r for r in self.ranks if r not in lost]
         if not lost or (not alive and not input_alive):
             return None

@@ -6,8 +6,10 @@ consumer passes records through: it raises ``DecodeError`` and nothing else.
 from __future__ import annotations
 
 import io
+import struct
 from typing import Any, Iterable, Mapping
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -66,26 +68,27 @@ def encode(batch: pa.RecordBatch | pa.Table, compression: str | None = "zstd") -
     return sink.getvalue()
 
 
-def decode(payload: bytes) -> tuple[str, pa.Table]:
+def decode(payload: bytes, max_decoded_bytes: int | None = None) -> tuple[str, pa.Table]:
     """Decode and validate an IPC payload; returns (kind, table).
 
     Raises DecodeError, and nothing else, with a reason fit for a dead-letter
     record: the bytes are not Arrow, a buffer is inconsistent, the kind or
     version is unknown, or a column is missing, mistyped or null where it
-    must not be.
+    must not be. With ``max_decoded_bytes``, also when the records would take
+    more than that many bytes once decompressed and cast: that is known from
+    the payload's metadata, before any of it is decompressed or cast (see
+    ``decoded_bytes`` and ``conform_bytes``).
     """
+    decoded = 0
+    if max_decoded_bytes is not None:
+        decoded = decoded_bytes(payload)
+        if decoded > max_decoded_bytes:
+            raise _too_large("decompress to", decoded, max_decoded_bytes)
     try:
         with pa.ipc.open_stream(pa.py_buffer(payload)) as r:
             table = r.read_all()
     except Exception as e:  # pyarrow raises several types for garbage
         raise DecodeError(f"not an Arrow IPC stream: {type(e).__name__}: {e}"[:500]) from None
-    try:
-        # The IPC reader checks buffer sizes but not their contents: string offsets that
-        # point past the data pass it and crash the process later, in hashing or a
-        # filter. Full validation (offsets, UTF-8, dictionary indices) costs one pass.
-        table.validate(full=True)
-    except Exception as e:
-        raise DecodeError(f"invalid Arrow buffers: {type(e).__name__}: {e}"[:500]) from None
     md = table.schema.metadata or {}
     try:
         kind = md.get(b"stragglerscope.kind", b"").decode("ascii")
@@ -100,12 +103,259 @@ def decode(payload: bytes) -> tuple[str, pa.Table]:
             and MIN_READ_VERSION <= int(version) <= SCHEMA_VERSION):
         raise DecodeError(f"unsupported schema version {version[:20]!r} for {kind} "
                           f"(we read {MIN_READ_VERSION} to {SCHEMA_VERSION})")
+    if max_decoded_bytes is not None:
+        # Before validation too: validating a view column reads each view's bytes, shared or not.
+        try:
+            total = decoded + conform_bytes(table, ALL_SCHEMAS[kind])
+        except Exception as e:  # buffers too short for what the arrays claim: garbage
+            raise DecodeError(f"invalid Arrow buffers: {type(e).__name__}: {e}"[:500]) from None
+        if total > max_decoded_bytes:
+            raise _too_large("take", total, max_decoded_bytes, " once its columns are cast")
+    try:
+        # The IPC reader checks buffer sizes but not their contents: string offsets that
+        # point past the data pass it and crash the process later, in hashing or a
+        # filter. Full validation (offsets, UTF-8, dictionary indices) costs one pass.
+        table.validate(full=True)
+    except Exception as e:
+        raise DecodeError(f"invalid Arrow buffers: {type(e).__name__}: {e}"[:500]) from None
     try:
         return kind, conform(table, ALL_SCHEMAS[kind])
     except DecodeError:
         raise
     except Exception as e:  # a cast or a default that Arrow refuses: still this message's fault
         raise DecodeError(f"{kind}: {type(e).__name__}: {e}"[:500]) from None
+
+
+# -- the decoded size, bounded before decoding ------------------------------------------------------------------
+# A message is a few KB on the wire but says how large its buffers are once decompressed: a zstd stream of one
+# repeated byte grows 30,000-fold, and pyarrow allocates and fills what the message declares before anything
+# can look at it (a 14 KB message held a shard's loop for 3.4 s). So ``decode`` adds up what a payload declares,
+# from its IPC metadata alone, and refuses it over the limit; then, before ``conform`` casts or fills a column,
+# what that will allocate (a dictionary or view column expands on its cast, and a column of type null or a
+# missing column costs its row count times its width, with no buffer behind it on the wire).
+
+_MB = 2**20
+_LIMIT_NAME = "validation.max_decoded_mb"
+
+
+class _Malformed(ValueError):
+    """IPC metadata that does not parse: the payload is not an Arrow IPC stream we read."""
+
+
+class _Flatbuffer:
+    """Just enough of the flatbuffers wire format to read an IPC message's header, bounds-checked throughout.
+
+    A table starts with a signed offset back to its vtable; the vtable lists, per field, the field's offset
+    inside the table (0: absent, the default applies). Tables and vectors are reached through unsigned
+    offsets relative to where the offset is stored; a vector starts with its length.
+    """
+
+    def __init__(self, data: pa.Buffer):
+        self.data = memoryview(data)
+
+    def _read(self, fmt: str, pos: int) -> int:
+        if pos < 0 or pos + struct.calcsize(fmt) > len(self.data):
+            raise _Malformed(f"a flatbuffer offset ({pos}) points outside the message metadata")
+        return struct.unpack_from(fmt, self.data, pos)[0]
+
+    def root(self) -> int:
+        return self._read("<I", 0)
+
+    def field(self, table: int, index: int) -> int | None:
+        """Where field ``index`` of the table at ``table`` is stored, or None when it is absent."""
+        vtable = table - self._read("<i", table)
+        size = self._read("<H", vtable)
+        if 4 + 2 * index + 2 > size:
+            return None
+        at = self._read("<H", vtable + 4 + 2 * index)
+        return table + at if at else None
+
+    def scalar(self, table: int, index: int, fmt: str, default: int) -> int:
+        at = self.field(table, index)
+        return default if at is None else self._read(fmt, at)
+
+    def ref(self, table: int, index: int) -> int | None:
+        """The position of the table or vector field ``index`` refers to, or None when it is absent."""
+        at = self.field(table, index)
+        return None if at is None else at + self._read("<I", at)
+
+    def structs(self, table: int, index: int, n_longs: int) -> list[tuple[int, ...]]:
+        """A vector of structs of ``n_longs`` int64 each (FieldNode, Buffer), or [] when absent.
+
+        Python ints, not numpy's: a sum of lengths an attacker chose must not wrap around to a small number.
+        """
+        at = self.ref(table, index)
+        if at is None:
+            return []
+        n = self._read("<I", at)
+        if at + 4 + n * 8 * n_longs > len(self.data):
+            raise _Malformed(f"a vector of {n} structs runs past the message metadata")
+        flat = struct.unpack_from(f"<{n * n_longs}q", self.data, at + 4)
+        return list(zip(*[iter(flat)] * n_longs))
+
+
+_RECORD_BATCH, _DICTIONARY_BATCH = 3, 2  # MessageHeader union tags (Arrow's Message.fbs)
+
+
+def _batch_bytes(metadata: pa.Buffer, body: pa.Buffer | None) -> int:
+    """The bytes the buffers of one record or dictionary batch message take once decompressed, read from its
+    metadata and the length prefixes of its compressed buffers: nothing is decompressed.
+
+    Message.fbs: Message {version: short, header_type: ubyte, header: table, bodyLength: long, ...};
+    RecordBatch {length: long, nodes: [FieldNode], buffers: [Buffer], compression: BodyCompression, ...};
+    DictionaryBatch {id: long, data: RecordBatch, isDelta: bool}. Each buffer is (offset, length) in the body;
+    with body compression each non-empty one starts with its decompressed length, an int64 (-1: stored as is).
+    """
+    fb = _Flatbuffer(metadata)
+    message = fb.root()
+    kind = fb.scalar(message, 1, "<B", 0)
+    header = fb.ref(message, 2)
+    if header is None:
+        raise _Malformed("a batch message without a header")
+    if kind == _DICTIONARY_BATCH:
+        header = fb.ref(header, 1)
+        if header is None:
+            raise _Malformed("a dictionary batch without its data")
+    elif kind != _RECORD_BATCH:
+        raise _Malformed(f"a batch message with header type {kind}")
+    compressed = fb.ref(header, 3) is not None
+    size = body.size if body is not None else 0
+    total = 0
+    for offset, length in fb.structs(header, 2, 2):
+        if offset < 0 or length < 0 or offset + length > size:
+            raise _Malformed(f"a buffer ({offset}, {length}) outside the message body ({size} bytes)")
+        if not compressed or length == 0:
+            total += length
+            continue
+        if length < 8:
+            raise _Malformed(f"a compressed buffer of {length} bytes, shorter than its length prefix")
+        declared = _INT64.unpack_from(body, offset)[0]
+        if declared < -1:
+            raise _Malformed(f"a compressed buffer declares {declared} bytes")
+        total += length - 8 if declared == -1 else declared
+    return total
+
+
+_INT64 = struct.Struct("<q")
+
+
+def decoded_bytes(payload: bytes) -> int:
+    """What the record and dictionary batches of an IPC stream take once decompressed, from their metadata.
+
+    Raises DecodeError when the metadata does not parse. Costs a few microseconds per batch, whatever its size.
+    """
+    total = 0
+    try:
+        reader = pa.ipc.MessageReader.open_stream(pa.py_buffer(payload))
+        for message in reader:
+            if message.type in ("record batch", "dictionary"):
+                total += _batch_bytes(message.metadata, message.body)
+    except _Malformed as e:
+        raise DecodeError(f"not an Arrow IPC stream: {e}"[:500]) from None
+    except Exception as e:  # pyarrow raises several types for garbage
+        raise DecodeError(f"not an Arrow IPC stream: {type(e).__name__}: {e}"[:500]) from None
+    return total
+
+
+def _ints(buf: pa.Buffer | None, dtype: str, start: int, n: int) -> np.ndarray:
+    if buf is None or n <= 0:
+        return np.zeros(0, np.int64)
+    return np.frombuffer(buf, dtype=dtype)[start:start + n].astype(np.int64)
+
+
+def _sizes(arr: pa.Array, per_value: int) -> np.ndarray | int:
+    """The bytes each element of ``arr`` takes in a plain variable-width column (a string; a list of
+    ``per_value`` bytes per item): an array read from the raw buffers for the types whose buffers hold the
+    lengths, else one size for every element (never an array of ``len(arr)``: a column of type null has no
+    buffers, however many rows it claims).
+
+    This runs before validation, so lengths are clipped to 0..the largest data buffer: a bound that is exact
+    on valid data and finite on garbage (which validation then refuses).
+    """
+    t, n, bufs = arr.type, len(arr), arr.buffers()
+    largest = max((b.size for b in bufs[2:] if b is not None), default=0)
+    if pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t) or pa.types.is_large_binary(t):
+        large = pa.types.is_large_string(t) or pa.types.is_large_binary(t)
+        lengths = np.diff(_ints(bufs[1], "<i8" if large else "<i4", arr.offset, n + 1))
+    elif pa.types.is_string_view(t) or pa.types.is_binary_view(t):
+        lengths = _ints(bufs[1], "<i4", 4 * arr.offset, 4 * n)[::4]  # 16-byte views, each starting with its length
+        largest = max(largest, 12)  # up to 12 bytes sit inside the view
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        lengths = np.diff(_ints(bufs[1], "<i8" if pa.types.is_large_list(t) else "<i4", arr.offset, n + 1))
+        largest = len(arr.values)
+    elif pa.types.is_list_view(t) or pa.types.is_large_list_view(t):
+        lengths = _ints(bufs[2], "<i8" if pa.types.is_large_list_view(t) else "<i4", arr.offset, n)
+        largest = len(arr.values)
+    elif pa.types.is_fixed_size_list(t):
+        return t.list_size * per_value
+    elif pa.types.is_null(t):
+        return 0
+    else:  # a number or a date cast to text: a 256-bit decimal takes 78 characters
+        return 80
+    return np.clip(lengths, 0, largest) * (per_value if pa.types.is_nested(t) else 1)
+
+
+def _column_bytes(col: pa.ChunkedArray, target: pa.DataType) -> int:
+    """An upper bound of what ``conform`` allocates for ``col``, cast to ``target`` or its nulls filled.
+
+    A new column: n values of a fixed width, or n offsets and the values laid out one after the other, which
+    a dictionary (its values repeated per index), a view (views may share their bytes) or a null column (no
+    buffers at all) does not show.
+    """
+    n = len(col)
+    validity = (n + 7) // 8
+    if pa.types.is_primitive(target):
+        return validity + n * max(1, target.bit_width // 8)
+    per_value = max(1, target.value_type.bit_width // 8) if pa.types.is_list(target) else 1
+    data = 0
+    for chunk in col.chunks:
+        if pa.types.is_dictionary(chunk.type):
+            sizes = _sizes(chunk.dictionary, per_value)
+            if isinstance(sizes, int):
+                data += sizes * len(chunk)
+            elif len(sizes):
+                index = np.dtype(chunk.type.index_type.to_pandas_dtype()).newbyteorder("<")
+                indices = _ints(chunk.buffers()[1], index.str, chunk.offset, len(chunk))
+                data += int(np.take(sizes, indices, mode="clip").sum(dtype=np.float64))
+        else:
+            sizes = _sizes(chunk, per_value)
+            data += sizes * len(chunk) if isinstance(sizes, int) else int(sizes.sum(dtype=np.float64))
+    return validity + 8 * (n + 1) + data
+
+
+def conform_bytes(table: pa.Table, schema: pa.Schema) -> int:
+    """An upper bound of the bytes ``conform(table, schema)`` allocates (casts, defaults), without allocating."""
+    total = 0
+    n = table.num_rows
+    have = dict(zip(table.schema.names, table.schema.types))
+    for name, target, has_default, fill in _targets(schema):
+        got = have.get(name)
+        if got is None:
+            total += (n + 7) // 8 + n * fill if has_default else 0  # filled with its default (n times)
+        elif not got.equals(target) or (has_default and table.column(name).null_count):
+            total += _column_bytes(table.column(name), target)
+    return total
+
+
+_TARGETS: dict[int, list[tuple[str, pa.DataType, bool, int]]] = {}
+
+
+def _targets(schema: pa.Schema) -> list[tuple[str, pa.DataType, bool, int]]:
+    """(name, type, has a default, bytes per value of the default) of each field; per schema, once."""
+    cached = _TARGETS.get(id(schema))
+    if cached is None or cached[0] is not schema:
+        out = []
+        for field in schema:
+            has_default, default = default_of(field)
+            fill = max(1, field.type.bit_width // 8) if pa.types.is_primitive(field.type) else \
+                8 + len(default if isinstance(default, bytes) else str(default).encode())
+            out.append((field.name, field.type, has_default, fill))
+        cached = _TARGETS[id(schema)] = (schema, out)
+    return cached[1]
+
+
+def _too_large(what: str, n: int, limit: int, how: str = "") -> DecodeError:
+    return DecodeError(f"would {what} {n / _MB:,.0f} MB{how}, over {_LIMIT_NAME} ({limit / _MB:g} MB)")
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:

@@ -52,6 +52,9 @@ class KafkaConfig:
     # A configured Kafka has retention and keeps whole topics (core.topics, services.topic_generations).
     topic_generation_s: float = -1.0
     """Seconds per input-topic generation, deleted once read (-1: 120 on the embedded broker, off on others; 0: off)."""
+    on_lost_log: str = "stop"
+    """When a partition's log is not the one its stored offset was read from (the broker lost its data): 'stop'
+    (refuse, name `stragglerscope offsets reset`) or 'rewind' (read the new log from its start; audited)."""
 
     def conn(self):
         """The ``core.kafka_conn.KafkaConn`` every Kafka client of this configuration is built from."""
@@ -117,6 +120,9 @@ class PipelineConfig:
     """Seconds per loop iteration spent handling polled records before hangs, results and offsets get a turn."""
     commit_interval_s: float = 2.0
     """Store consumer offsets at most this often (each store is an insert); a restart re-reads at most this much."""
+    state_interval_s: float = 10.0
+    """Save the shards' hang, alert and downtime state at most this often; offsets wait for it (a restart resumes
+    from it and re-reads at most this much more)."""
     state_dir: str = ""
     """Where shards keep their crash journals (which message killed a shard); empty = the temp dir."""
     log_format: str = "text"
@@ -178,6 +184,9 @@ class ValidationConfig:
     """Job ids are 1 to this many characters of A-Z a-z 0-9 and . _ - : / @ + =."""
     max_restarts_per_message: int = 3
     """A message whose handling killed its shard process this many times is dead-lettered by offset."""
+    max_decoded_mb: float = 64.0
+    """A message whose records would take more than this many MB once decompressed is a dead letter, refused before
+    decompressing (a compressed bomb would hold the shard's loop; real batches are under 1 MB on the wire)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +229,7 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
 
 # Keys whose value must be one of a few words.
 _CHOICES = {("pipeline", "log_format"): ("text", "json"),
+            ("kafka", "on_lost_log"): ("stop", "rewind"),
             ("kafka", "security_protocol"): ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
             ("kafka", "sasl_mechanism"): ("SCRAM-SHA-512", "SCRAM-SHA-256", "PLAIN")}
 

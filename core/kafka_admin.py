@@ -45,6 +45,81 @@ class OffsetsAheadError(BrokerError):
         return type(self), (str(self), self.ahead)
 
 
+class LogChangedError(BrokerError):
+    """Stored offsets were read from other logs than the partitions have now: the broker lost its data (restarted
+    empty, topics deleted and created again) and reading on would skip records. ``changed`` maps (topic,
+    partition) to (stored offset, stored log id, log id now)."""
+
+    def __init__(self, message: str, changed: dict[tuple[str, int], tuple[int, str, str]]):
+        super().__init__(message)
+        self.changed = changed
+
+    def __reduce__(self):
+        return type(self), (str(self), self.changed)
+
+
+_NO_TOPIC_ID = "00000000-0000-0000-0000-000000000000"
+
+
+def log_id(topic_id, cluster_id) -> str:
+    """What names the log a partition's offsets count in: the topic's id where the broker gives one (Kafka
+    2.8 and later, Tansu; a topic created again gets a new one), else its cluster id (a broker that lost
+    its storage formats a new cluster), else '' (unknown: such offsets are not checked against their log)."""
+    tid = str(topic_id or "")
+    if tid and tid != _NO_TOPIC_ID:
+        return tid
+    return f"cluster:{cluster_id}" if cluster_id else ""
+
+
+def client_log_id(client, topic: str) -> str:
+    """``log_id`` of ``topic`` from a kafka-python client's metadata cache ('' where it has none)."""
+    cluster = getattr(getattr(client, "_client", None), "cluster", None)
+    if cluster is None:
+        return ""
+    get = getattr(cluster, "topic_id", None)
+    return log_id(get(topic) if get else None, getattr(cluster, "cluster_id", None))
+
+
+def topic_logs(bootstrap: KafkaConn | str, topics: Iterable[str], timeout_s: float = 20.0) -> dict[str, str]:
+    """``log_id`` of each of ``topics`` that exists; creates nothing."""
+    from kafka import KafkaConsumer
+    from kafka.errors import KafkaError
+
+    conn = as_conn(bootstrap)
+    try:
+        consumer = KafkaConsumer(bootstrap_servers=conn.bootstrap, client_id="stragglerscope-admin", group_id=None,
+                                 enable_auto_commit=False, allow_auto_create_topics=False,
+                                 request_timeout_ms=int(timeout_s * 1000) + 1000, **conn.client_options())
+    except KafkaError as e:
+        raise BrokerError(f"cannot reach Kafka at {conn.describe()}: {_reason(e)}{_why(conn)}") from None
+    no_auto_create(consumer)
+    try:
+        out = {}
+        for t in dict.fromkeys(topics):
+            if consumer.partitions_for_topic(t):  # fetches the topic's metadata, its id with it
+                out[t] = client_log_id(consumer, t)
+        return out
+    except KafkaError as e:
+        raise BrokerError(f"cannot read topic metadata at {bootstrap}: {_reason(e)}") from None
+    finally:
+        consumer.close()
+
+
+def logs_changed(stored: dict[tuple[str, int], int], stored_logs: dict[tuple[str, int], str],
+                 logs_now: dict[str, str]) -> dict[tuple[str, int], tuple[int, str, str]]:
+    """The partitions whose stored offset (above 0) was read from another log than their topic has now.
+
+    Either side unknown ('' or a topic that is gone) proves nothing here: offsets beyond a partition's end
+    are ``offsets_ahead``'s."""
+    out = {}
+    for tp, off in sorted(stored.items()):
+        was, now = stored_logs.get(tp, ""), logs_now.get(tp[0], "")
+        # Compared only in kind: a broker upgraded to topic ids has not lost its logs.
+        if off > 0 and was and now and was != now and was.startswith("cluster:") == now.startswith("cluster:"):
+            out[tp] = (off, was, now)
+    return out
+
+
 def no_auto_create(client) -> None:
     """Stop a kafka-python consumer or producer from creating topics by asking about them.
 

@@ -53,3 +53,91 @@ def configure(fmt: str = "text", level: int = logging.WARNING, **static: object)
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(level)
+
+
+class NativeStderr:
+    """What native code writes to this process's stderr goes to a file; Python's own output keeps the terminal.
+
+    Ray's C++ core in the driver writes its warnings straight to file
+    descriptor 2: a retry loop printed a line a second while `run` connected to
+    a cluster that refused its token, and after a node loss its lines and state
+    dumps buried the driver's own status lines. ``start`` points descriptor 2 at
+    ``path`` and gives Python a stream on a copy of the terminal
+    (``sys.stderr`` and the logging handlers that wrote to the old one), so
+    ``say``, logging, progress bars and tracebacks stay on the terminal while
+    native writes land in the file. ``stop`` undoes it. Only ``current()``'s
+    file is read back (``tail``), e.g. to say why Ray refused a connection.
+    """
+
+    _active: "NativeStderr | None" = None
+
+    def __init__(self, path: str):
+        self.path = path
+        self._saved_fd: int | None = None
+        self._old_stderr = None
+        self._moved: list[logging.StreamHandler] = []
+
+    def start(self) -> "NativeStderr":
+        import os
+        import sys
+
+        if self._saved_fd is not None:
+            return self
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        sys.stderr.flush()
+        self._saved_fd = os.dup(2)
+        terminal = os.fdopen(os.dup(self._saved_fd), "w", buffering=1, encoding="utf-8", errors="backslashreplace")
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 2)
+        os.close(fd)
+        self._old_stderr, sys.stderr = sys.stderr, terminal
+        for h in self._handlers():
+            if h.stream in (self._old_stderr, sys.__stderr__):
+                h.setStream(terminal)
+                self._moved.append(h)
+        NativeStderr._active = self
+        return self
+
+    @staticmethod
+    def _handlers() -> list[logging.StreamHandler]:
+        loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                           if isinstance(lg, logging.Logger)]
+        return [h for lg in loggers for h in lg.handlers
+                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+
+    def stop(self) -> None:
+        import os
+        import sys
+
+        if self._saved_fd is None:
+            return
+        terminal, sys.stderr = sys.stderr, self._old_stderr
+        for h in self._moved:
+            h.setStream(self._old_stderr)
+        terminal.flush()
+        os.dup2(self._saved_fd, 2)
+        os.close(self._saved_fd)
+        terminal.close()
+        self._saved_fd, self._moved = None, []
+        if NativeStderr._active is self:
+            NativeStderr._active = None
+
+    def tail(self, max_bytes: int = 65536) -> str:
+        """The end of the file (what native code wrote last)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - max_bytes))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    @classmethod
+    def current(cls) -> "NativeStderr | None":
+        return cls._active
+
+    def __enter__(self) -> "NativeStderr":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -450,7 +450,36 @@ OFFSETS = pa.schema([
     pa.field("topic", pa.string(), nullable=False, metadata={"unit": "", "doc": "Kafka topic"}),
     pa.field("partition", pa.int32(), nullable=False, metadata={"unit": "", "doc": "Kafka partition"}),
     pa.field("next_offset", pa.int64(), nullable=False, metadata={"unit": "", "doc": "next offset to read"}),
+    pa.field("log_id", pa.string(), nullable=False,
+             metadata={"unit": "", "doc": "the log the offset was read from: the broker's topic id, else "
+                                          "'cluster:' and its cluster id; '' = unknown (stored before it was kept)"}),
 ])
+
+OFFSET_RESET = pa.schema([
+    OFFSETS.field("source_id"), OFFSETS.field("topic"), OFFSETS.field("partition"),
+    pa.field("reset_ns", pa.int64(), nullable=False, metadata={"unit": "ns", "doc": "when, wall clock"}),
+    pa.field("from_offset", pa.int64(), nullable=False,
+             metadata={"unit": "", "doc": "the stored offset given up (in the lost log)"}),
+    pa.field("from_log_id", pa.string(), nullable=False, metadata={"unit": "", "doc": "the log it was read from"}),
+    pa.field("to_offset", pa.int64(), nullable=False, metadata={"unit": "", "doc": "where reading goes on"}),
+    pa.field("to_log_id", pa.string(), nullable=False, metadata={"unit": "", "doc": "the partition's log now"}),
+    pa.field("by", pa.string(), nullable=False,
+             metadata={"unit": "", "doc": "what moved it: 'start' (run with kafka.on_lost_log = rewind), "
+                                          "'shard N' (while running), 'offsets reset' (the command)"}),
+    pa.field("reason", pa.string(), nullable=False, metadata={"unit": "", "doc": "what was found"}),
+], metadata={b"stragglerscope.kind": b"offset_reset"})
+"""Audit of stored offsets moved because the broker lost its data: nothing is skipped without a row here."""
+
+SHARD_STATE = pa.schema([
+    OFFSETS.field("source_id"),
+    pa.field("shard", pa.string(), nullable=False,
+             metadata={"unit": "", "doc": "the partitions the state covers, e.g. 'p0,2,4/8'"}),
+    pa.field("format", pa.int32(), nullable=False, metadata={"unit": "", "doc": "version of the state's encoding"}),
+    pa.field("state", pa.string(), nullable=False,
+             metadata={"unit": "", "doc": "the shard's open hang, alert and downtime state, compressed, base64 (text "
+                                          "reads back unchanged from every backend)"}),
+])
+"""A shard's reducer state (ray_jobs.state): what a restarted shard resumes from, with the offsets stored after it."""
 
 ALERT_ACK = pa.schema([
     pa.field("alert_id", pa.string(), nullable=False, metadata={"unit": "", "doc": "the acknowledged alert"}),

@@ -159,6 +159,13 @@ class AlertReducer:
                 self._publish(a)
         return [Unit(f"{len(alerts)} alert(s)", {"alert": codec.from_rows(S.ALERT, alerts)}, on_stored=stored)]
 
+    def state(self) -> dict:
+        """What a restarted shard resumes from (``ray_jobs.state``): when each (job, rule) last alerted (wall s)."""
+        return {"cooldowns": dict(self.rules._last)}
+
+    def restore(self, state: dict) -> None:
+        self.rules._last.update(state["cooldowns"])
+
     def snapshot(self) -> dict:
         return dict(alerts=self.published)
 

@@ -75,13 +75,12 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
     row = _window_row(info, key, ops, complete, note)
     skew = worker_clock_skew(ops)
     if skew is not None:
-        # One worker's clock is hours off: its spans would stretch the window, and the GPU-hours and
+        # Some workers' clocks are hours off: their spans would stretch the window, and the GPU-hours and
         # the slowdown with it. Flag the window and keep it out of fleet statistics (S stays NaN).
-        off_s, (dp, pp), limit_s = skew
         row["verdict"] = "clock_skew"
         row["complete"] = False
-        row["note"] = ((note + "; " if note else "") + f"clock of worker dp={dp} pp={pp} is {off_s:+.1f} s off its "
-                       f"peers (more than {limit_s:.1f} s): window not analysed, left out of fleet statistics")
+        row["note"] = ((note + "; " if note else "") + f"clock skew: {skew.describe()} (more than "
+                       f"{skew.threshold_s:.1f} s): window not analysed, left out of fleet statistics")
         return _tables(row, links)
     try:
         result = analyze(ops, info.layout, allow_incomplete=True)

@@ -16,9 +16,10 @@ the rest. A bad row never costs its neighbours their place.
 Clocks: heartbeats and collectives are live records, stamped on the job clock,
 which the exporters align to wall time. A rank whose clock is off by more than
 ``max_clock_skew_s`` (a host without NTP, a reset RTC) gets its skew estimated
-from its heartbeats and subtracted from its heartbeats and collectives
-(``ClockGuard``), so that a rank running three hours ahead can neither hide a
-hang nor fake one.
+from its heartbeats, against its peers' clocks, and subtracted from its
+heartbeats, collectives and checkpoints (``ClockGuard``), so that a rank
+running three hours ahead can neither hide a hang nor fake one, nor make a
+healthy peer look lost.
 """
 from __future__ import annotations
 
@@ -184,13 +185,23 @@ def check_heartbeats(table: pa.Table, key: str | None, layout: JobLayout | None,
     return _apply(table, "heartbeat", rules)
 
 
-def check_registration(row: Mapping[str, Any], key: str | None, limits: ValidationConfig) -> str:
-    """Why a JOB row cannot be accepted, or "" (then ``Registration.from_row`` cannot fail)."""
+def check_registration(row: Mapping[str, Any], key: str | None, limits: ValidationConfig, *,
+                       stored: bool = False) -> str:
+    """Why a JOB row cannot be accepted, or "" (then ``Registration.from_row`` cannot fail).
+
+    A registration from Kafka needs the key its job id names, as every other record does: keyless, it could
+    land on another shard than the job's records and register the job where none of them is. ``stored``: the
+    row was read back from the store, where registrations have no key (it was checked when it arrived).
+    """
     problem = job_id_problem(row.get("job_id"), limits.max_job_id_len)
     if problem:
         return problem
-    if key is not None and row["job_id"] != key:
-        return f"job_id differs from the Kafka key {key!r}"
+    if not stored:
+        problem = job_id_problem(key, limits.max_job_id_len) if key is not None else "no Kafka key"
+        if problem:
+            return f"{problem} (Kafka key)"
+        if row["job_id"] != key:
+            return f"job_id differs from the Kafka key {key!r} (a job's records must share one key)"
     if row.get("attempt", 0) < 0:
         return "negative attempt"
     sizes = {k: row.get(k) for k in ("dp_size", "pp_size", "tp_size", "cp_size", "vpp_size")}
@@ -216,49 +227,133 @@ def check_registration(row: Mapping[str, Any], key: str | None, limits: Validati
 
 
 class ClockGuard:
-    """Clocks that cannot be right, corrected in heartbeats and collectives.
+    """Clocks that cannot be right, corrected in heartbeats, collectives and checkpoints.
 
     Heartbeats are live, so a heartbeat stamped more than ``max_clock_skew_s``
     ahead of the wall clock, or more than ``max_record_age_s`` behind it (no
-    backlog is that old; a reset RTC says 1970), comes from a wrong clock. Its
-    offset to the wall clock at arrival is that rank's skew (plus a transport
-    delay of milliseconds): it is subtracted from every time of the rank's
-    heartbeats and collectives until a heartbeat within bounds arrives. Offsets
-    inside those bounds are left alone: a backlog replayed after a restart is
+    backlog is that old; a reset RTC says 1970), comes from a wrong clock. That
+    rank's skew is subtracted from every time of its heartbeats, collectives
+    and checkpoints until a heartbeat within bounds arrives. Offsets inside
+    those bounds are left alone: a backlog replayed after a restart is
     legitimately hours behind. A rank a few minutes behind its peers is not
     caught here (that needs the peers' step times; see the window's check).
+
+    The skew is the heartbeat's offset to the wall clock at arrival *minus the
+    delay of the input it came with*: the delay of the latest heartbeats of the
+    job's ranks whose clocks are plausible (one Kafka key, one partition, one
+    lag), or of any job when none of its clocks is. Measured against arrival
+    alone, a corrected rank would read as fresher than its peers by the input's
+    delay: under a lag longer than the heartbeat timeout its healthy peers
+    looked lost (the node-loss page named the wrong host), a backlog read in a
+    burst made a lost rank look alive, and the hang monitor's evaluation clock,
+    held back to the newest heartbeat, was pushed to the wall for every job.
+    Before the first plausible heartbeat (a shard that starts on a backlog)
+    there is nothing to measure against: a wrong clock's heartbeats are left
+    as they are, so ``check_heartbeats`` refuses them, until one arrives or
+    ``_BLIND_ROWS`` heartbeats went by without one (every clock the shard
+    hears is wrong: arrival is then the only reference).
     """
 
     _HB_TIMES = ("ts_ns", "last_op_end_ns", "inflight_since_ns", "step_done_ns")
     _CCL_TIMES = ("enter_ns", "exit_ns")
+    _CKPT_TIMES = ("ts_ns",)
+    _PEERS = 8
+    """Plausible ranks per job whose delays are kept: the median of a few is not fooled by one odd clock."""
+    _BLIND_ROWS = 64
+    """Heartbeats with no plausible clock among them after which arrival is taken as the reference."""
 
-    def __init__(self, limits: ValidationConfig, max_ranks: int = 1_000_000):
+    def __init__(self, limits: ValidationConfig, max_ranks: int = 1_000_000, max_jobs: int = 100_000):
         self.ahead_ns = int(limits.max_clock_skew_s * _NS)
         self.behind_ns = int(limits.max_record_age_s * _NS)
         self.skew: dict[tuple[str, int, int], int] = {}  # (job, attempt, rank) -> ns to subtract
         self._jobs: dict[str, int] = {}  # job -> ranks of it in ``skew``: other jobs' batches skip the row loop
         self._max = max_ranks
+        self._delay: dict[str, dict[int, int]] = {}  # job -> {plausible rank: arrival minus ts of its latest}
+        self._max_jobs = max_jobs
+        self._input_delay: int | None = None  # the same, of the latest plausible heartbeat of any job
+        self._blind = 0  # heartbeats seen before any plausible one
         self.corrected_rows = 0
 
     def correct_heartbeats(self, table: pa.Table, wall_ns: int) -> pa.Table:
         if table.num_rows == 0:
             return table
-        off = _col(table, "ts_ns") - wall_ns
+        ts = _col(table, "ts_ns")
+        off = ts - wall_ns
         wrong = (off > self.ahead_ns) | (off < -self.behind_ns)
+        self._note_delays(table, -off, wrong)
         if not wrong.any() and not any(j in self._jobs for j in pc.unique(table["job_id"]).to_pylist()):
             return table
         keys = _rank_keys(table)
+        # One skew per rank and table, from its newest heartbeat: a table's heartbeats keep their spacing.
+        newest: dict[tuple[str, int, int], int] = {}
         for i, k in enumerate(keys):
-            if wrong[i]:
-                if k not in self.skew:
-                    if len(self.skew) >= self._max:
-                        self._forget(next(iter(self.skew)))
-                    self._jobs[k[0]] = self._jobs.get(k[0], 0) + 1
-                self.skew[k] = int(off[i])
-            elif k in self.skew:
+            if wrong[i] and (k not in newest or ts[i] > ts[newest[k]]):
+                newest[k] = i
+        if self._input_delay is None:
+            self._blind += int(wrong.sum())
+        for k, i in list(newest.items()):
+            ref = self._reference_delay(k[0])
+            if ref is None:
+                del newest[k]  # nothing to measure against yet: left as it is, refused by the checks
+                continue
+            if k not in self.skew:
+                if len(self.skew) >= self._max:
+                    self._forget(next(iter(self.skew)))
+                self._jobs[k[0]] = self._jobs.get(k[0], 0) + 1
+            self.skew[k] = int(off[i]) + ref
+        for k in {k for i, k in enumerate(keys) if not wrong[i]} - newest.keys():
+            if k in self.skew:
                 self._forget(k)  # its clock is plausible again: trust it
-        delta = np.where(wrong, off, 0)
+        delta = np.array([self.skew[k] if wrong[i] and k in newest else 0 for i, k in enumerate(keys)],
+                         dtype=np.int64)
         return self._shift(table, delta, self._HB_TIMES)
+
+    def _note_delays(self, table: pa.Table, delay: np.ndarray, wrong: np.ndarray) -> None:
+        """Remember how late the heartbeats of plausible clocks arrive, per job: the reference of a skewed peer."""
+        if table.num_rows == 1:  # the usual message: one rank's heartbeat
+            if not wrong[0]:
+                self._input_delay = max(int(delay[0]), 0)  # a clock a little ahead: no negative delay
+                self._remember(table["job_id"][0].as_py(), [(table["rank"][0].as_py(), self._input_delay)])
+            return
+        rows = np.flatnonzero(~wrong)
+        if not len(rows):
+            return
+        delay = np.maximum(delay, 0)
+        self._input_delay = int(delay[rows[-1]])
+        rank = _col(table, "rank")
+        jobs = table["job_id"].combine_chunks().dictionary_encode()
+        job_of = jobs.indices.to_numpy(zero_copy_only=False)[rows]
+        for j, job in enumerate(jobs.dictionary.to_pylist()):
+            mine = rows[job_of == j][::-1]  # newest first
+            if not len(mine):
+                continue
+            _, first = np.unique(rank[mine], return_index=True)  # each rank's newest row
+            newest = mine[np.sort(first)[:self._PEERS]][::-1]  # the last few ranks heard, oldest first
+            self._remember(job, list(zip(rank[newest].tolist(), delay[newest].tolist())))
+
+    def _remember(self, job: str, delays: list[tuple[int, int]]) -> None:
+        """(rank, delay) of the job's newest plausible heartbeats, oldest first, into the job's few kept."""
+        known = self._delay.pop(job, None)  # re-inserted last: the dict's order is least recently heard first
+        if known is None:
+            known = {}
+            if len(self._delay) >= self._max_jobs:
+                del self._delay[next(iter(self._delay))]
+        for rank, d in delays:
+            known.pop(rank, None)
+            known[rank] = int(d)
+        while len(known) > self._PEERS:
+            del known[next(iter(known))]
+        self._delay[job] = known
+
+    def _reference_delay(self, job: str) -> int | None:
+        """How late the job's input arrives now: the median delay of its plausible ranks, else of the input's
+        latest plausible heartbeat; None while no plausible heartbeat was seen at all."""
+        peers = self._delay.get(job)
+        if peers:
+            return int(np.median(list(peers.values())))
+        if self._input_delay is None:
+            return 0 if self._blind > self._BLIND_ROWS else None
+        return self._input_delay
 
     def _forget(self, k: tuple[str, int, int]) -> None:
         del self.skew[k]
@@ -267,10 +362,18 @@ class ClockGuard:
             del self._jobs[k[0]]
 
     def correct_ccl(self, table: pa.Table) -> pa.Table:
+        return self._shift_known(table, self._CCL_TIMES)
+
+    def correct_checkpoints(self, table: pa.Table) -> pa.Table:
+        """Checkpoint times of a rank whose heartbeats showed a wrong clock: a save stamped 1970 would otherwise
+        last 55 years in the downtime accountant (which takes a save's start as its earliest rank's)."""
+        return self._shift_known(table, self._CKPT_TIMES)
+
+    def _shift_known(self, table: pa.Table, fields: tuple[str, ...]) -> pa.Table:
         if table.num_rows == 0 or not self.skew:
             return table
         delta = np.array([self.skew.get(k, 0) for k in _rank_keys(table)], dtype=np.int64)
-        return self._shift(table, delta, self._CCL_TIMES)
+        return self._shift(table, delta, fields)
 
     def _shift(self, table: pa.Table, delta: np.ndarray, fields: tuple[str, ...]) -> pa.Table:
         if not delta.any():
@@ -288,16 +391,43 @@ def _rank_keys(table: pa.Table) -> list[tuple[str, int, int]]:
     return list(zip(table["job_id"].to_pylist(), _col(table, "attempt").tolist(), _col(table, "rank").tolist()))
 
 
-def worker_clock_skew(ops: pa.Table) -> tuple[float, tuple[int, int], float] | None:
-    """The worker whose clock is furthest off its peers in an op-span window, when it is implausibly far.
+@dataclasses.dataclass(frozen=True)
+class ClockSkew:
+    """Workers of an op-span window whose clocks sit implausibly far from the other workers' clocks."""
+
+    workers: tuple[tuple[tuple[int, int], float], ...]
+    """((dp_rank, pp_rank), offset in s to the reference workers) of each shifted worker, in worker order."""
+    threshold_s: float
+    """Offsets beyond this are implausible: two median step times, at least one second."""
+
+    def describe(self, most: int = 8) -> str:
+        """'dp1/pp0 +10800.0 s, dp1/pp1 +10800.0 s off the other workers' (the window's note), ``most`` named."""
+        named = [f"dp{dp}/pp{pp} {off:+.1f} s" for (dp, pp), off in self.workers[:most]]
+        if len(self.workers) > most:
+            named.append(f"{len(self.workers) - most} more workers")
+        return ", ".join(named) + " off the other workers"
+
+
+def worker_clock_skew(ops: pa.Table) -> ClockSkew | None:
+    """The workers whose clocks are implausibly far off the others' in an op-span window, each with its offset.
 
     Workers of a synchronous job start every step within one step time of each
     other (pipeline stages later by their warm-up, a DP rank by its wait). A
     worker whose step starts sit, at the median over the window's steps, more
     than two median step times (and at least one second) from the other
     workers' has a clock that is off, and its spans would stretch the window
-    and its GPU-hours. Returns (offset in s, (dp_rank, pp_rank), threshold in s)
-    or None.
+    and its GPU-hours.
+
+    Offsets are measured against the workers whose clocks agree, not against
+    every worker: with two of four workers 3 h ahead, the median of all four
+    sits halfway and would call each worker 1.5 h off. So the workers are first
+    grouped by clock (offsets to the per-step median, sorted, split where two
+    neighbours differ by more than the threshold); the largest group is the
+    reference, and each worker outside it is measured against the median of the
+    reference workers of the same steps. With no single largest group (two
+    workers, or two against two) the group of the lowest worker is the
+    reference: dp0/pp0 holds rank 0, whose clock is the job clock the exporters
+    align the others' to.
     """
     if ops.num_rows == 0:
         return None
@@ -311,18 +441,36 @@ def worker_clock_skew(ops: pa.Table) -> tuple[float, tuple[int, int], float] | N
     start = g["start_min"].to_numpy().astype(np.float64)
     span = g["end_max"].to_numpy().astype(np.float64) - start
     steps, idx = np.unique(step, return_inverse=True)
-    dev = start - _group_median(idx, start, len(steps))[idx]
     workers = g["dp"].to_numpy().astype(np.int64) * (1 << 32) + g["pp"].to_numpy().astype(np.int64)
     ids, widx = np.unique(workers, return_inverse=True)
     if len(ids) < 2:
         return None
-    per_worker = _group_median(widx, dev, len(ids))
-    worst = int(np.argmax(np.abs(per_worker)))
     threshold_ns = max(2.0 * float(np.median(span)), 1e9)
-    if abs(per_worker[worst]) <= threshold_ns:
+    per_worker = _group_median(widx, start - _group_median(idx, start, len(steps))[idx], len(ids))
+    order = np.argsort(per_worker, kind="stable")
+    clock = np.empty(len(ids), dtype=np.int64)
+    clock[order] = np.concatenate([[0], np.cumsum(np.diff(per_worker[order]) > threshold_ns)])
+    if clock.max() == 0:
+        return None  # one clock: however the workers spread, no two neighbours are implausibly far apart
+    sizes = np.bincount(clock)
+    # ``ids`` are sorted, so the first worker of the largest groups decides a tie in favour of the lowest worker.
+    ref = clock[np.flatnonzero(sizes[clock] == sizes.max())[0]]
+    in_ref = clock[widx] == ref
+    ref_steps, ref_idx = np.unique(idx[in_ref], return_inverse=True)
+    ref_at = np.full(len(steps), np.nan)
+    ref_at[ref_steps] = _group_median(ref_idx, start[in_ref], len(ref_steps))
+    off = start - ref_at[idx]
+    mine = ~in_ref & ~np.isnan(off)  # the other workers' steps that some reference worker ran too
+    if not mine.any():
         return None
-    wid = int(ids[worst])
-    return per_worker[worst] / 1e9, (wid >> 32, wid & 0xFFFFFFFF), threshold_ns / 1e9
+    others, oidx = np.unique(widx[mine], return_inverse=True)
+    offsets = _group_median(oidx, off[mine], len(others))
+    far = np.abs(offsets) > threshold_ns
+    if not far.any():
+        return None
+    shifted = tuple(((int(ids[w] >> 32), int(ids[w] & 0xFFFFFFFF)), float(o) / 1e9)
+                    for w, o in zip(others[far], offsets[far]))
+    return ClockSkew(shifted, threshold_ns / 1e9)
 
 
 def _group_median(group: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:

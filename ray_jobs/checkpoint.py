@@ -12,9 +12,12 @@ sink and the only place that stores offsets, in this order:
    are published): never before its rows are stored.
 3. Write the best-effort units (raw spans kept for drill-down): after step 2
    so alerts never wait for them; a failure costs them, nothing else.
-4. Store the committable offsets, when no unit is left pending and at most
-   once per commit interval (``force`` on stop). A restart re-reads from
-   them, and the tables' keys absorb what a replay stores twice.
+4. When no unit is left pending: store the reducers' state when a snapshot is
+   due (``ray_jobs.state.StateKeeper``), then the committable offsets, capped
+   at the positions the last stored snapshot covers, with the log each was
+   read from, at most once per commit interval (``force`` on stop). A restart
+   restores the snapshot and re-reads from the offsets, and the tables' keys
+   absorb what a replay stores twice.
 
 A unit the store refuses ``max_attempts`` times while it answers (``probe``)
 is given up: its ``give_up`` returns what to store instead (a window becomes
@@ -92,7 +95,8 @@ class Checkpoint:
 
     def __init__(self, sink, source, committable: Callable[[dict], dict], source_id: str,
                  commit_interval_s: float, clock: Clock, probe: Callable[[], Any] | None = None,
-                 max_attempts: int = 3):
+                 max_attempts: int = 3, state=None):
+        """``state``: a ``ray_jobs.state.StateKeeper`` (None: no reducer state to keep, offsets uncapped)."""
         self.sink = sink
         self.source = source
         self._committable = committable
@@ -101,12 +105,14 @@ class Checkpoint:
         self.clock = clock
         self._probe = probe
         self.max_attempts = max_attempts
+        self.state = state
         self.pending: list[Unit] = []
         self.committed: dict = {}
         self._due = 0.0
         self.commits = 0
         self.units_dropped = 0
         self.last_error = ""
+        """The store's last refusal, until a write succeeds again (for the shard's status)."""
         self._down_since: float | None = None
 
     def add(self, unit: Unit) -> None:
@@ -122,11 +128,23 @@ class Checkpoint:
             if u.on_stored is not None:
                 u.on_stored()
         self._store_best_effort(extra)
-        if self.pending or (not force and now < self._due):
+        if self.pending:
             return
-        committable = self._committable(self.source.positions())
+        positions = self.source.positions()
+        if self.state is not None:
+            try:  # every unit emitted so far is stored: a snapshot now hides no result
+                self.state.save(now, positions, force)
+            except Exception as e:  # the offsets stay where the last stored snapshot is
+                self.last_error = f"store: saving the shard's state failed: {type(e).__name__}: {e}"[:500]
+                log.warning("%s", self.last_error)
+        if not force and now < self._due:
+            return
+        committable = self._committable(positions)
+        if self.state is not None:
+            committable = self.state.cap(committable)
         if committable != self.committed:  # an idle shard writes nothing
-            self.sink.store_offsets(self.source_id, committable)
+            logs = self.source.log_ids()
+            self.sink.store_offsets(self.source_id, committable, {tp: logs[tp] for tp in committable if tp in logs})
             self.committed = committable
             self.commits += 1
             self._due = now + self.commit_interval_s
@@ -138,6 +156,7 @@ class Checkpoint:
         try:
             self._write(units)
             self._back(units)
+            self.last_error = ""  # the store takes writes again: the status stops showing the old failure
             return units
         except Exception as e:
             error = e
@@ -163,6 +182,8 @@ class Checkpoint:
             except Exception as e:
                 self._refused(u, e)
         self._back(stored)
+        if len(stored) == len(units):  # it was the batch, not a unit: nothing is refused now
+            self.last_error = ""
         return stored
 
     def _back(self, stored: list[Unit]) -> None:

@@ -38,5 +38,14 @@ class DowntimeReducer:
             self.incidents += n
         return [Unit(f"{len(rows)} downtime incident(s)", to_tables(rows), on_stored=stored)]
 
+    def state(self):
+        """What a restarted shard resumes from (``ray_jobs.state``): the accountant with its open incidents."""
+        return self.accountant
+
+    def restore(self, state) -> None:
+        mine = self.accountant  # its settings are this process's
+        state.lateness_ns, state.step_window_ns, state.keep_ns = mine.lateness_ns, mine.step_window_ns, mine.keep_ns
+        self.accountant = state
+
     def snapshot(self) -> dict:
         return dict(downtime_incidents=self.incidents)

@@ -23,7 +23,7 @@ _NS = 1_000_000_000
 
 
 class HangMonitor:
-    consumes = frozenset({"heartbeat", "ccl_record"})
+    consumes = frozenset({"heartbeat", "ccl_record", "job"})
 
     def __init__(self, params: HangParams = HangParams(), every_s: float = 1.0, forget_after_s: float = 3600.0,
                  clock: Clock = Clock()):
@@ -36,6 +36,7 @@ class HangMonitor:
         self._last_eval = 0.0
         self.last_input = 0.0
         self._freshest_ns = 0  # newest heartbeat seen from any job (job clock)
+        self._freshest_arrived_ns = 0  # when it arrived (wall clock)
         self.hangs = 0  # stored
         self.heartbeat_age_s = 0.0  # wall clock minus the newest heartbeat, at its arrival
         self.clock_held_back_s = 0.0  # wall clock minus the evaluation time, at the last evaluation
@@ -56,9 +57,11 @@ class HangMonitor:
         self.last_input = now
         if table.num_rows:
             newest = int(pc.max(table["ts_ns"]).as_py())
-            self._freshest_ns = max(self._freshest_ns, newest)
+            wall = self.clock.wall_ns()
+            if newest > self._freshest_ns:
+                self._freshest_ns, self._freshest_arrived_ns = newest, wall
             # How stale the input is on arrival (exporter -> broker -> here); hang detection waits for it.
-            self.heartbeat_age_s = (self.clock.wall_ns() - newest) / _NS
+            self.heartbeat_age_s = (wall - newest) / _NS
         for key, tr, sub in self._by_job(table):
             tr.add_heartbeats(sub)
             self._last_seen[key] = now
@@ -77,8 +80,13 @@ class HangMonitor:
         if self._freshest_ns:
             # Judge the data as of what it has reached: while the input lags (a backlog after a
             # restart, a slow consumer) the newest records are older than the wall clock, and
-            # measuring stalls against the wall would call every job hung on stale state.
-            wall_ns, now_ns = now_ns, min(now_ns, self._freshest_ns + int(self.params.heartbeat_timeout_s * 1e9))
+            # measuring stalls against the wall would call every job hung on stale state. The clock
+            # runs on from the newest heartbeat as the wall has since it arrived (so a steady lag of
+            # 45 s pages nobody: every rank is judged 45 s behind), and at most a heartbeat timeout
+            # past it (an input that stopped proves nothing about the jobs).
+            since = max(0, now_ns - self._freshest_arrived_ns)
+            timeout_ns = int(self.params.heartbeat_timeout_s * 1e9)
+            wall_ns, now_ns = now_ns, min(now_ns, self._freshest_ns + min(since, timeout_ns))
             self.clock_held_back_s = (wall_ns - now_ns) / _NS
         input_alive = now - self.last_input < self.params.heartbeat_timeout_s
         hangs = []
@@ -93,8 +101,19 @@ class HangMonitor:
         return to_tables(hangs, now_ns)["hang"]
 
     # -- the reducer interface ------------------------------------------------
+    def add_registrations(self, table: pa.Table) -> None:
+        """A job registering attempt n was restarted: its earlier attempts' ranks going silent is the restart,
+        not node loss (their trackers are dropped; a hang found before stays stored)."""
+        for job, attempt in zip(table["job_id"].to_pylist(), table["attempt"].to_pylist()):
+            for key in [k for k in self.trackers if k[0] == job and k[1] < attempt]:
+                del self.trackers[key]
+                self._last_seen.pop(key, None)
+
     def add(self, kind: str, table: pa.Table, at=None, now: float = 0.0) -> None:
-        (self.add_heartbeats if kind == "heartbeat" else self.add_ccl)(table, now)
+        if kind == "job":
+            self.add_registrations(table)
+        else:
+            (self.add_heartbeats if kind == "heartbeat" else self.add_ccl)(table, now)
 
     def due(self, now: float) -> list[Unit]:
         """The hangs found since the last evaluation, as one unit (hangs never wait for a window)."""
@@ -105,6 +124,19 @@ class HangMonitor:
         def stored(n=hangs.num_rows):
             self.hangs += n
         return [Unit(f"{hangs.num_rows} hang(s)", {"hang": hangs}, on_stored=stored)]
+
+    def state(self) -> dict:
+        """What a restarted shard resumes from (``ray_jobs.state``): every job's tracker, as of now."""
+        return {"trackers": self.trackers, "freshest_ns": self._freshest_ns}
+
+    def restore(self, state: dict) -> None:
+        now = self.clock.monotonic()
+        self.trackers = dict(state["trackers"])
+        for tr in self.trackers.values():
+            tr.params = self.params  # this process's settings, not those of the one that saved them
+        self._last_seen = {key: now for key in self.trackers}  # monotonic times do not cross processes
+        if int(state["freshest_ns"]) > self._freshest_ns:  # its arrival is unknown here: as of now
+            self._freshest_ns, self._freshest_arrived_ns = int(state["freshest_ns"]), self.clock.wall_ns()
 
     def snapshot(self) -> dict:
         return dict(hangs=self.hangs, heartbeat_age_s=self.heartbeat_age_s,

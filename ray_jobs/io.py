@@ -77,7 +77,10 @@ class KafkaSource:
 
     def __init__(self, bootstrap: KafkaConn | str, topics: Iterable[str], partitions: Iterable[int],
                  client_id: str = "stragglerscope-shard", max_poll_records: int = 500,
-                 check_interval_s: float = 2.0):
+                 check_interval_s: float = 2.0, on_lost_log: str = "stop"):
+        """``on_lost_log``: what to do with a partition whose log is not the one its offset counts in (the
+        broker lost its data): 'stop' pauses it and reports it in ``problems``; 'rewind' reads the new log
+        from its start, and each such move is kept for the audit (``take_resets``)."""
         self.conn = as_conn(bootstrap)
         self.bootstrap = self.conn.bootstrap
         self.families = tuple(topics)
@@ -97,6 +100,10 @@ class KafkaSource:
         self._end_checked = 0.0
         self._problems: dict[TopicPartition, str] = {}
         self._topic_ids: dict[str, Any] = {}
+        self.on_lost_log = on_lost_log
+        self._stored_logs: dict[TopicPartition, str] = {}
+        self._lost: dict[TopicPartition, tuple[str, str]] = {}  # (why, old log id): paused until rewound
+        self._resets: list[dict] = []  # rewinds done, for the audit table
 
     def setup(self) -> None:
         from kafka import KafkaConsumer
@@ -149,15 +156,21 @@ class KafkaSource:
             for p in self.partitions:
                 self._positions.pop((t, p), None)
                 self._problems.pop((t, p), None)
+                self._lost.pop((t, p), None)
         self.topics = tuple(t for t in self.topics if t not in retired) + tuple(new)
         self._tps = [self._KTP(t, p) for t in self.topics for p in self.partitions]
         self._consumer.assign(self._tps)  # keeps the fetch state of the partitions it had
         for t in new:
+            self._topic_ids[t] = self._topic_id(t)
             for p in self.partitions:
                 off = self._stored.get((t, p), 0)
                 self._consumer.seek(self._KTP(t, p), off)
                 self._positions[(t, p)] = off
-            self._topic_ids[t] = self._topic_id(t)
+                was = self._stored_logs.get((t, p), "")
+                now = self._format_log(self._topic_ids[t])
+                if off > 0 and was and now and was != now:  # a generation created again under its old name
+                    self._log_lost((t, p), f"the stored offset {off} was read from another log ({was}; the "
+                                           f"partition's log is {now} now): the broker lost its records", was)
 
     @property
     def problems(self) -> list[str]:
@@ -172,6 +185,67 @@ class KafkaSource:
         with _suppress_kafka():
             self._consumer.pause(self._KTP(*tp))
         log.warning("not reading %s[%d] any more: %s; %s", tp[0], tp[1], what, self.PROBLEM_HINT)
+
+    def _log_lost(self, tp: TopicPartition, what: str, old_log: str | None = None) -> None:
+        """The broker lost ``tp``'s records (its log changed, or its end fell behind us): a problem, or with
+        ``on_lost_log = rewind`` paused until the shard calls ``rewind`` (once what it polled is handled)."""
+        if self.on_lost_log != "rewind":
+            self._problem(tp, what)
+            return
+        if tp in self._lost or tp in self._problems:
+            return
+        self._lost[tp] = (what, self._format_log(self._topic_ids.get(tp[0])) if old_log is None else old_log)
+        with _suppress_kafka():
+            self._consumer.pause(self._KTP(*tp))
+        log.warning("%s[%d]: %s; reading its new log from the start (kafka.on_lost_log = rewind)", tp[0], tp[1],
+                    what)
+
+    def lost_logs(self) -> list[TopicPartition]:
+        """Partitions waiting for ``rewind`` (``on_lost_log = rewind``)."""
+        return sorted(self._lost)
+
+    def rewind(self, tp: TopicPartition, by: str) -> int:
+        """Read ``tp`` from the start of the log it has now; the move is kept for ``take_resets``. Returns the
+        new position. The caller drops what it holds of the old log's offsets first (they count in a lost log)."""
+        reason, was_log = self._lost.pop(tp, ("", ""))
+        ktp = self._KTP(*tp)
+        begin = self._offsets("beginning", [ktp]).get(tp, 0)
+        was = self._positions.get(tp, 0)
+        self._topic_ids[tp[0]] = self._topic_id(tp[0])
+        with _suppress_kafka():
+            self._consumer.seek(ktp, begin)
+            self._consumer.resume(ktp)
+        self._positions[tp] = begin
+        self._resets.append(dict(topic=tp[0], partition=tp[1], from_offset=was, from_log_id=was_log,
+                                 to_offset=begin, to_log_id=self._format_log(self._topic_ids[tp[0]]), by=by,
+                                 reason=reason))
+        log.warning("%s[%d]: rewound from offset %d of the lost log to %d of the new one", tp[0], tp[1], was, begin)
+        return begin
+
+    def take_resets(self) -> list[dict]:
+        """The rewinds done since the last call (rows of ``core.schema.OFFSET_RESET`` less source and time)."""
+        out, self._resets = self._resets, []
+        return out
+
+    def _format_log(self, topic_id) -> str:
+        from core.kafka_admin import log_id
+
+        return log_id(topic_id, getattr(self._cluster(), "cluster_id", None))
+
+    def log_ids(self) -> dict[TopicPartition, str]:
+        """The log each assigned partition's position counts in, stored with the offsets (``core.kafka_admin.log_id``):
+        a later start can tell a partition's new log from this one. A partition paused because its log was
+        lost keeps the old log's id until it is rewound."""
+        out = {}
+        for t in self.topics:
+            now = self._format_log(self._topic_ids.get(t))
+            for p in self.partitions:
+                tp = (t, p)
+                held = tp in self._problems or tp in self._lost  # still at an offset of the old log
+                lid = (self._stored_logs.get(tp) or now) if held else now
+                if lid:
+                    out[tp] = lid
+        return out
 
     def _cluster(self):
         """kafka-python's metadata cache of the consumer (None where the client has none)."""
@@ -221,19 +295,46 @@ class KafkaSource:
             elif now is not None and now != was:
                 for ktp in self._tps:
                     if ktp.topic == topic:
-                        self._problem((topic, ktp.partition), "the topic was deleted and created again "
-                                      "(its topic id changed; the broker lost its records?)")
+                        self._log_lost((topic, ktp.partition), "the topic was deleted and created again "
+                                       "(its topic id changed; the broker lost its records?)")
 
-    def seek(self, stored: dict[TopicPartition, int]) -> None:
+    def seek(self, stored: dict[TopicPartition, int], stored_logs: dict[TopicPartition, str] | None = None,
+             by: str = "shard") -> None:
+        """Position every partition at its stored offset. ``stored_logs``: the log each offset was read from
+        (``log_ids`` of the source that stored it); an offset read from another log than the partition has
+        now counts in a lost log, and is a problem or is rewound (``on_lost_log``), never read on from."""
+        from core.kafka_admin import logs_changed
+
         if self._consumer is None:
             self.setup()
         self._stored = dict(stored)  # where generations that appear later start
+        self._stored_logs = dict(stored_logs or {})
         present = self._existing(fresh=True)
         begin = self._offsets("beginning", present, strict=True)  # a failure here fails the setup, as before
         self._end = self._offsets("end", present)  # lag before the first fetch; never a loss verdict
+        for topic in self.topics:
+            self._topic_ids[topic] = self._topic_id(topic)
+        changed = logs_changed(stored, self._stored_logs, {t: self._format_log(self._topic_ids[t])
+                                                           for t in self.topics})
         for ktp in self._tps:
             tp = (ktp.topic, ktp.partition)
             off = stored.get(tp, 0)
+            if tp in changed:
+                was, was_log, now_log = changed[tp]
+                what = (f"the stored offset {was} was read from another log ({was_log}; the partition's log is "
+                        f"{now_log} now): the broker lost its records")
+                if self.on_lost_log == "rewind":  # nothing of the old log is held yet: from the new log's start
+                    off = begin.get(tp, 0)
+                    log.warning("%s[%d]: %s; reading the new log from offset %d (kafka.on_lost_log = rewind)",
+                                tp[0], tp[1], what, off)
+                    self._resets.append(dict(topic=tp[0], partition=tp[1], from_offset=was, from_log_id=was_log,
+                                             to_offset=off, to_log_id=now_log, by=by, reason=what))
+                else:  # paused where it was: the stored offset and its log stay as they are
+                    off = was
+                    self._problem(tp, what)
+                self._consumer.seek(ktp, off)
+                self._positions[tp] = off
+                continue
             if tp in begin and off < begin[tp]:
                 if off > 0:
                     log.warning("%s[%d]: records %d to %d expired before they were read (retention); "
@@ -245,8 +346,6 @@ class KafkaSource:
             # One beyond the end shows at the first fetch: an error (Kafka) or a high watermark below it (Tansu).
             self._consumer.seek(ktp, off)
             self._positions[tp] = off
-        for topic in self.topics:
-            self._topic_ids[topic] = self._topic_id(topic)
 
     def _offsets(self, which: str, ktps: list, strict: bool = False) -> dict[TopicPartition, int]:
         if not ktps:
@@ -296,7 +395,7 @@ class KafkaSource:
                 self._consumer.seek(ktp, begin[tp])
                 self.advance(tp, begin[tp])
             elif not self._past_generation(tp[0]):
-                self._problem(tp, f"the position {pos} is beyond its end: the broker lost records")
+                self._log_lost(tp, f"the position {pos} is beyond its end: the broker lost records")
 
     def advance(self, tp: TopicPartition, next_offset: int) -> None:
         if next_offset > self._positions.get(tp, -1):
@@ -325,7 +424,7 @@ class KafkaSource:
         total = 0
         for ktp in self._tps:
             tp = (ktp.topic, ktp.partition)
-            if tp in self._problems:
+            if tp in self._problems or tp in self._lost:
                 continue
             try:
                 hw = self._consumer.highwater(ktp)
@@ -334,7 +433,7 @@ class KafkaSource:
             pos = self._positions.get(tp, 0)
             if hw is not None and hw < pos:
                 if not self._past_generation(tp[0]):
-                    self._problem(tp, f"its end {hw} is behind the position {pos}: the broker lost records")
+                    self._log_lost(tp, f"its end {hw} is behind the position {pos}: the broker lost records")
                 continue
             # Before the first fetch answer: the end ListOffsets gave at seek(), a lower bound on Tansu.
             end = hw if hw is not None else self._end.get(tp)
@@ -455,8 +554,18 @@ class ResultWriter:
     def load_offsets(self, source_id: str, topics, partitions) -> dict[TopicPartition, int]:
         return self._store.load_offsets(source_id, topics, partitions)
 
-    def store_offsets(self, source_id: str, offsets: dict[TopicPartition, int]) -> None:
-        self._store.store_offsets(source_id, offsets)
+    def store_offsets(self, source_id: str, offsets: dict[TopicPartition, int],
+                      log_ids: dict[TopicPartition, str] | None = None) -> None:
+        self._store.store_offsets(source_id, offsets, log_ids)
+
+    def load_offset_logs(self, source_id: str, topics, partitions) -> dict[TopicPartition, str]:
+        return self._store.load_offset_logs(source_id, topics, partitions)
+
+    def store_state(self, source_id: str, shard: str, fmt: int, state: bytes) -> None:
+        self._store.store_state(source_id, shard, fmt, state)
+
+    def load_state(self, source_id: str, shard: str) -> tuple[int, bytes] | None:
+        return self._store.load_state(source_id, shard)
 
     def load_jobs(self) -> list[dict]:
         return self._store.load_jobs()

@@ -50,8 +50,11 @@ _METRICS = (
 
 
 class MetricsServer:
-    def __init__(self, status: Callable[[], list[dict]], port: int = 0, host: str = "127.0.0.1"):
+    def __init__(self, status: Callable[[], list[dict]], port: int = 0, host: str = "127.0.0.1",
+                 placement: Callable[[], object] | None = None):
+        """``placement()``: the driver's last ``ray_jobs.placement.Placement`` (None: not known yet)."""
         self._status = status
+        self._placement = placement
         self.port = port
         self.host = host
         self._server = None
@@ -71,6 +74,13 @@ class MetricsServer:
         for st in shards:
             up.add_metric([str(st.get("shard", "?"))], 0.0 if st.get("unavailable") else 1.0)
         yield up
+        placed = self._placement() if self._placement is not None else None
+        if placed is not None:
+            yield GaugeMetricFamily("ss_shards_unplaceable", "shard actors no alive Ray node can hold",
+                                    value=float(placed.unplaced))
+            yield GaugeMetricFamily("ss_analysis_slots",
+                                    "analyses the Ray nodes can run at once beside the shards (0: none ever runs)",
+                                    value=float(placed.analysis_slots))
 
     def start(self) -> "MetricsServer":
         from prometheus_client import CollectorRegistry, start_http_server

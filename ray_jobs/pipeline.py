@@ -4,8 +4,10 @@
 topics that are missing (``kafka.partitions``, ``kafka.replication_factor``),
 refuses input topics with fewer partitions than configured or with
 different counts, and refuses to start when offsets stored for
-``source_id`` are beyond the end of their partitions (the broker lost
-records: ``stragglerscope offsets`` shows them and resets them). Then it
+``source_id`` are beyond the end of their partitions or were read from
+another log than the partitions have now (the broker lost records:
+``stragglerscope offsets`` shows them and resets them; with
+``kafka.on_lost_log = rewind`` they are rewound, with an audit row). Then it
 connects to Ray (or starts a local one bound to 127.0.0.1), creates
 ``cfg.pipeline.shards`` shard actors, each owning the partitions ``p`` with
 ``p % shards == index`` of every input topic, counted over the topics'
@@ -140,13 +142,35 @@ def init_ray(cfg: Config) -> None:
             ray.init(address=cfg.ray.address, log_to_driver=False, configure_logging=True,
                      logging_level=logging.WARNING)  # no "Connecting to ..." lines among run's own
         except (ConnectionError, ValueError, RuntimeError, TimeoutError) as e:  # ray[client] missing, refused ...
-            raise PipelineError(f"cannot connect to Ray at {cfg.ray.address}: {_first_line(e)}") from None
+            raise PipelineError(f"cannot connect to Ray at {cfg.ray.address}: {_first_line(e)}{_token_hint()}"
+                                ) from None
         return
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set by ray_jobs/__init__.py, before Ray is imported.
     ray.init(
         num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
         log_to_driver=False, configure_logging=True, logging_level=logging.WARNING,
     )
+
+
+TOKEN_HELP = ("set RAY_AUTH_MODE=token and the cluster's token on this driver (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, "
+              "or the file ~/.ray/auth_token; `ray get-auth-token` on a node prints it): README, On a Ray cluster")
+
+
+def _token_hint() -> str:
+    """Why Ray refused the connection, where its native log says it was the token (``ray.init`` only says that it
+    could not connect, after 20 s of retries)."""
+    import os
+
+    from core.logs import NativeStderr
+
+    native = NativeStderr.current()
+    said = native.tail() if native is not None else ""
+    if "InvalidAuthToken" in said or "Unauthenticated" in said:
+        got = "a token" if os.environ.get("RAY_AUTH_MODE") == "token" else "no token (RAY_AUTH_MODE is not token)"
+        return f"; the cluster requires token authentication and this driver sent {got} or the wrong one: {TOKEN_HELP}"
+    if os.environ.get("RAY_AUTH_MODE") != "token":
+        return f"; if the cluster uses token authentication (Ray's default for every cluster from 2.61), {TOKEN_HELP}"
+    return ""
 
 
 def _first_line(e: BaseException) -> str:
@@ -288,38 +312,111 @@ def stored_offsets(open_store: Callable[[str], Any], store_url: str, source_id: 
         store.close()
 
 
-def check_offsets(cfg: Config, source_id: str, open_store: Callable[[str], Any],
-                  stored: dict[tuple[str, int], int] | None = None) -> None:
-    """OffsetsAheadError when an offset stored for ``source_id`` is beyond its partition's end.
+@dataclasses.dataclass(frozen=True)
+class OffsetCheck:
+    """Stored offsets of a source against the broker (``inspect_offsets``)."""
+    stored: dict[tuple[str, int], int]
+    logs: dict[tuple[str, int], str]
+    """The log each stored offset was read from ('' = stored before logs were kept)."""
+    ends: dict[tuple[str, int], int | None]
+    logs_now: dict[str, str]
+    ahead: dict[tuple[str, int], tuple[int, int]]
+    """Beyond their partition's end: (stored, end)."""
+    changed: dict[tuple[str, int], tuple[int, str, str]]
+    """Read from another log than the partition has now: (stored, that log, the log now)."""
 
-    The shards would otherwise wait at those offsets and skip the records the
-    broker gives them next: the broker lost records (restarted empty, topic
-    deleted and re-created), and nothing read them. The message names the way out.
-    """
-    from core.kafka_admin import OffsetsAheadError, end_offsets, offsets_ahead
+    @property
+    def lost(self) -> list[tuple[str, int]]:
+        return sorted(set(self.ahead) | set(self.changed))
 
-    stored = stored_offsets(open_store, cfg.store.url, source_id) if stored is None else stored
-    stored = {tp: off for tp, off in stored.items() if off > 0}
-    if not stored:
-        return
-    ends = end_offsets(cfg.kafka.conn(), stored)
-    # A past generation that is gone was read to its end and retired (services.topic_generations).
+
+def inspect_offsets(cfg: Config, store, source_id: str) -> OffsetCheck:
+    """The offsets stored for ``source_id`` in ``store`` (open), each against its partition's end and log."""
+    from core import topics
+    from core.kafka_admin import end_offsets, logs_changed, offsets_ahead, topic_logs
     from core.topics import past_generation
 
+    stored = store.load_offsets(source_id, topics.INPUT_TOPICS, None)
+    logs = store.load_offset_logs(source_id, topics.INPUT_TOPICS, None)
+    live = {tp: off for tp, off in stored.items() if off > 0}
+    ends = end_offsets(cfg.kafka.conn(), live) if live else {}
+    # A past generation that is gone was read to its end and retired (services.topic_generations).
     gen_s, now = cfg.kafka.conn().topic_generation_s, time.time()
-    stored = {tp: off for tp, off in stored.items()
-              if ends.get(tp) is not None or not past_generation(tp[0], gen_s, now)}
-    ahead = offsets_ahead(stored, ends)
-    if not ahead:
-        return
-    (topic, part), (off, end) = next(iter(ahead.items()))
-    more = f" and {len(ahead) - 1} more partitions" if len(ahead) > 1 else ""
+    live = {tp: off for tp, off in live.items() if ends.get(tp) is not None or not past_generation(tp[0], gen_s, now)}
+    logs_now = topic_logs(cfg.kafka.conn(), {t for t, _ in live}) if live else {}
+    return OffsetCheck(stored, logs, ends, logs_now, offsets_ahead(live, ends), logs_changed(live, logs, logs_now))
+
+
+def check_offsets(cfg: Config, source_id: str, open_store: Callable[[str], Any]) -> list[dict]:
+    """Refuse to start on offsets that would skip records; with ``kafka.on_lost_log = rewind``, rewind them.
+
+    An offset stored for ``source_id`` beyond its partition's end, or read
+    from another log than the partition has now (its topic id changed), means
+    the broker lost records (restarted empty, topic deleted and re-created);
+    reading on from it would skip the records the broker gives those offsets
+    now, which nothing read. 'stop' (the default): LogChangedError or
+    OffsetsAheadError, one line naming the way out. 'rewind': those offsets
+    go to the start of the new logs, each with a row in ``offset_resets``;
+    returns those rows.
+    """
+    from core.kafka_admin import LogChangedError, OffsetsAheadError
+
+    store = open_store(cfg.store.url)
+    try:
+        store.setup()
+        check = inspect_offsets(cfg, store, source_id)
+        if not check.lost:
+            return []
+        if cfg.kafka.on_lost_log == "rewind":
+            return rewind_offsets(store, source_id, check, by="start")
+    finally:
+        store.close()
+    fix = ("Results of records read before are stored; the records the broker lost are gone. If the broker was "
+           "reset, run `stragglerscope offsets reset` (same --config) to read its topics from the beginning, or "
+           "set kafka.on_lost_log = \"rewind\"; `stragglerscope offsets show` lists them")
+    if check.changed and not check.ahead:  # beyond the end says it plainest where both hold
+        (topic, part), (off, was, now) = next(iter(check.changed.items()))
+        more = f" and {len(check.changed) - 1} more partitions" if len(check.changed) > 1 else ""
+        raise LogChangedError(
+            f"Kafka at {cfg.kafka.bootstrap} lost records: the offsets stored for source {source_id!r} were read "
+            f"from other logs than its topics have now: {topic}[{part}] stored {off} in log {was}, its log is "
+            f"{now} now (the topic was created again){more}. {fix}", check.changed)
+    (topic, part), (off, end) = next(iter(check.ahead.items()))
+    more = f" and {len(check.ahead) - 1} more partitions" if len(check.ahead) > 1 else ""
     raise OffsetsAheadError(
         f"Kafka at {cfg.kafka.bootstrap} lost records: the offsets stored for source {source_id!r} are beyond "
-        f"the end of {topic}[{part}] (stored {off}, end {end}){more}. Results of records read before are "
-        f"stored; the records the broker lost are gone. If the broker was reset, run `stragglerscope offsets "
-        f"reset` (same --config) to read its topics from the beginning; `stragglerscope offsets show` lists "
-        f"them", ahead)
+        f"the end of {topic}[{part}] (stored {off}, end {end}){more}. {fix}", check.ahead)
+
+
+def rewind_offsets(store, source_id: str, check: OffsetCheck, by: str,
+                   partitions: list[tuple[str, int]] | None = None) -> list[dict]:
+    """Store offset 0 in the partitions' current logs for ``partitions`` (default: those lost), each with an
+    audit row; returns the rows."""
+    from core import codec
+    from core import schema as S
+
+    tps = check.lost if partitions is None else partitions
+    if not tps:
+        return []
+    now_ns = time.time_ns()
+    rows = []
+    for i, tp in enumerate(tps):
+        off = check.stored.get(tp, 0)
+        if tp in check.changed:
+            why = f"read from log {check.changed[tp][1]}, the partition's log is {check.changed[tp][2]} now"
+        elif tp in check.ahead:
+            why = f"beyond the partition's end ({check.ahead[tp][1]})"
+        else:
+            why = "reset by hand"
+        rows.append(dict(source_id=source_id, topic=tp[0], partition=tp[1], reset_ns=now_ns + i, from_offset=off,
+                         from_log_id=check.logs.get(tp, ""), to_offset=0, to_log_id=check.logs_now.get(tp[0], ""),
+                         by=by, reason=why))
+    store.insert("offset_reset", codec.from_rows(S.OFFSET_RESET, rows))
+    store.store_offsets(source_id, {tp: 0 for tp in tps}, {tp: check.logs_now.get(tp[0], "") for tp in tps})
+    for r in rows:
+        log.warning("%s[%d]: stored offset %d given up (%s); reading from the start (%s)", r["topic"],
+                    r["partition"], r["from_offset"], r["reason"], by)
+    return rows
 
 
 def _actor_error(e: BaseException) -> str:
@@ -420,12 +517,21 @@ class Pipeline:
         """Detached shards found running and adopted at start (the others were created)."""
         self._metrics = None
         self._fingerprints: list[str] = []
+        self.offset_resets: list[dict] = []
+        """Stored offsets rewound at start because the broker lost their logs (``kafka.on_lost_log = rewind``)."""
+        self.placement = None
+        """``ray_jobs.placement.Placement`` at the last start or health check: what the cluster cannot run."""
+        self._broker_checked = False
 
-    def start(self) -> "Pipeline":
-        """Check the broker (topics, stored offsets), then start Ray and the shard actors (or adopt them).
+    def check_broker(self) -> "Pipeline":
+        """The topics (created where missing, partitions counted) and the stored offsets against them; once.
 
-        BrokerError (OffsetsAheadError) or PipelineError, each one line, when the checks fail.
+        BrokerError (OffsetsAheadError, LogChangedError) or PipelineError, each one line, when they do not fit.
+        A caller may run it before starting Ray (a broker that lost its data is said at once); ``start`` runs it
+        otherwise.
         """
+        if self._broker_checked:
+            return self
         n = self.cfg.pipeline.shards
         parts = check_topics(self.cfg)
         if n > parts:
@@ -433,13 +539,26 @@ class Pipeline:
         if parts > self.cfg.kafka.partitions:
             log.warning("the input topics have %d partitions, more than kafka.partitions = %d: the %d shards "
                         "read all %d", parts, self.cfg.kafka.partitions, n, parts)
-        check_offsets(self.cfg, self.source_id, self.open_store)
+        self.offset_resets = check_offsets(self.cfg, self.source_id, self.open_store)
         self.partitions = parts
+        self._broker_checked = True
+        return self
+
+    def start(self) -> "Pipeline":
+        """Check the broker (``check_broker``), then start Ray and the shard actors (or adopt them).
+
+        BrokerError (OffsetsAheadError, LogChangedError) or PipelineError, each one line, when the checks fail.
+        """
+        n = self.cfg.pipeline.shards
+        self.check_broker()
         init_ray(self.cfg)
         import ray
 
         if self.cfg.ray.address:
             check_store_reach(self.cfg.store.url, [nd["NodeManagerAddress"] for nd in ray.nodes() if nd["Alive"]])
+        placement = self.check_placement()
+        if not placement.ok:  # Ray would wait for ever, and the pipeline would store nothing without a word
+            raise PipelineError(f"the Ray cluster cannot run this configuration: {placement.problems[0]}")
         self.max_inflight = inflight_per_shard(self.cfg.pipeline.max_inflight, n,
                                                ray.cluster_resources().get("CPU", 1.0),
                                                self._actor_options()["num_cpus"])
@@ -534,6 +653,18 @@ class Pipeline:
                 log.warning("shard %s is beyond pipeline.shards = %d: stopping it", name, n)
                 self._retire(actor, name, time.monotonic() + 30)
 
+    def check_placement(self):
+        """What of the shards and analyses the alive nodes cannot run (``ray_jobs.placement``); kept in
+        ``placement`` for the status and the metrics."""
+        import ray
+
+        from ray_jobs.placement import nodes_of, plan
+
+        opts = self._actor_options()
+        self.placement = plan(nodes_of(ray.nodes()), self.cfg.pipeline.shards, opts["num_cpus"],
+                              opts.get("memory", 0) / (1 << 20))
+        return self.placement
+
     def check_health(self) -> list[dict]:
         """The shards' statuses; PipelineError for a shard that is dead for good, Superseded when a later
         driver owns the detached shards. A shard that Ray is restarting is not an error.
@@ -564,6 +695,10 @@ class Pipeline:
                 if verdict == "replace":
                     raise Superseded(f"{name} runs another configuration (a later driver replaced it)")
                 self.actors[i] = actor
+        try:
+            self.check_placement()
+        except Exception as e:  # a GCS that does not answer now: the shards' statuses tell the rest
+            log.debug("placement check failed: %s", e)
         statuses = self.status()
         for st in statuses:
             if st.get("dead"):
@@ -627,7 +762,7 @@ class Pipeline:
         """Prometheus metrics of the shards on 127.0.0.1:port (0 = free port); returns the port."""
         from ray_jobs.metrics import MetricsServer
 
-        self._metrics = MetricsServer(self.status, port=port).start()
+        self._metrics = MetricsServer(self.status, port=port, placement=lambda: self.placement).start()
         return self._metrics.port
 
     def stop(self) -> None:

@@ -44,6 +44,7 @@ from ray_jobs.crashes import CrashJournal, default_path
 from ray_jobs.dispatch import WindowDispatch
 from ray_jobs.downtime_reducer import DowntimeReducer
 from ray_jobs.hang_monitor import HangMonitor
+from ray_jobs.state import StateKeeper, shard_key
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ class ShardStats:
     quarantined: int = 0
     """Messages dead-lettered by offset because handling them killed the shard process repeatedly."""
     clock_corrected_rows: int = 0
-    """Heartbeat and collective rows whose rank clock was implausible and was corrected (``boundary.ClockGuard``)."""
+    """Heartbeat, collective and checkpoint rows whose rank clock was implausible and was corrected
+    (``boundary.ClockGuard``)."""
     bad_stored_jobs: int = 0
     """Stored registrations skipped at start because they do not validate."""
     heartbeats: int = 0
@@ -142,6 +144,9 @@ class ShardWorker:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._polled: collections.deque = collections.deque()  # polled, not yet handled
+        # What is wrong now, by where it comes from; each cleared when that part works again, so the status
+        # shows a store outage while it lasts, not forever after (ShardStats.error joins them).
+        self._errors = {"loop": "", "record": ""}
         self._loop_max = [0.0, 0.0, 0.0]  # [this minute, the previous minute, when this minute ends]
 
     # -- lifecycle ----------------------------------------------------------
@@ -154,7 +159,7 @@ class ShardWorker:
         self.sink = self._sink_factory()
         self.sink.setup()
         self.source = self._consumer_factory() if self._consumer_factory else KafkaSource(
-            cfg.kafka.conn(), topics.INPUT_TOPICS, self.partitions)
+            cfg.kafka.conn(), topics.INPUT_TOPICS, self.partitions, on_lost_log=cfg.kafka.on_lost_log)
         self.limits = cfg.validation
         self.clocks = B.ClockGuard(self.limits)
         h = cfg.hang
@@ -166,15 +171,23 @@ class ShardWorker:
         # In this order each pass: alerts follow the windows and hangs emitted in the same pass,
         # and the downtime follows the alerts.
         self.reducers = (self.windows, self.hangs, self.alerts, self.downtime)
+        # The windows hold back their own records' offsets; these three keep state built from records
+        # committed long ago, so it is saved with the offsets (ray_jobs.state).
+        self.state = StateKeeper(self.sink, self.source_id, shard_key(self.partitions),
+                                 {"hangs": self.hangs, "alerts": self.alerts, "downtime": self.downtime},
+                                 cfg.pipeline.state_interval_s)
         self.checkpoint = Checkpoint(
             self.sink, self.source, self.windows.committable, self.source_id, cfg.pipeline.commit_interval_s,
             clock, probe=lambda: self.sink.load_offsets(self.source_id, topics.INPUT_TOPICS, self.partitions),
-            max_attempts=self.MAX_STORE_ATTEMPTS)
+            max_attempts=self.MAX_STORE_ATTEMPTS, state=self.state)
         self.journal = CrashJournal(default_path(self.source_id, self.index, cfg.pipeline.state_dir),
                                     self.limits.max_restarts_per_message)
         self.journal.open()
         stored = self.sink.load_offsets(self.source_id, topics.INPUT_TOPICS, self.partitions)
-        self.source.seek(stored)
+        self.state.load(stored)
+        self.source.seek(stored, self.sink.load_offset_logs(self.source_id, topics.INPUT_TOPICS, self.partitions),
+                         by=f"shard {self.index}")
+        self._audit_resets()
         self._load_jobs()
         self.alerts_out = self.source.alert_producer() if hasattr(self.source, "alert_producer") else None
         url = cfg.alerts.webhook_url
@@ -183,7 +196,7 @@ class ShardWorker:
     def _load_jobs(self) -> None:
         """Registrations stored before; a row that does not validate is skipped and reported, never fatal."""
         for row in self.sink.load_jobs():
-            why = B.check_registration(row, None, self.limits)
+            why = B.check_registration(row, None, self.limits, stored=True)
             if not why:
                 try:
                     self.windows.tracker.register(Registration.from_row(row))
@@ -228,10 +241,12 @@ class ShardWorker:
             t0 = time.perf_counter()
             try:
                 self.step()
+                self._errors["loop"] = ""
                 self._note_loop_time(t0, time.perf_counter())
             except Exception as e:  # keep the actor alive; the failure is visible in status()
                 log.exception("shard %d step failed", self.index)
-                self.stats.error = f"{type(e).__name__}: {e}"[:500]
+                self._errors["loop"] = f"{type(e).__name__}: {e}"
+                self.stats.error = self._errors["loop"][:500]
                 time.sleep(1.0)
 
     def _note_loop_time(self, t0: float, t1: float) -> None:
@@ -252,6 +267,7 @@ class ShardWorker:
         marks = [("start", time.perf_counter())]
         if not busy:
             if not self._polled:
+                self._rewind_lost_logs()
                 self._polled.extend(self.source.poll(poll_timeout_ms))
             marks.append(("poll", time.perf_counter()))
             # A poll can bring hundreds of large batches (a backlog); handling them all at once
@@ -264,8 +280,9 @@ class ShardWorker:
                     self._handle(msg, now)
                 except RetryLater as e:  # kept, in order, for the next pass; its offset does not advance
                     self._polled.appendleft(msg)
-                    self.stats.error = str(e)[:500]
+                    self._errors["record"] = str(e)
                     break
+                self._errors["record"] = ""
                 got += 1
                 took = time.perf_counter() - h0
                 if took > SLOW_ITERATION_S / 2:
@@ -273,7 +290,10 @@ class ShardWorker:
                                 msg.topic, len(msg.value or b""), took)
         marks.append(("handle", time.perf_counter()))
         for reducer in self.reducers:
-            for unit in reducer.due(now):
+            units = reducer.due(now)
+            if units and reducer is not self.windows:  # their state says these were found: keep it with them
+                self.state.touch()
+            for unit in units:
                 self._emit(unit, now)
             marks.append((type(reducer).__name__, time.perf_counter()))
         self.checkpoint.commit(now)
@@ -294,16 +314,34 @@ class ShardWorker:
         st.loops += 1
         st.commits = self.checkpoint.commits
         st.units_dropped = self.checkpoint.units_dropped
-        if self.checkpoint.last_error:  # the store refused a write: shown until the next one
-            st.error, self.checkpoint.last_error = self.checkpoint.last_error, ""
-        problems = getattr(self.source, "problems", ())
-        if problems:  # a vanished partition, an offset past the end: paused there, shown here
-            st.error = ("kafka: " + "; ".join(problems))[:500]
+        problems = self.source.problems
+        errors = [self._errors["loop"], self._errors["record"], self.checkpoint.last_error,
+                  # a vanished partition, an offset past the end: paused there, shown here
+                  ("kafka: " + "; ".join(problems)) if problems else ""]
+        st.error = "; ".join(e for e in errors if e)[:500]
         st.clock_corrected_rows = self.clocks.corrected_rows
         if self.webhook is not None:
             st.webhook_sent, st.webhook_failed, st.webhook_dropped = (
                 self.webhook.sent, self.webhook.failed, self.webhook.dropped)
         st.idle = got == 0 and not st.inflight and not st.open_windows and st.lag == 0
+
+    def _rewind_lost_logs(self) -> None:
+        """Partitions whose log the broker lost while we read them (``kafka.on_lost_log = rewind``): from the
+        new log's start. Done between polls, once what was polled of the old log is handled; the open
+        windows' hold on the old log's offsets goes (those offsets count in a log that is gone)."""
+        for tp in self.source.lost_logs():
+            self.windows.tracker.forget_partition(tp)
+            self.state.rewound(tp, self.source.rewind(tp, by=f"shard {self.index}"))
+        self._audit_resets()
+
+    def _audit_resets(self) -> None:
+        """Each offset the source moved because the broker lost records: a row of the audit table."""
+        resets = self.source.take_resets()
+        if resets:
+            now_ns = self.clock.wall_ns()
+            rows = [dict(r, source_id=self.source_id, reset_ns=now_ns + i) for i, r in enumerate(resets)]
+            self.checkpoint.add(Unit(f"{len(rows)} offset reset(s)",
+                                     {"offset_reset": codec.from_rows(S.OFFSET_RESET, rows)}))
 
     def _feed(self, kind: str, table: pa.Table, at, now: float) -> None:
         """A table of one record kind to every reducer that consumes that kind."""
@@ -345,7 +383,7 @@ class ShardWorker:
 
     def _route(self, msg, now: float) -> None:
         try:
-            kind, table = codec.decode(msg.value)
+            kind, table = codec.decode(msg.value, max_decoded_bytes=int(self.limits.max_decoded_mb * 2**20))
             if topics.TOPIC_OF_KIND.get(kind) != topics.family_of(msg.topic):
                 raise codec.DecodeError(f"{kind} record on topic {msg.topic}")
             key = msg.key.decode("utf-8") if msg.key is not None else None
@@ -363,7 +401,7 @@ class ShardWorker:
             split = B.check_heartbeats(self.clocks.correct_heartbeats(table, wall), key, layout, self.limits, wall)
             self.stats.heartbeats += split.good.num_rows
         elif kind == "checkpoint":
-            split = B.check_checkpoints(table, key, layout, self.limits)
+            split = B.check_checkpoints(self.clocks.correct_checkpoints(table), key, layout, self.limits)
             self.stats.checkpoints += split.good.num_rows
         elif kind == "ccl_record":
             split = B.check_ccl(self.clocks.correct_ccl(table), key, layout, self.limits, self.clock.wall_ns())

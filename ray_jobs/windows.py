@@ -223,6 +223,12 @@ class WindowTracker:
                     out[tp] = off
         return out
 
+    def forget_partition(self, tp: TopicPartition) -> None:
+        """Open windows hold back no offset of ``tp`` any more: its log was lost and it is read anew from the
+        start of another (their rows are kept and analysed; only a crash before they are stored loses them)."""
+        for win in self.open.values():
+            win.first_offset.pop(tp, None)
+
     def buffered_rows(self) -> int:
         return sum(w.n_rows for w in self.open.values())
 

@@ -39,7 +39,9 @@ Set on the nodes (the raylets read it), not by the driver."""
 class LocalRayCluster:
     """A head node plus ``nodes - 1`` more on 127.0.0.1, in a child process; a context manager."""
 
-    def __init__(self, nodes: int = 2, cpus_per_node: float = 2, object_store_mb: int = 100):
+    def __init__(self, nodes: int = 2, cpus_per_node: float = 2, object_store_mb: int = 100,
+                 env: dict[str, str] | None = None):
+        """``env``: extra environment of the nodes (e.g. ``RAY_AUTH_MODE=token`` and a ``RAY_AUTH_TOKEN``)."""
         if nodes < 1:
             raise ValueError("a cluster has at least its head node")
         self.n_nodes = nodes
@@ -50,9 +52,10 @@ class LocalRayCluster:
         """Node ids, the head's first."""
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
+        self.env = dict(env or {})
 
     def start(self) -> "LocalRayCluster":
-        env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+        env = dict(os.environ, **self.env, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "services.ray_cluster", str(self.cpus_per_node), str(self.object_store_mb)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,

@@ -69,8 +69,19 @@ class StoreDaemon:
              "--max-result-rows", str(int(self.sql_limits.max_result_rows))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env, cwd=os.getcwd(),
             start_new_session=True)
+        try:
+            if self._wait_ready():
+                return self
+        except BaseException:  # a SIGTERM or Ctrl-C while it starts: a caller's ``with`` never stops it
+            self.stop()
+            raise
+        tail = self._stderr_tail()
+        self.stop()
+        raise StoreError(f"store daemon for {self.store_url} did not start: {tail}")
+
+    def _wait_ready(self) -> bool:
+        """Until the child prints ``READY PORT`` (True) or exits or ``start_timeout`` passes (False)."""
         deadline = time.monotonic() + self.start_timeout
-        line = b""
         # poll(), not select(): a long-lived caller (a test run, the console) may hold more than 1,024 fds.
         waiting = select.poll()
         waiting.register(self._proc.stdout, select.POLLIN)
@@ -80,14 +91,12 @@ class StoreDaemon:
                 line = self._proc.stdout.readline()
                 if line.startswith(b"READY "):
                     self.port = int(line.split()[1])
-                    return self
+                    return True
                 if not line:
-                    break
+                    return False
             elif self._proc.poll() is not None:
-                break
-        tail = self._stderr_tail()
-        self.stop()
-        raise StoreError(f"store daemon for {self.store_url} did not start: {tail}")
+                return False
+        return False
 
     def _stderr_tail(self) -> str:
         if self._log is None:

@@ -30,6 +30,7 @@ view (and ``load_*``) return the row with the largest ``ts_ns`` /
 from __future__ import annotations
 
 import abc
+import base64
 import datetime as dt
 import re
 import threading
@@ -79,7 +80,17 @@ class Store(abc.ABC):
     def load_offsets(self, source_id: str, topics, partitions) -> dict[tuple[str, int], int]: ...
 
     @abc.abstractmethod
-    def store_offsets(self, source_id: str, offsets: dict[tuple[str, int], int]) -> None: ...
+    def store_offsets(self, source_id: str, offsets: dict[tuple[str, int], int],
+                      log_ids: dict[tuple[str, int], str] | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def load_offset_logs(self, source_id: str, topics, partitions) -> dict[tuple[str, int], str]: ...
+
+    @abc.abstractmethod
+    def store_state(self, source_id: str, shard: str, fmt: int, state: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def load_state(self, source_id: str, shard: str) -> tuple[int, bytes] | None: ...
 
     @abc.abstractmethod
     def load_jobs(self) -> list[dict]: ...
@@ -128,14 +139,15 @@ def normalise(table: pa.Table) -> pa.Table:
     return pa.Table.from_arrays(cols, schema=pa.schema(fields))
 
 
-def filter_offsets(rows: list[dict], topics, partitions) -> dict[tuple[str, int], int]:
+def filter_offsets(rows: list[dict], topics, partitions, value=int) -> dict[tuple[str, int], Any]:
+    """``next_offset`` (made ``value``) per (topic, partition) of the rows of ``topics`` and ``partitions``."""
     topics = None if topics is None else {str(t) for t in topics}
     parts = None if partitions is None else {int(p) for p in partitions}
     out = {}
     for r in rows:
         # An input topic's generations ("ss.ops.g5912", core.topics) belong to it.
         if (topics is None or family_of(r["topic"]) in topics) and (parts is None or r["partition"] in parts):
-            out[(r["topic"], int(r["partition"]))] = int(r["next_offset"])
+            out[(r["topic"], int(r["partition"]))] = value(r["next_offset"])
     return out
 
 
@@ -527,20 +539,60 @@ class SQLStore(Store):
             {"source_id": ("String", str(source_id))})
         return filter_offsets(t.to_pylist(), topics, partitions)
 
-    def store_offsets(self, source_id: str, offsets: dict[tuple[str, int], int]) -> None:
+    def store_offsets(self, source_id: str, offsets: dict[tuple[str, int], int],
+                      log_ids: dict[tuple[str, int], str] | None = None) -> None:
+        """Store the next offset to read per partition; ``log_ids`` names the log each was read from
+        (a partition left out is stored with '' = unknown, and is then not checked against its log)."""
         self._check_open()
         if not offsets:
             return
         items = sorted(offsets.items())
+        log_ids = log_ids or {}
         spec = ddl.TABLE_BY_NAME["offsets"]
         table = pa.table({
             "source_id": pa.array([str(source_id)] * len(items)),
             "topic": pa.array([str(tp[0]) for tp, _ in items]),
             "partition": pa.array([int(tp[1]) for tp, _ in items], pa.int32()),
             "next_offset": pa.array([int(off) for _, off in items], pa.int64()),
+            "log_id": pa.array([str(log_ids.get(tp, "") or "") for tp, _ in items]),
         }, schema=spec.schema)
         with self._lock:
             self._insert(self._data(spec), self._with_stored_ns(spec, table))
+
+    def load_offset_logs(self, source_id: str, topics, partitions) -> dict[tuple[str, int], str]:
+        """The log id stored with each partition's latest offset ('' where it was stored without one)."""
+        self._check_open()
+        t = self._select(
+            "SELECT topic, `partition`, argMax(log_id, stored_ns) AS log_id "
+            f"FROM {self._data('offsets')} WHERE source_id = {{source_id:String}} GROUP BY topic, `partition`",
+            {"source_id": ("String", str(source_id))})
+        rows = [dict(r, next_offset=r["log_id"]) for r in t.to_pylist()]
+        return filter_offsets(rows, topics, partitions, value=str)
+
+    def store_state(self, source_id: str, shard: str, fmt: int, state: bytes) -> None:
+        """A shard's reducer state (``ray_jobs.state``); the latest stored wins."""
+        self._check_open()
+        spec = ddl.TABLE_BY_NAME["shard_state"]
+        table = pa.table({"source_id": [str(source_id)], "shard": [str(shard)],
+                          "format": pa.array([int(fmt)], pa.int32()),
+                          "state": [base64.b64encode(bytes(state)).decode("ascii")]}, schema=spec.schema)
+        with self._lock:
+            self._insert(self._data(spec), self._with_stored_ns(spec, table))
+
+    def load_state(self, source_id: str, shard: str) -> tuple[int, bytes] | None:
+        """(format, state) last stored for the shard, or None."""
+        self._check_open()
+        t = self._select(
+            "SELECT argMax(format, stored_ns) AS format, argMax(state, stored_ns) AS state, count() AS n "
+            f"FROM {self._data('shard_state')} WHERE source_id = {{source_id:String}} AND shard = {{shard:String}}",
+            {"source_id": ("String", str(source_id)), "shard": ("String", str(shard))})
+        if not t.num_rows or not t.column("n")[0].as_py():
+            return None
+        state = t.column("state")[0].as_py()
+        try:
+            return int(t.column("format")[0].as_py()), base64.b64decode(state, validate=True)
+        except (ValueError, TypeError) as e:
+            raise StoreError(f"the stored state of shard {shard!r} is not base64: {e}") from None
 
     def load_jobs(self) -> list[dict]:
         self._check_open()

@@ -120,12 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("offsets", help="show or reset the Kafka offsets stored for a source",
                        description="The pipeline keeps its Kafka offsets in the store, per source (kafka.source_id, "
-                                   "default: the bootstrap string). `show` lists them beside each partition's end "
-                                   "on the broker. A broker that lost its records (restarted empty, topics "
-                                   "deleted and re-created) leaves stored offsets beyond those ends, and the "
-                                   "pipeline refuses to start: after checking, `reset` (with the pipeline "
-                                   "stopped) sets them back to the beginning, so the topics are read from "
-                                   "their start. Results already stored stay.",
+                                   "default: the bootstrap string), each with the log it was read from (the "
+                                   "topic's id). `show` lists them beside each partition's end and log on the "
+                                   "broker. A broker that lost its records (restarted empty, topics deleted and "
+                                   "re-created) leaves stored offsets beyond those ends or in logs that are gone, "
+                                   "and the pipeline refuses to start (kafka.on_lost_log = stop): after checking, "
+                                   "`reset` (with the pipeline stopped) sets them back to the beginning, so the "
+                                   "topics are read from their start, and records each move in the "
+                                   "offset_resets table. Results already stored stay. Exit code of `show`: 1 "
+                                   "when some partition lost records, else 0.",
                        formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog="example: stragglerscope offsets show --config prod.toml\n"
                               "         stragglerscope offsets reset --config prod.toml   # asks first")
@@ -142,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("paths", nargs="+", metavar="PATH")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the analysis (default 1800)")
+    p.add_argument("--publish-only", action="store_true",
+                   help="only publish to the configured Kafka (kafka.bootstrap), for a pipeline that runs already "
+                        "(`stragglerscope run`); starts no driver, Ray or store")
+    p.add_argument("--wait", action="store_true",
+                   help="with --publish-only: then wait until the running pipeline stored every window "
+                        "(reads store.url)")
 
     p = sub.add_parser("sql", help="run a named query or read-only SQL against the store",
                        description="Named queries of the library (list them with `stragglerscope sql --list`) "
@@ -328,31 +337,48 @@ def _dispatch(args: argparse.Namespace) -> int:
     if cmd == "import":
         return _import(args, cfg)
     if cmd == "replay":
-        from stragglerscope.replay import run_replay
+        from stragglerscope.replay import publish_replay, run_replay
 
+        if args.wait and not args.publish_only:
+            raise CLIError("--wait goes with --publish-only (without it, replay waits anyway)")
+        if args.publish_only:
+            return publish_replay(cfg, args.paths, args.timeout if args.wait else None)
         return run_replay(cfg, args.paths, args.timeout)
     if cmd == "console":
-        from stragglerscope.demo import start_console
+        from stragglerscope.demo import start_console, stop_process_group
+        from stragglerscope.service import sigterm_as_interrupt
 
-        proc = start_console(cfg.store.url, cfg)
-        print(f"console on http://{cfg.ui.address}:{cfg.ui.port} (Ctrl-C stops)", file=sys.stderr)
+        sigterm_as_interrupt()  # the console runs in its own session: nothing but us stops it
+        proc = None
         try:
+            proc = start_console(cfg.store.url, cfg)
+            print(f"console on http://{cfg.ui.address}:{cfg.ui.port} (Ctrl-C stops)", file=sys.stderr)
             return proc.wait()
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a clean stop (README "Stopping")
+            return 0
         finally:
-            if proc.poll() is None:
-                proc.terminate()
+            if proc is not None:
+                stop_process_group(proc)
     if cmd == "store":
         from core.redact import redact_url
         from storage import serve
+        from stragglerscope.service import sigterm_as_interrupt, stopping
 
         if not cfg.store.url.startswith("chdb://"):
             raise CLIError(f"only a chdb:// store needs serving, got {cfg.store.url}")
         from storage.daemon import daemon_url
 
-        # The URL names the daemon's token file (readable by this user only), never the token.
-        serve(cfg.store.url, port=args.port, sql_limits=cfg.sql,
-              ready=lambda port: print(f"store {redact_url(cfg.store.url)} at "
-                                       f"{daemon_url('127.0.0.1', port, cfg.store.url[len('chdb://'):])}", flush=True))
+        # serve() stops on SIGTERM once it serves; before that (opening the path) it unwinds as Ctrl-C does.
+        sigterm_as_interrupt()
+        try:
+            # The URL names the daemon's token file (readable by this user only), never the token.
+            serve(cfg.store.url, port=args.port, sql_limits=cfg.sql,
+                  ready=lambda port: print(f"store {redact_url(cfg.store.url)} at "
+                                           f"{daemon_url('127.0.0.1', port, cfg.store.url[len('chdb://'):])}",
+                                           flush=True))
+        except KeyboardInterrupt:
+            pass
+        stopping()  # serve's handler would become SIGTERM's default action again as Python exits: -15
         return 0
     raise CLIError(f"unknown command {cmd}")
 
@@ -389,59 +415,75 @@ def _advise(args: argparse.Namespace, cfg) -> int:
 
 def _offsets(args: argparse.Namespace, cfg) -> int:
     """`stragglerscope offsets show|reset`: stored offsets of a source against the broker's partition ends."""
-    from core.kafka_admin import check_reachable, end_offsets, offsets_ahead
+    from core import topics
+    from core.kafka_admin import check_reachable
     from core.redact import redact_url
-    from ray_jobs.pipeline import stored_offsets
+    from ray_jobs.pipeline import OffsetCheck, inspect_offsets, rewind_offsets
     from storage import open_store
 
     if not cfg.kafka.bootstrap and not args.source_id:
         raise CLIError("kafka.bootstrap is empty: the embedded broker's offsets belong to one run (its "
                        "cluster id); give --source-id to look at those")
     source_id = args.source_id or cfg.kafka.source_id or cfg.kafka.bootstrap
-    stored = stored_offsets(open_store, cfg.store.url, source_id)
     where = f"source {source_id!r} in store {redact_url(cfg.store.url)}"
-    if not stored:
-        print(f"no offsets stored for {where}", file=sys.stderr)
-        return 0
-    ends: dict = {}
     if cfg.kafka.bootstrap:
         check_reachable(cfg.kafka.bootstrap)
-        ends = end_offsets(cfg.kafka.conn(), stored)
-    ahead = offsets_ahead(stored, ends) if cfg.kafka.bootstrap else {}
-    if args.action == "show":
-        print(f"{where}, broker {cfg.kafka.bootstrap or '(none configured)'}:")
-        print(f"{'topic':<16} {'partition':>9} {'stored':>12} {'end':>12}  state")
-        for (topic, part), off in sorted(stored.items()):
-            end = ends.get((topic, part))
-            state = ("BEYOND THE END: the broker lost records" if (topic, part) in ahead else
-                     "ok" if end is not None else "partition missing" if cfg.kafka.bootstrap else "")
-            print(f"{topic:<16} {part:>9} {off:>12} {'-' if end is None else end:>12}  {state}")
-        if ahead:
-            print(f"{len(ahead)} partitions beyond their end: `stragglerscope offsets reset` reads the topics "
-                  "from their beginning (stop the pipeline first)")
-        return 1 if ahead else 0
-    moved = {tp: 0 for tp, off in stored.items() if off > 0}
-    if not moved:
-        print(f"every offset of {where} is at the beginning already", file=sys.stderr)
-        return 0
-    print(f"reset {len(moved)} stored offsets of {where} to the beginning ({len(ahead)} of them beyond the "
-          f"broker's end); the pipeline must be stopped. Records still on the broker are read again; "
-          "windows already stored are not stored twice.", file=sys.stderr)
-    if not args.yes:
-        if not sys.stdin.isatty():
-            raise CLIError("resetting offsets needs a confirmation: add --yes")
-        if input("reset? [y/N] ").strip().lower() not in ("y", "yes"):
-            print("nothing changed", file=sys.stderr)
-            return 1
-    from storage import open_store
-
     store = open_store(cfg.store.url)
     try:
-        store.store_offsets(source_id, moved)
+        store.setup()
+        if cfg.kafka.bootstrap:
+            check = inspect_offsets(cfg, store, source_id)
+        else:  # no broker to compare with: the stored side only
+            check = OffsetCheck(store.load_offsets(source_id, topics.INPUT_TOPICS, None),
+                                store.load_offset_logs(source_id, topics.INPUT_TOPICS, None), {}, {}, {}, {})
+        if not check.stored:
+            print(f"no offsets stored for {where}", file=sys.stderr)
+            return 0
+        if args.action == "show":
+            _show_offsets(check, where, cfg.kafka.bootstrap)
+            return 1 if check.lost else 0
+        moved = sorted(tp for tp, off in check.stored.items() if off > 0)
+        if not moved:
+            print(f"every offset of {where} is at the beginning already", file=sys.stderr)
+            return 0
+        print(f"reset {len(moved)} stored offsets of {where} to the beginning ({len(check.lost)} of them in "
+              f"partitions that lost records); the pipeline must be stopped. Records still on the broker are read "
+              "again; windows already stored are not stored twice.", file=sys.stderr)
+        if not args.yes:
+            if not sys.stdin.isatty():
+                raise CLIError("resetting offsets needs a confirmation: add --yes")
+            if input("reset? [y/N] ").strip().lower() not in ("y", "yes"):
+                print("nothing changed", file=sys.stderr)
+                return 1
+        rewind_offsets(store, source_id, check, by="offsets reset", partitions=moved)
     finally:
         store.close()
-    print(f"reset {len(moved)} offsets of source {source_id!r}; start the pipeline again", file=sys.stderr)
+    print(f"reset {len(moved)} offsets of source {source_id!r} (recorded in offset_resets); start the pipeline "
+          "again", file=sys.stderr)
     return 0
+
+
+def _show_offsets(check, where: str, bootstrap: str) -> None:
+    print(f"{where}, broker {bootstrap or '(none configured)'}:")
+    print(f"{'topic':<16} {'partition':>9} {'stored':>12} {'end':>12}  state")
+    for (topic, part), off in sorted(check.stored.items()):
+        tp = (topic, part)
+        end = check.ends.get(tp)
+        if tp in check.ahead:
+            state = "BEYOND THE END: the broker lost records"
+        elif tp in check.changed:
+            _, was, now = check.changed[tp]
+            state = f"LOG LOST: read from log {was}, the partition's log is {now} now (topic created again)"
+        elif not bootstrap:
+            state = ""
+        elif end is None:
+            state = "partition missing" if off > 0 else "ok"
+        else:
+            state = "ok" if check.logs.get(tp) or off == 0 else "ok (log not known: stored before logs were kept)"
+        print(f"{topic:<16} {part:>9} {off:>12} {'-' if end is None else end:>12}  {state}")
+    if check.lost:
+        print(f"{len(check.lost)} partitions lost records: `stragglerscope offsets reset` reads the topics from "
+              "their beginning (stop the pipeline first), or set kafka.on_lost_log = \"rewind\"")
 
 
 def _import(args: argparse.Namespace, cfg) -> int:

@@ -4,14 +4,16 @@ Starts what the configuration does not point elsewhere (the Tansu broker on a
 free loopback port, the chDB store behind its daemon, a local Ray), produces a
 synthetic fleet through the real producer code path, lets the shard actors
 analyse it, and starts the console. Every process it starts listens on
-127.0.0.1 and is stopped again on exit or Ctrl-C, in reverse order. The store
-lives on disk (``store.url``), so a second run adds to the history.
+127.0.0.1 and is stopped again on exit, Ctrl-C or SIGTERM, in reverse order.
+The store lives on disk (``store.url``), so a second run adds to the history.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -76,7 +78,6 @@ def start_console(store_url: str, cfg: Config, output=None) -> subprocess.Popen:
 
     ``output``: where its stdout and stderr go (default: this process's; tests pass a pipe).
     """
-    import os
     from pathlib import Path
 
     app = Path(__file__).resolve().parent.parent / "ui" / "app.py"
@@ -134,7 +135,7 @@ def run_demo(cfg: Config, opts: DemoOptions) -> int:
                 say("running headless; Ctrl-C stops")
             else:
                 console = start_console(svc.cfg.store.url, cfg)
-                stack.callback(_stop_process, console)
+                stack.callback(stop_process_group, console)
                 say(f"console    http://{cfg.ui.address}:{cfg.ui.port}  (Ctrl-C stops everything)")
             while True:
                 time.sleep(1)
@@ -147,10 +148,35 @@ def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def _stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+STOP_GRACE_S = 10.0
+"""How long a child process group has to exit after SIGTERM before it is killed."""
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """Stop ``proc``, started with ``start_new_session``, and what it started: SIGTERM, then SIGKILL.
+
+    The group, not only the process: a process it started that outlived it would hold the port or the
+    chDB path. What has not exited ``grace_s`` after SIGTERM (it ignores it, or hangs on its way out) is
+    killed. Returns once ``proc`` is reaped and its group is empty or killed.
+    """
+    deadline = time.monotonic() + grace_s
+    _signal_group(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    while _signal_group(proc.pid, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)  # what the process started, on its way out
+    if _signal_group(proc.pid, 0):
+        log.warning("process group %d did not stop within %.3g s of SIGTERM: killing it", proc.pid, grace_s)
+        _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to a process group (0: only check it); False when the group has no process left."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    return True

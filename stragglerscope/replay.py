@@ -7,7 +7,8 @@ writes). Every trace is registered (its layout from the meta file, or from
 the ranks it contains) and published to Kafka by the same producer the
 exporters use, then the pipeline analyses and stores it like live data; the
 command returns when every replayed window is stored. Progress bars show
-publishing and analysis.
+publishing and analysis. With ``--publish-only`` it only publishes to the
+configured Kafka, for a pipeline that runs already (``publish_replay``).
 """
 from __future__ import annotations
 
@@ -83,30 +84,87 @@ def registrations(table: pa.Table, layout: JobLayout) -> list[pa.Table]:
     return [codec.from_rows(S.JOB, rows)]
 
 
-def run_replay(cfg: Config, paths: list[str], timeout_s: float = 1800.0) -> int:
-    from tqdm import tqdm
-
-    from ingest.producer import TelemetryProducer
-    from stragglerscope.service import say, sigterm_as_interrupt, start_services, wait_stored
-
-    loaded = [(p, *load_trace(p)) for p in paths]  # fail on bad input before starting anything
+def _window_keys(loaded) -> set:
     keys = set()
     for _, table, _ in loaded:
         k = table.group_by(["job_id", "attempt", "window_id"]).aggregate([])
         keys.update(zip(k["job_id"].to_pylist(), k["attempt"].to_pylist(), k["window_id"].to_pylist()))
+    return keys
+
+
+def _publish(conn, loaded) -> bool:
+    """Registrations and op spans of every loaded trace through the exporters' producer; whether all went."""
+    from tqdm import tqdm
+
+    from ingest.producer import TelemetryProducer
+    from stragglerscope.service import say
+
+    with TelemetryProducer(conn, client_id="stragglerscope-replay") as prod:
+        for path, table, layout in tqdm(loaded, desc="publish", unit="trace", file=sys.stderr, disable=None):
+            for reg in registrations(table, layout):
+                prod.send(reg)
+            prod.send(table)
+        if not prod.flush(300) or prod.stats.records_dropped:
+            say(f"error: the broker did not take every record ({prod.stats.records_dropped} dropped)")
+            return False
+    return True
+
+
+def publish_replay(cfg: Config, paths: list[str], wait_s: float | None = None) -> int:
+    """`replay --publish-only`: the traces to the configured Kafka for a pipeline that runs already (`run`).
+
+    Starts no driver: a second driver would take the running shards over. With ``wait_s``, waits until the
+    store (``store.url``, the one the running pipeline writes) holds every window.
+    """
+    import time
+
+    from core.kafka_admin import check_reachable, prepare_topics
+    from stragglerscope.service import say
+
+    if not cfg.kafka.bootstrap:
+        raise ReplayError("--publish-only needs the running pipeline's Kafka: set kafka.bootstrap (--config)")
+    loaded = [(p, *load_trace(p)) for p in paths]  # fail on bad input before publishing anything
+    keys = _window_keys(loaded)
+    check_reachable(cfg.kafka.bootstrap)
+    prepare_topics(cfg.kafka.conn(), cfg.kafka.partitions, cfg.kafka.replication_factor, outputs=False,
+                   min_insync_replicas=cfg.kafka.min_insync_replicas)
+    if not _publish(cfg.kafka.conn(), loaded):
+        return 1
+    say(f"published  {len(loaded)} traces, {len(keys)} windows, {sum(t.num_rows for _, t, _ in loaded):,} op "
+        f"records to {cfg.kafka.conn().describe()}")
+    if wait_s is None:
+        return 0
+    from storage import open_store
+
+    store = open_store(cfg.store.url)
+    try:
+        deadline = time.monotonic() + wait_s
+        pending = set(keys)
+        while pending and time.monotonic() < deadline:
+            pending = {k for k in pending if not store.window_stored(k)}
+            if pending:
+                time.sleep(1.0)
+    finally:
+        store.close()
+    if pending:
+        say(f"error: {len(pending)} of {len(keys)} windows not stored within {wait_s:.0f} s (is `stragglerscope run` "
+            "reading this Kafka and writing this store?)")
+        return 1
+    say(f"stored     {len(keys)} windows")
+    return 0
+
+
+def run_replay(cfg: Config, paths: list[str], timeout_s: float = 1800.0) -> int:
+    from stragglerscope.service import say, sigterm_as_interrupt, start_services, wait_stored
+
+    loaded = [(p, *load_trace(p)) for p in paths]  # fail on bad input before starting anything
+    keys = _window_keys(loaded)
     sigterm_as_interrupt()
     try:
         with contextlib.ExitStack() as stack:
             svc = start_services(cfg, stack)
-            with TelemetryProducer(svc.cfg.kafka.conn(), client_id="stragglerscope-replay") as prod:
-                for path, table, layout in tqdm(loaded, desc="publish", unit="trace", file=sys.stderr,
-                                                disable=None):
-                    for reg in registrations(table, layout):
-                        prod.send(reg)
-                    prod.send(table)
-                if not prod.flush(300) or prod.stats.records_dropped:
-                    say(f"error: the broker did not take every record ({prod.stats.records_dropped} dropped)")
-                    return 1
+            if not _publish(svc.cfg.kafka.conn(), loaded):
+                return 1
             say(f"replayed   {len(loaded)} traces, {len(keys)} windows, "
                 f"{sum(t.num_rows for _, t, _ in loaded):,} op records")
             pending = wait_stored(svc, keys, timeout_s)

@@ -43,7 +43,9 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
     bootstrap = cfg.kafka.bootstrap
     generation_s = max(0.0, cfg.kafka.topic_generation_s)
     if not bootstrap:
-        broker = stack.enter_context(LocalBroker())
+        broker = LocalBroker()
+        stack.callback(broker.stop)  # before start(): a SIGTERM while it starts stops it too
+        broker.start()
         bootstrap = broker.bootstrap
         source_id = cfg.kafka.source_id or broker.cluster_id
         say(f"broker     Tansu on {bootstrap}")
@@ -75,6 +77,12 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
     stack.callback(store.close)
 
     run_cfg = cfg.replace(kafka=kafka, store={"url": store_url})
+    pipeline = Pipeline(run_cfg, source_id, open_store)
+    pipeline.check_broker()  # offsets that would skip records are said before anything else starts
+    if pipeline.offset_resets:
+        say(f"offsets    {len(pipeline.offset_resets)} partitions read from the start of their new logs: the broker "
+            "lost the records of the old ones (kafka.on_lost_log = rewind; `sql --query \"SELECT * FROM "
+            "offset_resets\"` lists them)")
     keeper = None
     if generation_s:
         from ray_jobs.pipeline import stored_offsets
@@ -84,10 +92,14 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
                                   lambda: stored_offsets(open_store, store_url, source_id),
                                   replication_factor=cfg.kafka.replication_factor).start()
         stack.callback(keeper.stop)
-    import ray
+    from ray_jobs.pipeline import init_ray
 
-    stack.callback(lambda: ray.shutdown() if ray.is_initialized() else None)
-    pipeline = stack.enter_context(Pipeline(run_cfg, source_id, open_store))
+    stack.callback(_shutdown_ray)
+    # Ray here rather than in Pipeline.start: no signal may cut ray.init short, nor may it keep SIGTERM
+    # for itself (_ray_starting).
+    with _ray_starting():
+        init_ray(run_cfg)
+    stack.enter_context(pipeline)
     pipeline.wait_ready(cfg.pipeline.ready_timeout_s)
     where = cfg.ray.address or "a local Ray (127.0.0.1)"
     if pipeline.detached:
@@ -121,17 +133,105 @@ def wait_stored(svc: Services, keys, timeout_s: float) -> set:
     return pending
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as Ctrl-C raises KeyboardInterrupt: every ``except KeyboardInterrupt`` stops on both.
+
+    A subclass, so that a command whose exit code says which signal stopped it (`trace`) can tell them apart.
+    """
+
+
+_stopping = False
+"""A SIGTERM has started the stop: from then on SIGTERM is ignored. Each step of a stop is bounded (a child
+that ignores SIGTERM is killed after a grace period), so a second SIGTERM waits for it rather than cutting a
+step short and leaving a process behind; ignored, not handled, because Python gives handled signals their
+default action back while it exits, and the process would end with -15 after a clean stop."""
+
+
 def sigterm_as_interrupt() -> None:
     """SIGTERM unwinds like Ctrl-C, so every started process is stopped in order.
 
-    Called again once Ray is up: Ray's core worker installs its own fatal-signal
-    handler for SIGTERM, which would end the process before anything is stopped.
+    Kubernetes, systemd, ``timeout`` and ``kill`` send SIGTERM: without this, its default action ends the
+    process at once and the children that run in their own sessions (broker, store daemon, console) are
+    left behind. Installed again after Ray starts and stops, which replace it (``_ray_starting``).
     """
     def handler(*_):
-        raise KeyboardInterrupt()
-    signal.signal(signal.SIGTERM, handler)
+        stopping()
+        raise Terminated()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if _stopping else handler)
     if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def stopping() -> None:
+    """The stop has begun: later SIGTERMs are ignored (also for `trace`, which passes the first one on).
+
+    A process started from here on would inherit the ignoring; a stop starts none.
+    """
+    global _stopping
+    _stopping = True
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def _ray_starting():
+    """Around ``ray.init``: Ctrl-C and SIGTERM wait until it returns, then stop everything as at any other time.
+
+    Cut short, ``ray.init`` leaves processes that nothing stops (the raylet's agents, orphaned while they
+    start) and has ended the process with a segfault at exit. Nor may it take SIGTERM over, which it does
+    twice: it puts a handler raising SystemExit(15) in place of ours, and its core worker installs a
+    fatal-signal handler for SIGTERM (a stack dump, then the handler before it) that ``ray.shutdown`` later
+    replaces with SIGTERM's default action, so that a second SIGTERM in the middle of our stop would end
+    the process there. Both are Ray internals, switched off for this process only (the shard actors, in
+    their own processes, keep Ray's crash dumps); where a Ray version lacks them, the SystemExit still
+    becomes our stop and ``_shutdown_ray`` puts our handler back. A second Ctrl-C does not wait.
+    """
+    import ray._private.ray_constants as ray_constants
+    import ray._private.utils as ray_utils
+
+    held: list[int] = []
+
+    def hold(signum, _frame):
+        if signum == signal.SIGINT and signal.SIGINT in held:
+            raise KeyboardInterrupt()
+        held.append(signum)
+
+    ray_handler = getattr(ray_utils, "set_sigterm_handler", None)
+    if ray_handler is not None:
+        ray_utils.set_sigterm_handler = lambda _handler: None
+    fatal_off = getattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+    if fatal_off is not None:
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True  # read when the driver's core worker starts
+    signal.signal(signal.SIGTERM, hold)
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        held.append(signal.SIGTERM)
+    finally:
+        if ray_handler is not None:
+            ray_utils.set_sigterm_handler = ray_handler
+        if fatal_off is not None:
+            ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = fatal_off
+        sigterm_as_interrupt()
+    if signal.SIGTERM in held:
+        stopping()
+        raise Terminated()
+    if held:
+        raise KeyboardInterrupt()
+
+
+def _shutdown_ray() -> None:
+    """``ray.shutdown``, whether or not Ray says it is initialized (a ray.init that failed half-way has
+    started processes), then our SIGTERM handler again in case Ray's core worker replaced it."""
+    import ray
+
+    try:
+        ray.shutdown()
+    finally:
+        sigterm_as_interrupt()
 
 
 HEALTH_EVERY_S = 5.0
@@ -145,14 +245,19 @@ def run_service(cfg: Config) -> int:
     Ends with PipelineError (exit 2) when a shard is dead for good, and with
     exit 0 when a driver started later has taken the detached shards over.
     """
+    from core.logs import NativeStderr
     from ray_jobs.pipeline import Superseded
 
     sigterm_as_interrupt()
     try:
         with contextlib.ExitStack() as stack:
+            # Ray's native lines (retries, forwarded raylet messages, state dumps after a node loss) to a file:
+            # the driver's output is its own status lines.
+            native = stack.enter_context(NativeStderr(driver_log_path(cfg)))
+            say(f"logs       Ray's own output goes to {native.path}")
             svc = start_services(cfg, stack)
             say("running; Ctrl-C stops")
-            last = time.monotonic()
+            last, problems = time.monotonic(), ()
             while True:
                 time.sleep(HEALTH_EVERY_S)
                 try:
@@ -161,12 +266,37 @@ def run_service(cfg: Config) -> int:
                     svc.pipeline.actors = []  # theirs now: leave them running
                     say(f"stopped    a driver started later owns the shards ({e}); they keep running")
                     return 0
+                placed = svc.pipeline.placement
+                now_problems = placed.problems if placed is not None else ()
+                if now_problems != problems:  # said at once, not at the next status line
+                    for line in now_problems:
+                        say(f"WARNING    {line}")
+                    if problems and not now_problems:
+                        say("placement  the Ray cluster can run every shard and analysis again")
+                    problems = now_problems
                 if time.monotonic() - last >= STATUS_EVERY_S:
                     last = time.monotonic()
-                    say("status     " + "  ".join(
-                        f"shard {s.get('shard')}: windows={s.get('windows_stored', '?')} "
-                        f"lag={s.get('lag', '?') if s.get('loops') else '?'}"
-                        f"{' ERROR ' + s['error'] if s.get('error') else ''}" for s in st))
+                    say(status_line(st, placed))
     except KeyboardInterrupt:
         say("stopped")
         return 0
+
+
+def status_line(statuses: list[dict], placement=None) -> str:
+    """One line: each shard's stored windows, lag and what is wrong now; what the Ray cluster cannot run."""
+    line = "status     " + "  ".join(
+        f"shard {s.get('shard')}: windows={s.get('windows_stored', '?')} "
+        f"lag={s.get('lag', '?') if s.get('loops') else '?'}"
+        f"{' ERROR ' + s['error'] if s.get('error') else ''}" for s in statuses)
+    if placement is not None and placement.problems:
+        line += "  RAY: " + "; ".join(placement.problems)
+    return line
+
+
+def driver_log_path(cfg: Config) -> str:
+    """Where `run` puts Ray's native output: beside the shards' crash journals (``pipeline.state_dir``)."""
+    import os
+    import tempfile
+
+    base = cfg.pipeline.state_dir or os.path.join(tempfile.gettempdir(), "stragglerscope")
+    return os.path.join(base, f"ray-driver-{os.getpid()}.log")

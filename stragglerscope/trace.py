@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -64,9 +65,9 @@ def child_env(settings_env: dict[str, str], base: dict[str, str] | None = None) 
 
 
 def run_trace(cfg: Config, opts: TraceOptions) -> int:
-    from core.redact import redact_url
-    from ingest.autotrace.session import SettingsError, TraceSettings, parse_layout, parse_sample
-    from stragglerscope.service import say
+    """Run COMMAND traced; its exit code (README "Stopping" for Ctrl-C and SIGTERM)."""
+    from ingest.autotrace.session import SettingsError, parse_layout, parse_sample
+    from stragglerscope.service import Terminated, say, sigterm_as_interrupt
 
     if not opts.command:
         raise TraceError("give the command to run after --, e.g. stragglerscope trace -- torchrun ... train.py")
@@ -78,6 +79,24 @@ def run_trace(cfg: Config, opts: TraceOptions) -> int:
     job_id = opts.job_id or default_job_id(opts.command)
     if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,128}", job_id):
         raise TraceError(f"--job-id {job_id!r}: use 1-128 letters, digits and _ . : @ -")
+    sigterm_as_interrupt()  # a SIGTERM while the services start stops them, as Ctrl-C does
+    ran: list[int] = []  # COMMAND's exit code, once it has run
+    try:
+        return _trace(cfg, opts, job_id, layout, sampling, ran)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated): everything started is stopped by now
+        if ran:
+            say(f"trace      stopped: not waiting for the analysis (command exited with {ran[0]})")
+            return ran[0]
+        # Before COMMAND ran: the code a shell reports for a command that the signal ended.
+        say("trace      stopped before the command ran")
+        return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
+
+
+def _trace(cfg: Config, opts: TraceOptions, job_id: str, layout, sampling, ran: list[int]) -> int:
+    """`run_trace` once its input is checked; COMMAND's exit code goes into ``ran`` as soon as it exits."""
+    from core.redact import redact_url
+    from ingest.autotrace.session import TraceSettings
+    from stragglerscope.service import say
 
     with contextlib.ExitStack() as stack:
         run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="ss-trace-"))
@@ -107,10 +126,16 @@ def run_trace(cfg: Config, opts: TraceOptions) -> int:
         say(f"trace      job {job_id}, profiling {sampling.profile_steps} of every {sampling.every} steps; "
             f"running: {' '.join(opts.command)}")
         t0 = time.monotonic()
-        code = _run_child(opts.command, child_env(settings.to_env()))
+        code, passed_on = _run_child(opts.command, child_env(settings.to_env()))
+        ran.append(code)
         reports = _read_reports(run_dir)
         say(f"trace      command exited with {code} after {time.monotonic() - t0:.1f} s; "
             f"{len(reports)} rank(s) instrumented")
+        if signal.SIGTERM in passed_on:  # a SIGKILL follows soon: stop what we started, skip the analysis
+            say("trace      stopped by SIGTERM: not waiting for the analysis"
+                + (f" (stragglerscope sql job_windows --param job_id={job_id} shows what was stored)"
+                   if reports else ""))
+            return code
         if not reports:
             say("trace      no process initialised torch.distributed: nothing was recorded")
             return code
@@ -140,25 +165,80 @@ def run_trace(cfg: Config, opts: TraceOptions) -> int:
     return code
 
 
-def _run_child(command: list[str], env: dict[str, str]) -> int:
-    """Run COMMAND in its own process group; Ctrl-C and SIGTERM are passed on, not taken by us."""
-    try:
-        proc = subprocess.Popen(command, env=env, start_new_session=True)
-    except FileNotFoundError:
-        raise TraceError(f"command not found: {command[0]}") from None
-    except PermissionError:
-        raise TraceError(f"command not executable: {command[0]}") from None
+TERM_GRACE_S = 40.0
+"""How long COMMAND's process group has after SIGTERM before it is killed. Longer than the 30 s torchrun
+gives its workers before it kills them: its workers run in sessions of their own, beyond the reach of
+our kill, and would outlive a torchrun killed first. (Kubernetes kills the whole pod after 30 s anyway.)"""
+
+
+def _run_child(command: list[str], env: dict[str, str]) -> tuple[int, set[int]]:
+    """Run COMMAND in its own process group; Ctrl-C and SIGTERM are passed on, not taken by us.
+
+    Returns its exit code and the signals passed on. SIGTERM is passed on once (a second one would cut
+    torchrun's own stop of its workers short), and what of the group has not exited ``TERM_GRACE_S``
+    later is killed. After a signal, what COMMAND started and left running when it exited is stopped
+    too: it would hold GPUs and ports with no one to stop it.
+    """
+    from stragglerscope.demo import stop_process_group
+    from stragglerscope.service import say, stopping
+
+    child: list[subprocess.Popen] = []
+    early: list[int] = []  # signals that came before the child existed
+    passed_on: set[int] = set()
+    deadline: list[float] = []  # of the grace period, once SIGTERM is passed on
+    killed = threading.Event()
+
+    def kill_group():
+        killed.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child[0].pid, signal.SIGKILL)
+
+    killer = threading.Timer(TERM_GRACE_S, kill_group)
+    killer.daemon = True
 
     def forward(signum, _frame):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signum)
+        if signum == signal.SIGTERM:
+            if deadline:
+                return
+            deadline.append(time.monotonic() + TERM_GRACE_S)
+        passed_on.add(signum)
+        if child:
+            _pass_on(child[0], signum, killer)
+        else:
+            early.append(signum)
+
+    # Before the child starts: a signal in between is passed on to it as soon as it exists.
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = proc.wait()
+        try:
+            child.append(subprocess.Popen(command, env=env, start_new_session=True))
+        except FileNotFoundError:
+            raise TraceError(f"command not found: {command[0]}") from None
+        except PermissionError:
+            raise TraceError(f"command not executable: {command[0]}") from None
+        for signum in early:
+            _pass_on(child[0], signum, killer)
+        code = child[0].wait()
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    return code if code >= 0 else 128 - code  # killed by signal N: the shell's 128 + N
+        if deadline:
+            stopping()  # our own stop, which follows, must not be cut short by another SIGTERM
+    if passed_on and not killed.is_set():
+        stop_process_group(child[0], max(0.5, (deadline[0] if deadline else time.monotonic() + TERM_GRACE_S)
+                                         - time.monotonic()))
+    killer.cancel()
+    if killed.is_set():
+        say(f"trace      the command did not stop within {TERM_GRACE_S:.0f} s of SIGTERM: killed its process group")
+    return (code if code >= 0 else 128 - code), passed_on  # killed by signal N: the shell's 128 + N
+
+
+def _pass_on(proc: subprocess.Popen, signum: int, killer: threading.Timer) -> None:
+    """``signum`` to COMMAND's process group; for SIGTERM, the timer that kills the group after the grace."""
+    if signum == signal.SIGTERM and killer.ident is None:  # not started yet
+        killer.start()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signum)
 
 
 def _read_reports(run_dir: str) -> list[dict]:

@@ -18,8 +18,9 @@ class FakeSource:
         self._i = 0
         self.dead = []
         self.alerts = []
+        self.problems: list[str] = []  # partitions not read, and why (KafkaSource.problems)
 
-    def seek(self, stored):
+    def seek(self, stored, stored_logs=None, by="shard"):
         self._pos = dict(stored)
         # Replay from the smallest stored offset of each partition, as Kafka would.
         self._pending = [m for m in self.messages if m.offset >= stored.get((m.topic, m.partition), 0)]
@@ -35,6 +36,15 @@ class FakeSource:
 
     def positions(self):
         return dict(self._pos)
+
+    def log_ids(self):
+        return {}
+
+    def lost_logs(self):
+        return []
+
+    def take_resets(self):
+        return []
 
     def lag(self):
         return len(self._pending) - self._i
@@ -55,6 +65,8 @@ class FakeSink:
     def __init__(self):
         self.rows: dict[str, list[dict]] = {}
         self.offsets: dict[str, dict] = {}
+        self.logs: dict[str, dict] = {}
+        self.states: dict[tuple[str, str], tuple[int, bytes]] = {}
         self.flushes = 0
         self._buf: dict[str, list[pa.Table]] = {}
 
@@ -77,8 +89,18 @@ class FakeSink:
     def load_offsets(self, source_id, topics, partitions):
         return dict(self.offsets.get(source_id, {}))
 
-    def store_offsets(self, source_id, offsets):
+    def store_offsets(self, source_id, offsets, log_ids=None):
         self.offsets.setdefault(source_id, {}).update(offsets)
+        self.logs.setdefault(source_id, {}).update({tp: (log_ids or {}).get(tp, "") for tp in offsets})
+
+    def load_offset_logs(self, source_id, topics, partitions):
+        return dict(self.logs.get(source_id, {}))
+
+    def store_state(self, source_id, shard, fmt, state):
+        self.states[(source_id, shard)] = (fmt, bytes(state))
+
+    def load_state(self, source_id, shard):
+        return self.states.get((source_id, shard))
 
     def load_jobs(self):
         return list({(r["job_id"], r["attempt"]): r for r in self.rows.get("job", [])}.values())

@@ -12,6 +12,7 @@ signature. ``LOCAL`` names the abstract methods the client keeps to itself.
 """
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import io
 import json
@@ -195,8 +196,27 @@ REMOTE: dict[str, Remote] = {r.name: r for r in (
     Remote("store_offsets", {"source_id": Arg(required=True),
                              "offsets": Arg(send=lambda offsets: [[t, int(p), int(o)] for (t, p), o in offsets.items()],
                                             take=lambda rows: {(t, int(p)): int(o) for t, p, o in rows},
-                                            required=True)},
+                                            required=True),
+                             "log_ids": Arg(send=lambda ids: None if not ids else
+                                            [[t, int(p), str(i)] for (t, p), i in ids.items()],
+                                            take=lambda rows: {(t, int(p)): str(i) for t, p, i in rows or ()})},
            NOTHING, prepare=lambda values: values if values["offsets"] else None),
+    Remote("load_offset_logs", {"source_id": Arg(required=True),
+                                "topics": Arg(send=lambda topics: None if topics is None else list(topics)),
+                                "partitions": Arg(send=lambda parts: None if parts is None
+                                                  else [int(p) for p in parts])},
+           _field("logs", pack=lambda logs: [[t, p, i] for (t, p), i in logs.items()],
+                  unpack=lambda rows, values: filter_offsets(
+                      [{"topic": t, "partition": p, "next_offset": i} for t, p, i in rows],
+                      values["topics"], values["partitions"], value=str))),
+    Remote("store_state", {"source_id": Arg(required=True), "shard": Arg(take=str, required=True),
+                           "fmt": Arg(take=int, required=True),
+                           "state": Arg(send=lambda b: base64.b64encode(bytes(b)).decode("ascii"),
+                                        take=lambda text: base64.b64decode(text, validate=True), required=True)},
+           NOTHING),
+    Remote("load_state", {"source_id": Arg(required=True), "shard": Arg(take=str, required=True)},
+           _field("state", pack=lambda got: None if got is None else [got[0], base64.b64encode(got[1]).decode()],
+                  unpack=lambda got, _values: None if got is None else (int(got[0]), base64.b64decode(got[1])))),
     Remote("load_jobs", {}, ROWS),
     Remote("enforce_retention", {"now_ns": Arg()}, _field("dropped")),
 )}

@@ -169,3 +169,123 @@ def test_a_starting_job_gets_the_startup_threshold_not_the_floor():
     assert hang is not None and hang.kind == "noncomm_hang"  # stuck in start-up for longer than startup_s
     t.add_heartbeats(codec.from_rows(S.HEARTBEAT, [hb(0, 32 * s, 0)]))
     assert t.threshold_s() == 4  # training began: the floor (and the step time) rule again
+
+
+# -- a rank with a wrong clock, corrected at the shard's boundary, then lost ----------------------------------
+_WALL0 = 1_760_000_000 * 10**9  # the shard's wall clock when the job starts
+_CLOCKS = {"in 1970": 10**9 - _WALL0, "3 h ahead": 3 * 3600 * 10**9}
+
+
+def _hb(job, rank, host, ts, step):
+    from core import codec
+    from core import schema as S
+
+    s = 10**9
+    return codec.from_rows(S.HEARTBEAT, [dict(
+        job_id=job, attempt=0, rank=rank, host=host, pid=100 + rank, ts_ns=ts, step=step, last_op="optimizer",
+        last_op_end_ns=ts - s // 2, inflight_op="", inflight_group="", inflight_seq=-1, inflight_since_ns=-1,
+        clock_offset_ns=0, stack="", step_done=step - 1, step_done_ns=ts - s // 2)])
+
+
+def _through_the_boundary(skew_ns, delay_s, silent_from=24, beats=60, skewed_first=False):
+    """What the shard does with heartbeats: ``ClockGuard`` corrects them, ``check_heartbeats`` checks them, the
+    ``HangMonitor`` tracks them. Job "j": rank 0 on hostA (a good clock) and rank 1 on hostB (off by ``skew_ns``),
+    a heartbeat every 5 s each; rank 1's node is lost after ``silent_from`` beats. Job "other" (one host, good
+    clocks) shares the shard and keeps running. Each heartbeat reaches the shard ``delay_s`` after it was sent
+    (``delay_s[i]`` for beat i: a consumer lag, a backlog replayed in a burst); ``skewed_first``: rank 1's
+    heartbeat is read before the others' in each beat (the shard's very first heartbeat is a wrong clock's).
+    Returns the HANG rows."""
+    from core.config import ValidationConfig
+    from ray_jobs import boundary as B
+    from ray_jobs.hang_monitor import HangMonitor
+    from tests.fakes import ManualClock
+
+    s = 10**9
+    limits = ValidationConfig()
+    guard = B.ClockGuard(limits)
+    wall = [_WALL0]
+    mon = HangMonitor(HangParams(floor_s=120, heartbeat_timeout_s=30), every_s=0.0,
+                      clock=ManualClock(wall=lambda: wall[0]))
+    rows = []
+    for i in range(beats):
+        sent = _WALL0 + i * 5 * s
+        beat = [("j", 0, "hostA", 0), ("j", 1, "hostB", skew_ns), ("other", 0, "hostC", 0), ("other", 1, "hostC", 0)]
+        if skewed_first:
+            beat = beat[1:2] + beat[:1] + beat[2:]
+        for job, rank, host, skew in beat:
+            if (job, rank) == ("j", 1) and i >= silent_from:
+                continue
+            wall[0] = max(wall[0], sent + int(delay_s(i) * s))
+            fixed = guard.correct_heartbeats(_hb(job, rank, host, sent + skew, i), wall[0])
+            split = B.check_heartbeats(fixed, job, None, limits, wall[0])
+            assert not split.refused or (i, rank, skewed_first) == (0, 1, True), split.reason
+            mon.add_heartbeats(split.good, wall[0] / 1e9)
+        rows += mon.evaluate(wall[0] / 1e9 + 1e-3, wall[0]).to_pylist()
+    for k in range(1, 13):  # the input is idle after the last beat: evaluations go on
+        rows += mon.evaluate(wall[0] / 1e9 + k, wall[0] + k * s).to_pylist()
+    return rows
+
+
+@pytest.mark.parametrize("clock", list(_CLOCKS))
+@pytest.mark.parametrize("delivery", ["live", "lagging 45 s", "backlog in a burst", "skewed rank read first"])
+def test_node_loss_names_the_lost_rank_whose_clock_was_corrected(clock, delivery):
+    """The tester's incident: rank 1 (hostB) stamps its heartbeats in 1970, the boundary corrects them, rank 1's
+    node is lost, and the page named rank 0 on hostA. The correction put each of rank 1's heartbeats at its arrival
+    time, while rank 0's honest times trail arrival by the input's delay: under a lag longer than the heartbeat
+    timeout the healthy rank read as the silent one (and the hang monitor's held-back clock, pushed to the wall by
+    rank 1, judged every lagging job of the shard against the wall). A backlog read in a burst made the lost rank
+    look alive instead: all its old heartbeats arrived "now". Read first, before any plausible clock, a wrong
+    clock's heartbeat has nothing to be measured against: it is refused, not put at its arrival."""
+    burst = lambda i: 300.0 - i * 5.0 + 0.01 * i  # noqa: E731
+    delay = {"live": lambda i: 0.05, "lagging 45 s": lambda i: 45.0, "backlog in a burst": burst,
+             "skewed rank read first": burst}[delivery]
+    rows = _through_the_boundary(_CLOCKS[clock], delay, skewed_first=delivery == "skewed rank read first")
+    assert [(r["job_id"], r["kind"], r["missing_ranks"], r["suspect_hosts"]) for r in rows] == \
+        [("j", "node_loss", "1", "hostB")], rows
+    # Rank 1's last beat was number 23, at 115 s. Its corrected time is measured against its peer's latest
+    # heartbeat, which during a burst is up to one heartbeat interval (5 s) older than rank 1's.
+    assert rows[0]["since_ns"] == pytest.approx(_WALL0 + 115 * 10**9, abs=6 * 10**9)
+
+
+def _phased(lag_s, beats=40):
+    """Two jobs on two hosts each, honest clocks, each rank's heartbeat at its own phase of the 5 s period, all of
+    them reaching the shard ``lag_s`` late; the HANG rows the monitor emits."""
+    from ray_jobs.hang_monitor import HangMonitor
+    from tests.fakes import ManualClock
+
+    s = 10**9
+    wall = [_WALL0]
+    mon = HangMonitor(HangParams(floor_s=120, heartbeat_timeout_s=30), every_s=0.0,
+                      clock=ManualClock(wall=lambda: wall[0]))
+    ranks = [("j", 0, "hostA", 0.0), ("j", 1, "hostB", 2.5), ("k", 0, "hostC", 1.0), ("k", 1, "hostD", 4.0)]
+    rows = []
+    for i in range(beats):
+        for job, rank, host, phase in sorted(ranks, key=lambda x: x[3]):
+            sent = _WALL0 + int((i * 5 + phase) * s)
+            wall[0] = sent + int(lag_s * s)
+            mon.add_heartbeats(_hb(job, rank, host, sent, i), wall[0] / 1e9)
+            rows += mon.evaluate(wall[0] / 1e9 + 1e-3, wall[0]).to_pylist()
+    return rows
+
+
+def test_a_lagging_input_does_not_page_the_ranks_of_a_job_behind_its_newest_heartbeat():
+    """Input 45 s late, every clock right: a rank whose heartbeat is 2.5 s older than its peer's was called lost
+    (node loss, the healthy host named), the pages flipping between the job's hosts at every heartbeat. Within a job
+    the tracker now compares its ranks with each other. (Whole jobs read as silent are the next test's.)"""
+    assert [r for r in _phased(45.0) if r["stuck_ranks"]] == []  # node loss naming some ranks while others report
+    assert _phased(0.05) == []
+
+
+def test_a_lagging_input_pages_no_job():
+    """Input 45 s late: every job's newest heartbeat is older than the shard's newest one, and the evaluation
+    clock, held at the newest heartbeat plus the timeout, read whole jobs as silent. It now runs on from the
+    newest heartbeat only by the wall time since that arrived."""
+    assert _phased(45.0) == []
+
+
+@pytest.mark.parametrize("ahead_s", [60, 300])
+def test_a_peer_clock_ahead_within_the_tolerance_does_not_make_a_reporting_rank_look_lost(ahead_s):
+    """Rank 1's clock is minutes ahead, inside validation.max_clock_skew_s (so not corrected), the input live:
+    rank 0 is not 'silent' for the minutes by which rank 1's stamps run ahead of the evaluation clock."""
+    rows = _through_the_boundary(ahead_s * 10**9, lambda i: 0.05, silent_from=1000, beats=30)
+    assert rows == []

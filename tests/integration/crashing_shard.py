@@ -29,17 +29,21 @@ class FileSink(FakeSink):
         self.path = path
         if os.path.exists(path):
             with open(path, "rb") as f:
-                self.rows, self.offsets = pickle.load(f)
+                self.rows, self.offsets, self.logs, self.states = pickle.load(f)
 
     def flush(self):
         super().flush()
         tmp = self.path + ".tmp"
         with open(tmp, "wb") as f:
-            pickle.dump((self.rows, self.offsets), f)
+            pickle.dump((self.rows, self.offsets, self.logs, self.states), f)
         os.replace(tmp, self.path)
 
-    def store_offsets(self, source_id, offsets):
-        super().store_offsets(source_id, offsets)
+    def store_offsets(self, source_id, offsets, log_ids=None):
+        super().store_offsets(source_id, offsets, log_ids)
+        self.flush()
+
+    def store_state(self, source_id, shard, fmt, state):
+        super().store_state(source_id, shard, fmt, state)
         self.flush()
 
 
@@ -49,13 +53,14 @@ def main() -> int:
         messages = pickle.load(f)
     real_decode = codec.decode
 
-    def decode(payload: bytes):
+    def decode(payload: bytes, **kwargs):
         if payload.startswith(POISON):
             ctypes.string_at(0)  # a read of address 0: SIGSEGV, as a native bug would
-        return real_decode(payload)
+        return real_decode(payload, **kwargs)
 
     codec.decode = decode
-    cfg = Config().replace(pipeline={"idle_timeout_s": 1.0, "commit_interval_s": 0.0, "state_dir": state_dir},
+    cfg = Config().replace(pipeline={"idle_timeout_s": 1.0, "commit_interval_s": 0.0, "state_interval_s": 0.0,
+                                     "state_dir": state_dir},
                            alerts={"min_gpus": 1})
     src, sink = FakeSource(messages, batch=2), FileSink(store_path)
     clock = ManualClock()

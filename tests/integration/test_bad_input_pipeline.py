@@ -19,7 +19,7 @@ from core.kafka_admin import ensure_topics
 from core.registration import Registration
 from ray_jobs.analysis import analyze_window
 from services.broker import LocalBroker
-from tests.unit.test_bad_input import CASES, GOOD, T0, letter_of, ops, raw, spec
+from tests.unit.test_bad_input import CASES, GOOD, T0, heartbeat, letter_of, ops, raw, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -57,7 +57,12 @@ def test_the_campaign_through_a_real_pipeline(ray_local, tmp_path):
             # Registrations first, as a job registers before it trains: ops of an unregistered job
             # are analysed on an inferred layout, which is another test's subject.
             regs = [e for e in entries if e[0] == topics.TOPIC_JOBS and e[1] in ("good", "skewed")]
-            _produce(broker.bootstrap, regs)
+            # A rank with a wrong clock is corrected against its peers' delay (ray_jobs.boundary.ClockGuard):
+            # each such job has a peer with a good clock, whose heartbeat its shard reads first (same key,
+            # same partition). A shard that has heard no plausible clock at all refuses a wrong one.
+            peers = [(topics.TOPIC_HEARTBEATS, job, raw(heartbeat(job, ts_ns=time.time_ns(), rank=1)))
+                     for job in ("hb1970", "hbahead")]
+            _produce(broker.bootstrap, regs + peers)
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and store.query("SELECT count() AS n FROM jobs").column(
                     "n")[0].as_py() < 2:

@@ -31,10 +31,25 @@ HEALTH = ("messages", "heartbeats", "heartbeat_age_s", "heartbeat_silence_s", "h
           "loop_seconds_max")
 
 
-def test_hang_alert_is_stored_within_threshold_plus_5s(ray_local, tmp_path, artifacts):
-    pytest.importorskip("torch")
+def _caught_up_pipeline(broker, daemon):
+    """Two shards over 4 partitions, hang thresholds at the floor, polling with no lag (the job must not start
+    before its shard listens: answering status is not polling, so it waits for a measured lag of 0)."""
     from core.config import Config
     from ray_jobs.pipeline import Pipeline
+    from storage import open_store
+
+    cfg = Config().replace(
+        kafka={"bootstrap": broker.bootstrap, "partitions": 4}, store={"url": daemon.url},
+        pipeline={"shards": 2, "idle_timeout_s": 60.0},
+        hang={"floor_s": FLOOR_S, "k_steps": 1.0, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S})
+    pipe = Pipeline(cfg, f"src-{uuid.uuid4().hex[:6]}", open_store).start()
+    pipe.wait_ready()
+    assert pipe.wait(Pipeline.caught_up, timeout_s=120), ("the shards never caught up", pipe.status())
+    return pipe
+
+
+def test_hang_alert_is_stored_within_threshold_plus_5s(ray_local, tmp_path, artifacts):
+    pytest.importorskip("torch")
     from services.broker import LocalBroker
     from services.store_daemon import StoreDaemon
     from storage import open_store
@@ -48,14 +63,7 @@ def test_hang_alert_is_stored_within_threshold_plus_5s(ray_local, tmp_path, arti
         job = f"pipe-hang-{uuid.uuid4().hex[:6]}"
         store = open_store(daemon.url)
         store.setup()
-        cfg = Config().replace(
-            kafka={"bootstrap": broker.bootstrap, "partitions": 4}, store={"url": daemon.url},
-            pipeline={"shards": 2, "idle_timeout_s": 60.0},
-            hang={"floor_s": FLOOR_S, "k_steps": 1.0, "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S})
-        pipe = Pipeline(cfg, f"src-{uuid.uuid4().hex[:6]}", open_store).start()
-        pipe.wait_ready()  # the job must not start before its shard listens
-        # Answering status is not polling: wait for a measured lag of 0 (Pipeline.caught_up).
-        assert pipe.wait(Pipeline.caught_up, timeout_s=120), ("the shards never caught up", pipe.status())
+        pipe = _caught_up_pipeline(broker, daemon)
         proc = subprocess.Popen(
             [sys.executable, "-m", "examples.train_gloo", "--bootstrap", broker.bootstrap, "--job-id", job,
              "--steps", "30", "--stop-rank", "1", "--stop-at-step", "6", "--heartbeat-s", "0.5",
@@ -101,3 +109,74 @@ def test_hang_alert_is_stored_within_threshold_plus_5s(ray_local, tmp_path, arti
     assert latency <= threshold + 5.0, (latency, threshold, h["duration_s"], held_back,
                                         HEALTH, "per shard, each second:", health)
     assert stored_after <= threshold + 5.0 + 0.5, (stored_after, threshold)
+
+
+def _stopped_rank(proc) -> bool:
+    """Whether a rank of the job has SIGSTOPped itself (the hang began)."""
+    import psutil
+
+    try:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return False
+    return any(k.status() == psutil.STATUS_STOPPED for k in kids if k.is_running())
+
+
+def test_a_shard_killed_during_and_after_a_hang_stores_it_once(ray_local, tmp_path):
+    """Issue 39: hang and downtime state must survive kill -9 of the shard that owns the job. The owner is
+    killed during the hang's grace period and again right after the hang is stored: the hang is found once,
+    in time, with one alert (before, a restarted shard forgot what it had reported and stored the same hang
+    again under a new id)."""
+    pytest.importorskip("torch")
+    from kafka.partitioner.default import murmur2
+
+    from services.broker import LocalBroker
+    from services.store_daemon import StoreDaemon
+    from storage import open_store
+
+    with LocalBroker() as broker, StoreDaemon(f"chdb://{tmp_path / 'store'}") as daemon:
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 4)
+        job = f"kill-hang-{uuid.uuid4().hex[:6]}"
+        owner = ((murmur2(job.encode()) & 0x7fffffff) % 4) % 2
+        store = open_store(daemon.url)
+        store.setup()
+        pipe = _caught_up_pipeline(broker, daemon)
+
+        def kill_owner() -> None:
+            pid = ray_local.get(pipe.actors[owner].pid.remote(), timeout=60)
+            os.kill(pid, signal.SIGKILL)
+
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "examples.train_gloo", "--bootstrap", broker.bootstrap, "--job-id", job,
+             "--steps", "30", "--stop-rank", "1", "--stop-at-step", "6", "--heartbeat-s", "0.5",
+             "--hang-dump-s", "2", "--dist-timeout", "300"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not _stopped_rank(proc):
+                time.sleep(0.2)
+            assert _stopped_rank(proc), "rank 1 never stopped"
+            time.sleep(3.0)
+            kill_owner()  # inside the 8 s grace
+            rows = []
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not rows:
+                rows = store.run_named("job_hangs", {"job_id": job}).to_pylist()
+                time.sleep(0.25)
+            assert rows, ("no hang stored", pipe.status())
+            time.sleep(1.0)
+            kill_owner()  # right after: the next 10 s snapshot was not due yet
+            # Long enough for the restarted shard to judge the (still hung) job again several times.
+            time.sleep(3 * FLOOR_S)
+            rows = store.run_named("job_hangs", {"job_id": job}).to_pylist()
+            alerts = store.run_named("alert_history", {"job_id": job, "rule": "hang"}).to_pylist()
+            status = pipe.status()
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            pipe.stop()
+            store.close()
+    brief = [(r["kind"], r["missing_ranks"], r["hang_id"]) for r in rows]
+    assert len(rows) == 1 and rows[0]["kind"] == "comm_hang" and rows[0]["missing_ranks"] == "1", brief
+    assert len(alerts) == 1, [a["alert_id"] for a in alerts]
+    assert status[owner].get("loops", 0) > 0, status  # the owner is back and polling

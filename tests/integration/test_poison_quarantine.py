@@ -44,7 +44,7 @@ def test_a_message_that_segfaults_the_shard_is_quarantined_after_three_deaths(tm
         if proc.returncode == 0:
             break
     assert codes == [-signal.SIGSEGV] * 3 + [0], (codes, proc.stderr[-2000:])
-    rows, offsets = pickle.loads(store.read_bytes())
+    rows, offsets, _logs, _states = pickle.loads(store.read_bytes())
     (dead,) = [r for r in rows["dead_letter"] if r["source_offset"] == 1]
     assert dead["source_topic"] == topics.TOPIC_OPS and "quarantined" in dead["reason"] and "3 times" in dead["reason"]
     stored = sorted(r["job_id"] for r in rows["window"])

@@ -188,3 +188,44 @@ def test_run_on_a_two_node_ray_cluster_adopts_survives_a_node_loss_and_stores_ea
             store.close()
     calm, _ = _run(broker, ray_local, tmp_path, tag, keys, kill=False)  # the reference: local, undisturbed
     assert _strip(rows) == _strip(calm), "the same numbers as an undisturbed local run"
+
+
+def _run_cli_against(cluster, broker, tmp_path, extra_env: dict, drop=()) -> subprocess.CompletedProcess:
+    env = dict(os.environ, STRAGGLERSCOPE_RAY_ADDRESS=cluster.address, STRAGGLERSCOPE_KAFKA_BOOTSTRAP=broker.bootstrap,
+               STRAGGLERSCOPE_KAFKA_PARTITIONS=str(PARTITIONS),
+               STRAGGLERSCOPE_KAFKA_SOURCE_ID=f"c-{uuid.uuid4().hex[:6]}",
+               STRAGGLERSCOPE_STORE_URL=f"chdb://{tmp_path / uuid.uuid4().hex[:6]}",
+               STRAGGLERSCOPE_PIPELINE_METRICS_PORT="-1", STRAGGLERSCOPE_PIPELINE_STATE_DIR=str(tmp_path),
+               **extra_env)
+    for name in ("STRAGGLERSCOPE_STORE", *drop):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "stragglerscope", "run"], capture_output=True, text=True,
+                          timeout=240, env=env, cwd=Path(__file__).resolve().parents[2], stdin=subprocess.DEVNULL)
+
+
+def test_run_names_what_keeps_it_from_a_cluster_instead_of_stalling(broker, tmp_path):
+    """Issue 39: shards of 1.5 CPUs on nodes of 2 left no node a CPU for an analysis, and nothing was ever
+    stored, without a word; a cluster with token authentication refused a driver without the token after 21 s
+    with a line that did not mention it, among a line a second of Ray's own retries."""
+    from services.ray_cluster import LocalRayCluster
+
+    ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, PARTITIONS)
+    with LocalRayCluster(nodes=2, cpus_per_node=2) as cluster:
+        r = _run_cli_against(cluster, broker, tmp_path, {"STRAGGLERSCOPE_RAY_SHARD_CPUS": "1.5",
+                                                         "STRAGGLERSCOPE_RAY_SHARD_MEMORY_MB": "128"})
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert last.startswith("stragglerscope run: error: the Ray cluster cannot run this configuration: no analysis "
+                           "can run") and "ray.shard_cpus" in last, r.stderr
+
+    token = uuid.uuid4().hex + uuid.uuid4().hex
+    home = tmp_path / "home"  # no ~/.ray/auth_token there
+    home.mkdir()
+    with LocalRayCluster(nodes=1, cpus_per_node=2, env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}) as cluster:
+        r = _run_cli_against(cluster, broker, tmp_path, {"HOME": str(home)},
+                             drop=("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "requires token authentication" in lines[-1] and "RAY_AUTH_MODE=token" in lines[-1], r.stderr
+    assert not any("gcs_client" in ln for ln in lines), "Ray's native retries stay in the driver's log file"
+    assert any("gcs_client" in p.read_text(errors="replace") for p in tmp_path.glob("ray-driver-*.log"))

@@ -48,7 +48,7 @@ def _expected_failure(r, *secrets, says: str):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("stragglerscope ") and ": error: " in last and says in last, out
     # Progress lines before it are ours (fixed-width labels), never a library's log line.
-    assert all(line[:11].rstrip() in ("broker", "topics", "store", "ray", "metrics") for line in
+    assert all(line[:11].rstrip() in ("logs", "broker", "topics", "store", "ray", "metrics") for line in
                r.stderr.strip().splitlines()[:-1]), out
 
 

@@ -68,6 +68,19 @@ def _wait_stored(store, keys, pipe, timeout_s=180):
     raise AssertionError(f"windows not stored: {[k for k in keys if not store.window_stored(k)]}; {pipe.status()}")
 
 
+def _analyse(cfg, source: str, store, keys):
+    """A pipeline over the topics until ``keys`` are stored, then stopped (which stores the final offsets)."""
+    from ray_jobs.pipeline import Pipeline
+    from storage import open_store
+
+    pipe = Pipeline(cfg, source, open_store).start()
+    try:
+        _wait_stored(store, keys, pipe)
+    finally:
+        pipe.stop()
+    return pipe
+
+
 def _cli(*args, timeout=120, stdin=subprocess.DEVNULL):
     return subprocess.run([sys.executable, "-m", "stragglerscope", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, stdin=stdin,
@@ -152,11 +165,7 @@ def test_a_broker_restarted_empty_stops_the_next_start_until_offsets_are_reset(r
 
             ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 2)
             first = _produce(broker.bootstrap, _jobs_on([0, 1], 2, "before"))
-            pipe = Pipeline(cfg, source, open_store).start()
-            try:
-                _wait_stored(store, first, pipe)
-            finally:
-                pipe.stop()  # stores the final offsets
+            _analyse(cfg, source, store, first)
             assert any(off > 0 for off in stored_offsets(open_store, daemon.url, source).values())
 
             broker.stop()
@@ -178,11 +187,7 @@ def test_a_broker_restarted_empty_stops_the_next_start_until_offsets_are_reset(r
             assert not any(stored_offsets(open_store, daemon.url, source).values())
 
             second = _produce(broker.bootstrap, _jobs_on([0, 1], 2, "after"))
-            pipe = Pipeline(cfg, source, open_store).start()
-            try:
-                _wait_stored(store, second, pipe)
-            finally:
-                pipe.stop()
+            _analyse(cfg, source, store, second)
             store.close()
     finally:
         broker.stop()
@@ -220,3 +225,140 @@ def test_a_running_source_reports_a_topic_created_again_under_it():
         src.close()
     finally:
         broker.stop()
+
+
+def _stored_windows(store, source_keys):
+    return [k for k in source_keys if store.window_stored(k)]
+
+
+def test_a_broker_restarted_empty_that_grew_past_the_old_offsets_is_never_read_on_silently(ray_local, tmp_path):
+    """Issue 39: after the broker lost its data, producers kept sending while the pipeline was down and the
+    new partitions grew past the stored offsets. Every offset is within its partition's end, so the old
+    check saw nothing, and the records below the old offsets were never read. The offsets carry the log
+    they were read from: the start refuses (on_lost_log = stop), or rewinds with an audit row and reads
+    every new record (on_lost_log = rewind)."""
+    from core.kafka_admin import LogChangedError, end_offsets
+    from ray_jobs.pipeline import Pipeline, stored_offsets
+    from services.store_daemon import StoreDaemon
+    from storage import open_store
+
+    source = f"grown-{uuid.uuid4().hex[:6]}"
+    broker = LocalBroker().start()
+    port = broker.port
+    try:
+        with StoreDaemon(f"chdb://{tmp_path / 'store'}") as daemon:
+            store = open_store(daemon.url)
+            store.setup()
+            cfg = _config(broker.bootstrap, daemon.url, 2, 1, source)
+            ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 2)
+            first = _produce(broker.bootstrap, _jobs_on([0, 1], 2, "before"))
+            _analyse(cfg, source, store, first)
+            old = stored_offsets(open_store, daemon.url, source)
+            assert any(off > 0 for off in old.values())
+
+            broker.stop()
+            broker = LocalBroker(port=port).start()  # same address, empty
+            ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 2)
+            later = []
+            for i in range(4):
+                later += _produce(broker.bootstrap, _jobs_on([0, 1], 2, f"later{i}"))
+            ends = end_offsets(broker.bootstrap, old)
+            assert all(ends[tp] >= off for tp, off in old.items()), "the silent case: no offset beyond an end"
+
+            with pytest.raises(LogChangedError, match=r"read from other logs .*stragglerscope offsets reset"):
+                Pipeline(cfg, source, open_store).start()
+            toml = _toml(tmp_path / "c.toml", broker.bootstrap, daemon.url, 2, source)
+            r = _cli("run", "--config", toml)
+            assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+            assert "lost records" in r.stderr.strip().splitlines()[-1]
+            r = _cli("offsets", "show", "--config", toml)
+            assert r.returncode == 1 and "LOG LOST" in r.stdout, r.stdout + r.stderr
+
+            pipe = _analyse(cfg.replace(kafka={"on_lost_log": "rewind"}), source, store, later)  # every new record
+            assert {(r["topic"], r["partition"]) for r in pipe.offset_resets} == {
+                tp for tp, off in old.items() if off > 0}
+            audit = store.query("SELECT topic, `partition`, from_offset, to_offset, by FROM offset_resets")
+            assert sorted(audit.column("by").to_pylist()) == ["start"] * len(pipe.offset_resets)
+            assert all(r["to_offset"] == 0 and r["from_offset"] > 0 for r in audit.to_pylist())
+            store.close()
+    finally:
+        broker.stop()
+
+
+def test_a_running_source_rewinds_a_lost_log_when_told_to():
+    """kafka.on_lost_log = rewind while running: the partition whose topic was created again is read from the
+    new log's start, and the move is kept for the audit."""
+    from ray_jobs.io import KafkaSource
+
+    broker = LocalBroker().start()
+    port = broker.port
+    try:
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 2)
+        _produce(broker.bootstrap, _jobs_on([0, 1], 2, "a"))
+        src = KafkaSource(broker.bootstrap, [topics.TOPIC_OPS], range(2), check_interval_s=0.0,
+                          on_lost_log="rewind")
+        src.seek({})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(src.positions().values()):
+            for m in src.poll(300):
+                src.advance((m.topic, m.partition), m.offset + 1)
+        old = src.positions()
+        old_logs = src.log_ids()
+        assert all(old.values()) and all(old_logs.values())
+
+        broker.stop()
+        broker = LocalBroker(port=port).start()
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 2)
+        for i in range(3):
+            _produce(broker.bootstrap, _jobs_on([0, 1], 2, f"b{i}"))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(src.lost_logs()) < 2:
+            for m in src.poll(300):
+                src.advance((m.topic, m.partition), m.offset + 1)
+            src.lag()
+        assert len(src.lost_logs()) == 2 and src.problems == [], (src.lost_logs(), src.problems)
+        for tp in src.lost_logs():
+            assert src.rewind(tp, by="shard 0") == 0
+        resets = src.take_resets()
+        assert {(r["topic"], r["partition"]) for r in resets} == set(old)
+        assert all(r["from_log_id"] == old_logs[(r["topic"], r["partition"])] != r["to_log_id"] for r in resets)
+        seen = {tp: set() for tp in old}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and src.lag():
+            for m in src.poll(300):
+                seen[(m.topic, m.partition)].add(m.offset)
+                src.advance((m.topic, m.partition), m.offset + 1)
+        for tp, offs in seen.items():
+            assert min(offs) == 0 and offs == set(range(max(offs) + 1)), "every record of the new log"
+        assert src.log_ids() != old_logs
+        src.close()
+    finally:
+        broker.stop()
+
+
+def test_replay_publish_only_feeds_a_running_pipeline_without_taking_it_over(ray_local, tmp_path):
+    """Issue 39: `replay` started a driver of its own, which took the shards over from a running `run`. With
+    --publish-only it only publishes; --wait then watches the running pipeline store every window."""
+    from ray_jobs.pipeline import Pipeline
+    from services.store_daemon import StoreDaemon
+    from storage import open_store
+
+    golden = str(ROOT / "tests" / "golden" / "whatif" / "ST")
+    source = f"pub-{uuid.uuid4().hex[:6]}"
+    with LocalBroker() as broker, StoreDaemon(f"chdb://{tmp_path / 'store'}") as daemon:
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 2)
+        pipe = Pipeline(_config(broker.bootstrap, daemon.url, 2, 1, source), source, open_store).start()
+        try:
+            pipe.wait_ready()
+            toml = _toml(tmp_path / "c.toml", broker.bootstrap, daemon.url, 2, source)
+            r = _cli("replay", "--publish-only", "--wait", "--timeout", "180", "--config", toml, golden, timeout=240)
+            assert r.returncode == 0, r.stderr
+            assert "published  1 traces" in r.stderr and "stored     1 windows" in r.stderr, r.stderr
+            assert "ray " not in r.stderr and "broker     Tansu" not in r.stderr  # no driver, no services of its own
+            assert pipe.check_health() and pipe.status()[0].get("windows_stored", 0) >= 1  # still ours, and it did it
+        finally:
+            pipe.stop()
+    r = _cli("replay", "--publish-only", golden)  # no Kafka configured: one line, before anything starts
+    assert r.returncode == 2 and "needs the running pipeline's Kafka" in r.stderr.strip().splitlines()[-1]
+    r = _cli("replay", "--wait", golden)
+    assert r.returncode == 2 and "--wait goes with --publish-only" in r.stderr

@@ -73,8 +73,19 @@ class _Recording(Store):
         self._record("load_offsets", source_id, topics, partitions)
         return {("t", 0): 5, ("t", 1): 7, ("u", 0): 9}
 
-    def store_offsets(self, source_id, offsets):
-        self._record("store_offsets", source_id, offsets)
+    def store_offsets(self, source_id, offsets, log_ids=None):
+        self._record("store_offsets", source_id, offsets, log_ids)
+
+    def load_offset_logs(self, source_id, topics, partitions):
+        self._record("load_offset_logs", source_id, topics, partitions)
+        return {("t", 0): "id-a", ("u", 0): ""}
+
+    def store_state(self, source_id, shard, fmt, state):
+        self._record("store_state", source_id, shard, fmt, state)
+
+    def load_state(self, source_id, shard):
+        self._record("load_state", source_id, shard)
+        return (3, bytes(range(256))) if shard == "p0/2" else None
 
     def load_jobs(self):
         self._record("load_jobs")
@@ -123,7 +134,15 @@ def test_every_remote_call_round_trips(loop):
     assert loop.load_offsets("src", ["t"], [0, 1]) == {("t", 0): 5, ("t", 1): 7}  # the client filters too
     assert store.calls[-1] == ("load_offsets", ("src", ["t"], [0, 1]))
     loop.store_offsets("src", {("t", np.int32(0)): np.int64(6)})
-    assert store.calls[-1] == ("store_offsets", ("src", {("t", 0): 6}))
+    assert store.calls[-1] == ("store_offsets", ("src", {("t", 0): 6}, {}))
+    loop.store_offsets("src", {("t", 0): 6}, {("t", np.int64(0)): "id-b"})
+    assert store.calls[-1] == ("store_offsets", ("src", {("t", 0): 6}, {("t", 0): "id-b"}))
+    assert loop.load_offset_logs("src", ["t"], None) == {("t", 0): "id-a"}
+    assert store.calls[-1] == ("load_offset_logs", ("src", ["t"], None))
+    loop.store_state("src", "p0/2", 3, b"\x00\xffstate")
+    assert store.calls[-1] == ("store_state", ("src", "p0/2", 3, b"\x00\xffstate"))
+    assert loop.load_state("src", "p0/2") == (3, bytes(range(256)))
+    assert loop.load_state("src", "p1/2") is None
     assert loop.load_jobs() == [{"job_id": "j", "attempt": 0}]
     assert loop.enforce_retention(123) == ["2024-01-01"]
     assert store.calls[-1] == ("enforce_retention", (123,))

@@ -240,6 +240,28 @@ def test_offsets_latest_stored_value_wins(store):
     assert store.load_offsets("src", ["t1"], [1, 2]) == {("t1", 1): 5}
 
 
+def test_offsets_keep_the_log_they_were_read_from(store):
+    """The log id stored with an offset is what tells a partition's new log from the one it was read in."""
+    store.store_offsets("src", {("t1", 0): 10, ("t1", 1): 5}, {("t1", 0): "uuid-a", ("t1", 1): "uuid-a"})
+    store.store_offsets("src", {("t1", 0): 2}, {("t1", 0): "uuid-b"})
+    store.store_offsets("src", {("t2", 0): 7})  # stored without one: unknown
+    assert store.load_offset_logs("src", ["t1", "t2"], [0, 1]) == {("t1", 0): "uuid-b", ("t1", 1): "uuid-a",
+                                                                    ("t2", 0): ""}
+    assert store.load_offset_logs("src", ["t1"], [1]) == {("t1", 1): "uuid-a"}
+    assert store.load_offsets("src", ["t1"], [0]) == {("t1", 0): 2}
+
+
+def test_shard_state_round_trips_any_bytes_and_the_latest_wins(store):
+    assert store.load_state("src", "p0/2") is None
+    blob = bytes(range(256)) * 40 + b"\x00\xff"
+    store.store_state("src", "p0/2", 1, b"old")
+    store.store_state("src", "p0/2", 2, blob)
+    store.store_state("src", "p1/2", 1, b"other shard")
+    assert store.load_state("src", "p0/2") == (2, blob)
+    assert store.load_state("src", "p1/2") == (1, b"other shard")
+    assert store.load_state("other", "p0/2") is None
+
+
 def test_load_jobs_latest_registration(store):
     store.insert("job", registration("a", ts_ns=1, team="old"))
     store.insert("job", registration("a", ts_ns=5, team="new"))

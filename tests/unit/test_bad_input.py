@@ -117,6 +117,22 @@ def clock_skewed_window(job_id="skewed") -> pa.Table:
     return setcol(t, "start_ns", pc.if_else(one, pc.add(t["start_ns"], 3 * HOUR_NS), t["start_ns"]))
 
 
+def compressed_bomb(job_id="bad", batches=8, mb=16) -> bytes:
+    """Good op spans of one row, each batch with an extra column of ``mb`` MB of zero bytes: 128 MB decoded, a few KB
+    with zstd. Decompressing it held a shard's loop for as long as it took; refused from its metadata, it costs
+    microseconds."""
+    one = ops(job_id).slice(0, 1)
+    schema = codec.wire_schema(one.schema)
+    zeros = pa.array(np.zeros(mb << 20, np.uint8)).buffers()[1]
+    pad = pa.FixedSizeBinaryArray.from_buffers(pa.binary(mb << 20), 1, [None, zeros])
+    batch = pa.Table.from_arrays(one.cast(schema).columns + [pad], schema=schema.append(pa.field("pad", pad.type)))
+    sink = io.BytesIO()
+    with pa.ipc.new_stream(sink, batch.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+        for _ in range(batches):
+            w.write_table(batch)
+    return sink.getvalue()
+
+
 def foreign_optimizers() -> pa.Table:
     """Optimizer ops of workers outside the 2 x 2 good job's layout, under its key: they used to close its
     window early as failed and drop its real ops as late. (Ops inside the layout look like real data.)"""
@@ -172,6 +188,8 @@ CASES = [
     ("registration NaN peak FLOP/s", JOBS, "bad", raw(reg(peak_flops=float("nan"))), "finite"),
     ("registration negative microbatches", JOBS, "bad", raw(reg(num_microbatches=-4)), "negative num_microbatches"),
     ("registration job id with a space", JOBS, "a b", raw(reg(job_id="a b")), "characters outside"),
+    ("registration without a Kafka key", JOBS, None, raw(reg("nokey")), "no Kafka key"),
+    ("registration keyed by another job", JOBS, "good", raw(reg("thief")), "differs from the Kafka key"),
     ("CCL exit before enter", CCL, "bad", raw(ccl(exit_ns=T0 - 10**9)), "exit_ns before enter_ns"),
     ("CCL of 11 days", CCL, "bad", raw(ccl(exit_ns=T0 + 10**15)), "longer than"),
     ("CCL in flight since 1970", CCL, "bad", raw(ccl(enter_ns=10**9, exit_ns=-1)), "in flight since"),
@@ -195,6 +213,8 @@ CASES = [
     ("heartbeat clock 3 h ahead", HB, "hbahead", raw(heartbeat("hbahead", ts_ns=NOW_NS + 3 * HOUR_NS)),
      ("corrected", None)),
     ("one worker's clock 3 h ahead", OPS, "skewed", raw(clock_skewed_window()), ("window", "clock_skew")),
+    ("compressed bomb: 128 MB in a few KB", OPS, "bad", compressed_bomb(), "would decompress to 128 MB, over "
+                                                                          "validation.max_decoded_mb (64 MB)"),
     ("unregistered ranks implying 4e10 workers", OPS, "huge",
      raw(setcol(setcol(ops("huge"), "dp_rank", [200_000] * ops().num_rows), "pp_rank", [200_000] * ops().num_rows)),
      ("window", "analysis_failed")),
@@ -221,8 +241,8 @@ def messages(entries) -> list[Message]:
 
 
 def run_shard(entries, cfg=None, sink=None):
-    cfg = (cfg or Config()).replace(pipeline={"idle_timeout_s": 5.0, "commit_interval_s": 0.0},
-                                    alerts={"min_gpus": 1})
+    cfg = (cfg or Config()).replace(pipeline={"idle_timeout_s": 5.0, "commit_interval_s": 0.0,
+                                              "state_interval_s": 0.0}, alerts={"min_gpus": 1})
     src = FakeSource(messages(entries), batch=8)
     sink = sink or FakeSink()
     clock = ManualClock(wall=lambda: NOW_NS)
@@ -318,7 +338,8 @@ def test_a_stored_registration_that_does_not_validate_is_skipped_at_start():
 
 
 def test_an_analysis_that_raises_is_a_failed_window_and_the_others_are_stored():
-    cfg = Config().replace(pipeline={"idle_timeout_s": 5.0, "commit_interval_s": 0.0}, alerts={"min_gpus": 1})
+    cfg = Config().replace(pipeline={"idle_timeout_s": 5.0, "commit_interval_s": 0.0, "state_interval_s": 0.0},
+                           alerts={"min_gpus": 1})
     entries = [(JOBS, j, raw(spec(j).registration(T0, STEPS))) for j in ("x", "y", "z")]
     entries += [(OPS, j, raw(ops(j))) for j in ("x", "y", "z")]
     src = FakeSource(messages(entries), batch=16)

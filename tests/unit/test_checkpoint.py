@@ -30,11 +30,11 @@ class Journal(FakeSink):
         self.log.append(("flush", sorted(self._buf)))
         super().flush()
 
-    def store_offsets(self, source_id, offsets):
+    def store_offsets(self, source_id, offsets, log_ids=None):
         if self.down:
             raise ConnectionError("store away")
         self.log.append(("offsets", dict(offsets)))
-        super().store_offsets(source_id, offsets)
+        super().store_offsets(source_id, offsets, log_ids)
 
     def load_offsets(self, source_id, topics, partitions):
         if self.down:
@@ -53,6 +53,9 @@ class Positions:
 
     def positions(self):
         return dict(self.pos)
+
+    def log_ids(self):
+        return {}
 
 
 def table(n=1):
@@ -174,7 +177,7 @@ def test_a_shard_loses_nothing_to_a_store_outage():
     sink = Journal()
     clock = ManualClock(wall=lambda: inc.now_ns)
     cfg = Config().replace(hang={"floor_s": 60.0, "heartbeat_timeout_s": 30.0}, alerts={"min_gpus": 1},
-                           pipeline={"commit_interval_s": 0.0})
+                           pipeline={"commit_interval_s": 0.0, "state_interval_s": 0.0})
     w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: FakeSource(msgs), sink_factory=lambda: sink,
                     submit=fake_analysis([]), clock=clock)
     w.setup()

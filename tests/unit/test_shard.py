@@ -32,7 +32,8 @@ def job(job_id, dp=2, pp=2):
 def make_worker(messages, sink=None, calls=None, clock=None, submit=None, **pipeline):
     cfg = Config()
     # Offsets are stored on every iteration unless a test asks for the commit interval.
-    cfg = cfg.replace(pipeline=dict({"idle_timeout_s": 10.0, "commit_interval_s": 0.0}, **pipeline),
+    cfg = cfg.replace(pipeline=dict({"idle_timeout_s": 10.0, "commit_interval_s": 0.0, "state_interval_s": 0.0},
+                      **pipeline),
                       alerts={"min_gpus": 1})
     src = FakeSource(messages)
     sink = sink or FakeSink()
@@ -292,6 +293,34 @@ def test_a_failed_store_write_is_retried_with_the_same_alerts():
     assert sink.offsets["src-1"][(topics.TOPIC_OPS, 0)] == 1
 
 
+def test_the_status_shows_a_store_outage_while_it_lasts_not_after():
+    """Issue 39: once the store was back and every window stored, the status still said `ERROR store: ...`."""
+    class AwaySink(FakeSink):
+        down = False
+
+        def flush(self):
+            if self.down:
+                self._buf = {}
+                raise ConnectionError("store away")
+            super().flush()
+
+        def load_offsets(self, *args):
+            if self.down:
+                raise ConnectionError("store away")
+            return super().load_offsets(*args)
+
+    a = job("a")
+    sink = AwaySink()
+    w, _, _ = make_worker(messages_for([a.registration(0, STEPS), generate_window(a, 0, STEPS, 0)]), sink=sink)
+    seen = []
+    for i in range(20):
+        sink.down = i < 6
+        w.step(poll_timeout_ms=0)
+        seen.append(w.status()["error"])
+    assert all("store: ConnectionError: store away" in e for e in seen[:6]), seen
+    assert [r["job_id"] for r in sink.rows["window"]] == ["a"] and seen[-1] == ""
+
+
 def test_heartbeats_of_a_hung_job_become_a_hang_row_and_a_critical_alert():
     from generators.faultgen import hang_incident
 
@@ -374,7 +403,7 @@ def test_offsets_are_stored_at_most_once_per_commit_interval_and_on_stop():
     w, src, sink = make_worker(messages_for([a.registration(0, STEPS)] + hb), clock=clock, commit_interval_s=2.0)
     stores = []
     sink_store = sink.store_offsets
-    sink.store_offsets = lambda sid, off: (stores.append(dict(off)), sink_store(sid, off))
+    sink.store_offsets = lambda sid, off, logs=None: (stores.append(dict(off)), sink_store(sid, off, logs))
     for i in range(10):  # ten iterations 0.5 s apart, each consuming one heartbeat
         clock.t = 0.5 * i
         w.step(poll_timeout_ms=0)
@@ -403,7 +432,8 @@ def test_windows_done_together_are_stored_in_one_flush():
     tables = [s.registration(0, STEPS) for s in specs] + [generate_window(s, 0, STEPS, 0) for s in specs]
     src = FakeSource(messages_for(tables), batch=len(tables))
     sink = KindsSink()
-    cfg = Config().replace(pipeline={"idle_timeout_s": 10.0, "commit_interval_s": 0.0}, alerts={"min_gpus": 1})
+    cfg = Config().replace(pipeline={"idle_timeout_s": 10.0, "commit_interval_s": 0.0, "state_interval_s": 0.0},
+                           alerts={"min_gpus": 1})
     w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: src, sink_factory=lambda: sink,
                     submit=fake_analysis([]), clock=ManualClock())
     w.setup()
@@ -419,7 +449,8 @@ def test_a_big_poll_is_handled_over_several_iterations_within_the_budget():
     a = job("a")
     tables = [a.registration(0, STEPS)] + [generate_window(a, 100 * i, STEPS, 0) for i in range(5)]
     src = FakeSource(messages_for(tables), batch=len(tables))
-    cfg = Config().replace(pipeline={"idle_timeout_s": 10.0, "commit_interval_s": 0.0, "handle_budget_s": 0.0},
+    cfg = Config().replace(pipeline={"idle_timeout_s": 10.0, "commit_interval_s": 0.0, "state_interval_s": 0.0,
+                                     "handle_budget_s": 0.0},
                            alerts={"min_gpus": 1})
     sink = FakeSink()
     w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: src, sink_factory=lambda: sink,
