@@ -30,7 +30,7 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """Bump on any change of a schema below; add a forward migration in storage/ where a table changes.
 
 2: CHECKPOINT records, DOWNTIME and REMEDY results; JOB ``params``,
@@ -43,6 +43,8 @@ reads the old names). No table changed.
 ``peer_transfer_ns`` is empty where the library did not time each peer, and
 ``recv_wait_ns`` is -1 where unknown (the exporter used to repeat the op's
 duration for every peer).
+5: JOB ``layout_source`` and ``layout_problem`` (where the layout was read, and
+what contradicts it).
 """
 MIN_READ_VERSION = 1
 """The oldest version ``decode`` still reads (fields added since get their defaults)."""
@@ -183,6 +185,11 @@ JOB = _schema(
         _f("seq_len", pa.int64(), "token", "training sequence length, 0 if unknown", since=2, default=0),
         _f("num_layers", pa.int32(), "", "transformer layers, 0 if unknown (layer repartition advice needs it)",
            since=2, default=0),
+        _f("layout_source", pa.string(), "", "where the layout was read: the process groups the job uses, a "
+           "DeviceMesh, --layout, or the rank order; '' if not said", since=5, default=""),
+        _f("layout_problem", pa.string(), "", "what contradicts the layout (two ranks claiming one worker, a group "
+           "that does not fit); '' if nothing: windows of a job with one are flagged, not analysed", since=5,
+           default=""),
     ],
 )
 

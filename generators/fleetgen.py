@@ -33,6 +33,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
+from core import codec
 from core.layout import JobLayout
 from core.schema import JOB, OP_SPAN
 
@@ -116,7 +117,8 @@ class JobSpec:
 
     def registration(self, ts_ns: int, profiled_steps: int) -> pa.Table:
         lay = self.layout
-        return pa.Table.from_pylist(
+        return codec.from_rows(
+            JOB,
             [
                 dict(
                     job_id=self.job_id, attempt=self.attempt, ts_ns=ts_ns, team=self.team, model=self.model,
@@ -127,7 +129,6 @@ class JobSpec:
                     seq_len=SEQ_LEN, num_layers=sum(self.stage_layers) if self.stage_layers else 8 * lay.pp_size,
                 )
             ],
-            schema=JOB,
         )
 
 

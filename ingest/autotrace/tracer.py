@@ -144,8 +144,7 @@ class Tracer:
     def _register(self) -> None:
         if self.session.rank != 0:
             return
-        import pyarrow as pa
-
+        from core import codec
         from core import schema as S
 
         lay = self.session.layout
@@ -156,7 +155,7 @@ class Tracer:
                    num_microbatches=self.num_microbatches, profiled_steps=st.sampling.profile_steps,
                    gpu_type=_gpu_type(), peak_flops=0.0, flops_per_token=0.0, tokens_per_step=0,
                    params=self.params if lay.pp_size == 1 else 0, seq_len=0, num_layers=0)
-        self.exp._send(pa.Table.from_pylist([row], schema=S.JOB))
+        self.exp._send(codec.from_rows(S.JOB, [row]))  # fields it does not name get their defaults
 
     # -- install --------------------------------------------------------------
     def install(self) -> None:
