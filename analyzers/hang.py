@@ -11,7 +11,8 @@ Recorder's view). ``evaluate(now_ns)`` decides:
   timeout at ``now`` is node loss too, while the caller's input lives.
 - otherwise, when no rank has made progress for the hang threshold
   ``max(floor_s, k x median step time)`` (``max(floor_s, startup_s)`` while
-  no rank has begun its first step):
+  no rank has begun its first step, at least ``checkpoint_s`` while a rank
+  is inside a checkpoint save or load):
   - **comm_hang**: some ranks are inside collective n of a group and others
     never entered it: the latter are missing (the suspects), the former stuck;
     if every member entered, the collective itself is stuck (a link or NIC):
@@ -20,9 +21,14 @@ Recorder's view). ``evaluate(now_ns)`` decides:
     oldest op in flight (compute, data loading) are the suspects; with none in
     flight, the whole job is.
 
-Defaults and why: ``floor_s = 120`` because checkpoint saves and evaluation
-legitimately stall steps for a minute or two; ``k = 10`` so a job whose steps
-take 30 s is not called hung before 5 minutes; ``heartbeat_timeout_s = 30``,
+Defaults and why: ``floor_s = 45`` so that a job whose steps take under 5 s
+is named hung within a minute of its onset (PyTorch's NCCL watchdog waits
+10 minutes): any op that ends is progress, so an evaluation loop is not a
+stall, and a rank inside a checkpoint save or load (its heartbeats say
+``checkpoint-save``/``-load`` is in flight: the exporter's ``checkpointing``,
+the tracer's ``torch.distributed.checkpoint``) gets ``checkpoint_s = 900``,
+as a save of a large model legitimately takes minutes; ``k = 10`` so a job
+whose steps take 30 s is not called hung before 5 minutes; ``heartbeat_timeout_s = 30``,
 six missed 5 s heartbeats, well beyond GC or scheduling jitter;
 ``startup_s = 600`` because before the first step there is no step time to
 scale by, and start-up (imports, rendezvous, communicator set-up, checkpoint
@@ -68,10 +74,11 @@ def group_members(name: str, job_ranks) -> set[int]:
 
 @dataclasses.dataclass(frozen=True)
 class HangParams:
-    floor_s: float = 120.0
+    floor_s: float = 45.0
     k_steps: float = 10.0
     heartbeat_timeout_s: float = 30.0
     startup_s: float = 600.0
+    checkpoint_s: float = 900.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +136,7 @@ class _Rank:
     inflight_seq: int = -1
     inflight_since_ns: int = -1
     stack: str = ""
+    last_op: str = ""
 
 
 class HangTracker:
@@ -162,6 +170,7 @@ class HangTracker:
             r.last_progress_ns = max(r.last_progress_ns, row["last_op_end_ns"])
             r.inflight_op, r.inflight_group = row["inflight_op"], row["inflight_group"]
             r.inflight_seq, r.inflight_since_ns = row["inflight_seq"], row["inflight_since_ns"]
+            r.last_op = row.get("last_op") or r.last_op
             if row["stack"]:
                 r.stack = row["stack"]
             if r.inflight_group and r.inflight_seq >= 0:
@@ -198,7 +207,10 @@ class HangTracker:
             if not self._started:
                 return max(self.params.floor_s, self.params.startup_s)
         med = float(np.median(self.step_times)) if self.step_times else 0.0
-        return max(self.params.floor_s, self.params.k_steps * med)
+        threshold = max(self.params.floor_s, self.params.k_steps * med)
+        if any(st.inflight_op.startswith("checkpoint-") for st in self.ranks.values()):
+            threshold = max(threshold, self.params.checkpoint_s)
+        return threshold
 
     def evaluate(self, now_ns: int, input_alive: bool = False) -> Hang | None:
         """A hang if there is one now; the same hang is reported once (``None`` after).
@@ -304,15 +316,17 @@ class HangTracker:
         return grp, seq, missing
 
     def _evidence(self, now_ns: int, missing: list[int], group: str = "", seq: int = -1) -> dict[str, Any]:
-        chain = self.wait_chain(missing, group, seq)
+        chain = self.wait_chain(missing, group, seq, now_ns)
         stacks = {r: st.stack for r, st in self.ranks.items() if st.stack}
         merged = merge_stacks(stacks, all_ranks=sorted(self.ranks)) if stacks else None
         return {"threshold_s": self.threshold_s(), "wait_chain": chain,
                 "stacks_folded": merged.folded() if merged else "", "stacks_svg": merged.svg() if merged else "",
                 "ranks_with_stacks": fold_ranks(stacks)}
 
-    def wait_chain(self, missing: list[int], group: str, seq: int) -> dict[str, Any]:
-        """For each rank: the op it waits on and the ranks it waits for; the root of the chain."""
+    def wait_chain(self, missing: list[int], group: str, seq: int, now_ns: int | None = None) -> dict[str, Any]:
+        """For each rank: the op it waits on and the ranks it waits for; the root of the chain. With
+        ``now_ns``, each row also says its ranks' last finished op, how long the oldest of them has been in
+        its op (``age_s``) and since its last heartbeat (``silent_s``): the console's picture of the hang."""
         waits: dict[int, dict] = {}
         ent = self.entered.get(group, {})
         members = self.group_ranks.get(group, set())
@@ -333,6 +347,15 @@ class HangTracker:
         groups: dict[tuple, list[int]] = {}
         for r, w in waits.items():
             groups.setdefault((w["op"], w["group"], w["seq"], w["waits_for"]), []).append(r)
-        rows = [{"ranks": fold_ranks(rs), "op": k[0], "group": k[1], "seq": k[2], "waits_for": k[3]}
-                for k, rs in sorted(groups.items(), key=lambda kv: kv[1][0])]
+        rows = []
+        for k, rs in sorted(groups.items(), key=lambda kv: kv[1][0]):
+            row = {"ranks": fold_ranks(rs), "op": k[0], "group": k[1], "seq": k[2], "waits_for": k[3]}
+            if now_ns is not None:
+                sts = [self.ranks[r] for r in rs]
+                since = [st.inflight_since_ns for st in sts if st.inflight_since_ns >= 0]
+                seen = [st.ts for st in sts if st.ts >= 0]
+                row.update(last_op=next((st.last_op for st in sts if st.last_op), ""),
+                           age_s=round((now_ns - min(since)) / _NS, 3) if since else -1.0,
+                           silent_s=round((now_ns - min(seen)) / _NS, 3) if seen else -1.0)
+            rows.append(row)
         return {"root": fold_ranks(root), "rows": rows}

@@ -8,7 +8,7 @@ over the time a step took, over the job's peak::
     mfu            = n x FLOPs per step / (sum of the n actual step times x n_gpus x peak FLOP/s)
     mfu_ideal      = the same at the what-if simulator's ideal step times (no stragglers)
 
-``peak_flops`` is the registration's; 0 falls back to ``PEAK_FLOPS_BY_GPU``
+``peak_flops`` is the registration's; 0 falls back to ``core.gpus.PEAK_FLOPS_BY_GPU``
 (dense BF16 of the GPU type). Without FLOPs per step or peak both are NaN.
 6 x params leaves out attention's ``12 x layers x hidden x seq_len`` FLOPs
 per token (a few percent for long sequences): register ``flops_per_token``
@@ -17,16 +17,11 @@ size are not registered, so it is not used here).
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-PEAK_FLOPS_BY_GPU = {
-    "A100": 312e12, "A800": 312e12, "H100": 989e12, "H800": 989e12, "H200": 989e12, "H20": 148e12,
-    "B200": 2.25e15,
-}
-"""Dense BF16 peak FLOP/s of one GPU by type (vendor data sheets); used when a registration says 0."""
+from core.gpus import PEAK_FLOPS_BY_GPU, peak_flops_of  # noqa: F401  (the table is re-exported for readers)
 
 
 def _get(reg: Any, name: str, default: Any = 0) -> Any:
@@ -48,8 +43,7 @@ def peak_flops(registration: Mapping[str, Any] | Any) -> float:
     peak = float(_get(registration, "peak_flops", 0.0) or 0.0)
     if peak > 0:
         return peak
-    names = re.findall(r"[A-Z]+\d+", str(_get(registration, "gpu_type", "") or "").upper())  # "NVIDIA H100-80GB"
-    return next((PEAK_FLOPS_BY_GPU[n] for n in names if n in PEAK_FLOPS_BY_GPU), 0.0)
+    return peak_flops_of(_get(registration, "gpu_type", ""))
 
 
 def _n_gpus(registration: Mapping[str, Any] | Any) -> int:

@@ -5,9 +5,10 @@
 Fills a chDB store with ``--windows`` synthetic window results of ``--jobs``
 jobs (the storage benchmark's fleet model) plus a dozen jobs with real
 analyses, hangs, link faults and alerts (the console tests' demo fleet), then
-runs each page of ``ui/app.py`` with Streamlit's AppTest: the first run
-(cold: the process imports the page's modules, opens the store and every
-query runs), the median of ``--repeat`` runs after clearing the query cache
+runs each page of ``ui/app.py`` with Streamlit's AppTest (the job page also
+as an alert's link opens it: at a window, and at the demo's hang with its
+picture): the first run (cold: the process imports the page's modules, opens
+the store and every query runs), the median of ``--repeat`` runs after clearing the query cache
 (expired: what a running console shows once the cache's TTL has passed) and
 the median of ``--repeat`` reruns (warm: cached queries). The browser adds its own rendering
 on top (see tests/ui/test_console_browser.py). Target (issue 7): every page in
@@ -29,7 +30,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-PAGES = [("fleet", None), ("alerts", "pages/alerts.py"), ("job", "pages/job.py"), ("sql", "pages/sql.py")]
+# (name, page, query parameters): the job page also as an alert's link opens it, at a window and at a hang
+PAGES = [("fleet", None, {}), ("alerts", "pages/alerts.py", {}), ("job", "pages/job.py", {}),
+         ("job@window", "pages/job.py", {"job": "ui-003", "attempt": "0", "window": "30"}),
+         ("job@hang", "pages/job.py", {"job": "ui-002", "attempt": "0", "hang": "latest"}),
+         ("hosts", "pages/hosts.py", {}), ("sql", "pages/sql.py", {})]
 
 
 def main() -> int:
@@ -64,9 +69,14 @@ def main() -> int:
             browser_timings(url, args.repeat)
         os.environ["STRAGGLERSCOPE_STORE"] = url
         at = AppTest.from_file(str(ROOT / "ui" / "app.py"), default_timeout=300)
-        print(f"{'page':<8}{'cold s':>9}{'expired s (median)':>20}{'warm s (median)':>17}")
+        probe = open_store(url)
+        hang_id = str(probe.run_named("job_hangs", {"job_id": "ui-002"}).column("hang_id")[0])
+        probe.close()
+        print(f"{'page':<12}{'cold s':>9}{'expired s (median)':>20}{'warm s (median)':>17}")
         worst = 0.0
-        for name, path in PAGES:
+        for name, path, query in PAGES:
+            at.query_params.clear()
+            at.query_params.update({k: (hang_id if v == "latest" else v) for k, v in query.items()})
             t = time.perf_counter()
             (at.run() if path is None else at.switch_page(path).run())
             cold = time.perf_counter() - t
@@ -89,7 +99,7 @@ def main() -> int:
                 expired.append(time.perf_counter() - t)
             w, e = statistics.median(warm), statistics.median(expired)
             worst = max(worst, cold)
-            print(f"{name:<8}{cold:>9.2f}{e:>20.2f}{w:>17.2f}")
+            print(f"{name:<12}{cold:>9.2f}{e:>20.2f}{w:>17.2f}")
         print(f"slowest cold page: {worst:.2f} s (target <= 2 s)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -151,6 +161,13 @@ def browser_timings(store_url: str, repeat: int) -> None:
                         _settled(page, expect)
                         times[name][kind].append(time.perf_counter() - t)
 
+                # One click from an alert to its job: the alerts page, then the hang alert's link.
+                page.get_by_test_id("stSidebarNav").get_by_text("Alerts", exact=True).click()
+                _settled(page, "refreshed every 5 s")
+                t = time.perf_counter()
+                page.get_by_role("link", name="ui-002 · hang").click()
+                _settled(page, "Link matrix")
+                via_alert = time.perf_counter() - t
                 round_("cold")
                 for kind in ("warm", "expired"):
                     for _ in range(repeat):
@@ -171,6 +188,7 @@ def browser_timings(store_url: str, repeat: int) -> None:
     print(f"browser (Chromium, console on the store daemon): the front page (Fleet) {front:.2f} s after typing "
           f"the address into a console just started; {statistics.median(again):.2f} s (median) in a new session "
           "of the running console")
+    print(f"an alert's link to its job (the hang picture, the window, every section): {via_alert:.2f} s")
     print("page switches by the sidebar link, click to finished:")
     print(f"{'page':<8}{'first s':>9}{'expired s (median)':>20}{'warm s (median)':>17}")
     for name, _, _ in BROWSER_PAGES:

@@ -145,14 +145,46 @@ class AlertConfig:
 
 @dataclasses.dataclass(frozen=True)
 class HangConfig:
-    floor_s: float = 120.0
-    """No progress for at least this long can be a hang (checkpoints and evals stall steps for minutes)."""
+    floor_s: float = 45.0
+    """No progress (no op ended on any rank) for at least this long can be a hang: a job whose steps take
+    under 5 s is named within a minute (a checkpoint save gets checkpoint_s)."""
     k_steps: float = 10.0
     """... and for at least this many median step times of the job."""
     heartbeat_timeout_s: float = 30.0
     """Ranks silent this long while others report are lost (six missed 5 s heartbeats)."""
     startup_s: float = 600.0
     """Before any rank begins its first step, no progress for this long is a hang (start-up takes minutes)."""
+    checkpoint_s: float = 900.0
+    """While a rank is inside a checkpoint save or load (its heartbeats say so), no progress for this long is
+    a hang (a save of a large model takes minutes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RegressionConfig:
+    """A job against its own past: a one-sided CUSUM on log step time per job (``analyzers.regression``)."""
+
+    min_change: float = 0.10
+    """The smallest slowdown against the job's own baseline that is a regression (below it, step times drift)."""
+    k_windows: int = 3
+    """... lasting at least this many windows; a bigger change alarms sooner, one slow window never."""
+    baseline_windows: int = 5
+    """Windows whose median step time is a job's baseline, at its start and after each change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LemonConfig:
+    """Hosts implicated across jobs (``ray_jobs.lemon_watch``), scored by the driver of `run`."""
+
+    every_s: float = 300.0
+    """How often the fleet is scored; 0 = never (a pass reads a period of windows and hangs from the store)."""
+    period_days: float = 7.0
+    """How far back a pass looks: a host's implications and its GPU-hours in that time."""
+    min_jobs: int = 3
+    """Distinct jobs that must have implicated a host before it is a lemon (one bad job implicates many times)."""
+    max_p: float = 1e-3
+    """... and how unlikely that many jobs may be at the fleet's own rate for the GPU-hours it ran, at most."""
+    topology_file: str = ""
+    """Optional 'host,label' lines (a rack or switch per host) that group hosts in the console."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +237,8 @@ class Config:
     pipeline: PipelineConfig = PipelineConfig()
     alerts: AlertConfig = AlertConfig()
     hang: HangConfig = HangConfig()
+    regression: RegressionConfig = RegressionConfig()
+    lemons: LemonConfig = LemonConfig()
     sql: SQLConfig = SQLConfig()
     validation: ValidationConfig = ValidationConfig()
     ui: UIConfig = UIConfig()
@@ -311,6 +345,14 @@ def check_kafka_transport(cfg: Config) -> Config:
         cfg.kafka.conn().check()
     except KafkaConnError as e:
         raise ConfigError(str(e)) from None
+    r = cfg.regression
+    if not (0 < r.min_change < 10 and r.k_windows >= 1 and r.baseline_windows >= 1):
+        raise ConfigError(f"regression: min_change must be in (0, 10), k_windows and baseline_windows at least 1 "
+                          f"(got {r.min_change:g}, {r.k_windows}, {r.baseline_windows})")
+    lem = cfg.lemons
+    if lem.every_s < 0 or lem.period_days <= 0 or lem.min_jobs < 1 or not 0 < lem.max_p <= 1:
+        raise ConfigError(f"lemons: every_s at least 0, period_days over 0, min_jobs at least 1 and max_p in (0, 1] "
+                          f"(got {lem.every_s:g}, {lem.period_days:g}, {lem.min_jobs}, {lem.max_p:g})")
     gen = cfg.kafka.topic_generation_s
     if gen not in (-1.0, 0.0) and gen < MIN_TOPIC_GENERATION_S:
         raise ConfigError(f"kafka.topic_generation_s must be -1 (automatic), 0 (off) or at least "

@@ -44,7 +44,8 @@ reads the old names). No table changed.
 ``recv_wait_ns`` is -1 where unknown (the exporter used to repeat the op's
 duration for every peer).
 5: JOB ``layout_source`` and ``layout_problem`` (where the layout was read, and
-what contradicts it).
+what contradicts it); TCP_FLOW records (per-connection TCP counters of profiled steps); HEARTBEAT ``gpu_*``
+(the rank's GPU as NVML reports it) and GPU_SAMPLE results (those samples, stored per rank).
 """
 MIN_READ_VERSION = 1
 """The oldest version ``decode`` still reads (fields added since get their defaults)."""
@@ -134,6 +135,33 @@ CCL_RECORD = _schema(
     ],
 )
 
+TCP_FLOW = _schema(
+    "tcp_flow",
+    "One TCP connection of one rank over one profiled step, from the kernel's TCP_INFO (gloo, NCCL over "
+    "sockets): what the rank sent on it and how; both ends' records together give both directions.",
+    [
+        _JOB,
+        _ATTEMPT,
+        _RANK,
+        _f("window_id", pa.int64(), "", "profiling session: its first step"),
+        _f("step", pa.int64(), "", "training iteration the counters cover (from its start to its end)"),
+        _f("local", pa.string(), "", "this rank's end of the connection, ip:port ([ip]:port for IPv6)"),
+        _f("remote", pa.string(), "", "the other end, ip:port: the rank whose record has it as local"),
+        _f("elapsed_ns", pa.int64(), "ns", "time between the two readings the counters are the difference of"),
+        _f("bytes_acked", pa.int64(), "bytes", "data this rank sent that the peer acknowledged"),
+        _f("bytes_received", pa.int64(), "bytes", "data this rank received"),
+        _f("busy_us", pa.int64(), "us", "time this rank had unacknowledged data in flight on it (sending)"),
+        _f("rwnd_limited_us", pa.int64(), "us", "... of it limited by the peer's receive window"),
+        _f("sndbuf_limited_us", pa.int64(), "us", "... of it limited by this rank's send buffer"),
+        _f("rtt_us", pa.int64(), "us", "smoothed round-trip time at the end"),
+        _f("min_rtt_us", pa.int64(), "us", "lowest round-trip time the connection has seen"),
+        _f("retrans", pa.int64(), "", "segments retransmitted"),
+        _f("notsent_bytes", pa.int64(), "bytes", "data written but not yet sent, at the end"),
+    ],
+)
+"""Per-connection evidence for the link diagnosis (``analyzers/links/tcp.py``): a flat data-parallel ring has
+no other observation that tells its slow element from the rest (every rank is in its one all-reduce)."""
+
 HEARTBEAT = _schema(
     "heartbeat",
     "Liveness and progress of one rank, sent every few seconds.",
@@ -156,6 +184,18 @@ HEARTBEAT = _schema(
         _f("step_done", pa.int64(), "", "last step this rank completed, -1 if none yet", since=2, default=-1),
         _f("step_done_ns", pa.int64(), "ns", "when step_done completed, job clock; -1 if none", since=2,
            default=-1),
+        _f("gpu_sm_mhz", pa.int32(), "MHz", "the rank's GPU's SM clock (NVML); -1 where not sampled", since=5,
+           default=-1),
+        _f("gpu_mem_mhz", pa.int32(), "MHz", "its memory clock; -1 where not sampled", since=5, default=-1),
+        _f("gpu_power_w", pa.float64(), "W", "its power draw; -1 where not sampled", since=5, default=-1.0),
+        _f("gpu_power_limit_w", pa.float64(), "W", "its enforced power limit; -1 where not sampled", since=5,
+           default=-1.0),
+        _f("gpu_temp_c", pa.int32(), "C", "its temperature; -1 where not sampled", since=5, default=-1),
+        _f("gpu_throttle", pa.string(), "", "what holds its clock down (power cap, thermal, ...), comma-separated",
+           since=5, default=""),
+        _f("gpu_ecc_uncorrected", pa.int64(), "", "uncorrected ECC errors since the driver loaded; -1 unknown",
+           since=5, default=-1),
+        _f("gpu_pcie_replays", pa.int64(), "", "PCIe replays; -1 unknown", since=5, default=-1),
     ],
 )
 
@@ -510,18 +550,107 @@ fleet; the store writes this table when the second of the two arrives.
 """
 
 
+GPU_SAMPLE = _schema(
+    "gpu_sample",
+    "A rank's GPU as its heartbeats reported it (NVML), at most one row a minute per rank.",
+    [
+        _JOB,
+        _ATTEMPT,
+        _RANK,
+        _f("host", pa.string(), "", "host the rank ran on"),
+        _f("ts_ns", pa.int64(), "ns", "the heartbeat's time, job clock"),
+        _f("sm_mhz", pa.int32(), "MHz", "SM clock"),
+        _f("mem_mhz", pa.int32(), "MHz", "memory clock"),
+        _f("power_w", pa.float64(), "W", "power draw"),
+        _f("power_limit_w", pa.float64(), "W", "enforced power limit"),
+        _f("temp_c", pa.int32(), "C", "temperature"),
+        _f("throttle", pa.string(), "", "what holds the clock down, comma-separated; '' if nothing"),
+        _f("ecc_uncorrected", pa.int64(), "", "uncorrected ECC errors since the driver loaded; -1 unknown"),
+        _f("pcie_replays", pa.int64(), "", "PCIe replays; -1 unknown"),
+    ],
+)
+
+WINDOW_PROFILE = _schema(
+    "window_profile",
+    "Where one window's time went, per op type and per worker: the job's history its regressions are found in.",
+    [
+        _JOB,
+        _ATTEMPT,
+        _WINDOW,
+        _f("first_step", pa.int64(), "", "first step of the window"),
+        _f("end_ns", pa.int64(), "ns", "end of the window's last op, job clock"),
+        _f("dp_rank", pa.int32(), "", "the worker's DP rank; -1: the job as a whole"),
+        _f("pp_rank", pa.int32(), "", "the worker's PP rank; -1: the job as a whole"),
+        _f("rank", pa.int32(), "", "the global rank that reported the worker's op spans; -1: the job"),
+        _f("optype", pa.string(), "",
+           "op type; 'step' is the step time (the job's: the mean actual step; a worker's: its ops' time)"),
+        _f("seconds", pa.float64(), "s", "time per step: of this op type, summed over a worker's ops and "
+                                          "averaged over the workers and steps (-1, -1), or the step time"),
+    ],
+)
+
+REGRESSION = _schema(
+    "regression",
+    "A job slower (or back to its speed) against its own past: a change point of its step time and what moved.",
+    [
+        _JOB,
+        _f("kind", pa.string(), "", "regression | recovered | degraded_worker"),
+        _f("attempt", pa.int32(), "", "the attempt of the window that confirmed it"),
+        _f("window_id", pa.int64(), "", "the window that confirmed it"),
+        _f("began_window", pa.int64(), "", "the first window of the change"),
+        _f("began_step", pa.int64(), "", "the first step of that window"),
+        _f("change", pa.float64(), "ratio", "step time after / before - 1 (a worker's over its own best)"),
+        _f("before_s", pa.float64(), "s", "step time before (the baseline; a worker's best)"),
+        _f("after_s", pa.float64(), "s", "step time after"),
+        _f("optypes_json", pa.string(), "", "op type -> its share of the change, JSON"),
+        _f("scope", pa.string(), "", "'every worker', the workers that moved, or the degraded worker"),
+        _f("summary", pa.string(), "", "the finding in one sentence with its figures"),
+        _f("found_ns", pa.int64(), "ns", "wall-clock time the pipeline found it"),
+    ],
+)
+
+RANK_HOST = _schema(
+    "rank_host",
+    "Where a rank of a job attempt ran, as its heartbeats said: what maps a finding about a rank to a machine.",
+    [
+        _JOB,
+        _ATTEMPT,
+        _RANK,
+        _HOST,
+        _f("seen_ns", pa.int64(), "ns", "the first heartbeat from that rank on that host, job clock"),
+    ],
+)
+
+LEMON_HOST = _schema(
+    "lemon_host",
+    "A host implicated across jobs (slow worker, hang, node loss, degraded worker), weighed by what it ran.",
+    [
+        _f("host", pa.string(), "", "host name, as the ranks' heartbeats give it"),
+        _f("scored_ns", pa.int64(), "ns", "wall-clock time of the scoring pass this row belongs to"),
+        _f("period_s", pa.float64(), "s", "the period the scoring looked back over"),
+        _f("label", pa.string(), "", "its rack or switch from the topology file; '' if none"),
+        _f("jobs", pa.int32(), "", "distinct job attempts that implicated it"),
+        _f("incidents", pa.int32(), "", "implications in all"),
+        _f("gpu_hours", pa.float64(), "GPU-h", "what it ran in the period, in any job (its exposure)"),
+        _f("expected_jobs", pa.float64(), "", "implicating jobs expected at the fleet's rate for its exposure"),
+        _f("p_value", pa.float64(), "", "chance of that many jobs or more at the fleet's rate (Poisson)"),
+        _f("lemon", pa.bool_(), "", "at least lemons.min_jobs jobs and a p-value of at most lemons.max_p"),
+        _f("evidence_json", pa.string(), "", "the latest implications: job, attempt, kind, time, what; JSON"),
+    ],
+)
+
 STORED_INF = 1e30
 """How a REMEDY row stores an infinite gain or step time (Arrow and ClickHouse hold it; JSON would not)."""
 
 INPUT_SCHEMAS: dict[str, pa.Schema] = {
     s.metadata[b"stragglerscope.kind"].decode(): s
-    for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB, CHECKPOINT)
+    for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB, CHECKPOINT, TCP_FLOW)
 }
 RESULT_SCHEMAS: dict[str, pa.Schema] = {
     s.metadata[b"stragglerscope.kind"].decode(): s
     for s in (WINDOW, OPTYPE_SLOWDOWN, WORKER_SLOWDOWN, STEP_SLOWDOWN, HANG, LINK_FAULT, LINK_CELL, ALERT,
-              DEAD_LETTER,
-              DOWNTIME, REMEDY)
+              DEAD_LETTER, DOWNTIME, REMEDY, GPU_SAMPLE, WINDOW_PROFILE, REGRESSION, RANK_HOST,
+              LEMON_HOST)
 }
 ALL_SCHEMAS: dict[str, pa.Schema] = {**INPUT_SCHEMAS, **RESULT_SCHEMAS}
 

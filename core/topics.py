@@ -18,6 +18,7 @@ MAX_MESSAGE_BYTES = 900_000
 TOPIC_OF_KIND = {
     "op_span": TOPIC_OPS,
     "ccl_record": TOPIC_CCL,
+    "tcp_flow": TOPIC_CCL,  # travels with the collectives it explains, so a window waits for both
     "heartbeat": TOPIC_HEARTBEATS,
     "job": TOPIC_JOBS,
     "checkpoint": TOPIC_CHECKPOINTS,

@@ -48,6 +48,7 @@ import pyarrow as pa
 from core import codec
 from core import schema as S
 from core.layout import fold_ranks  # noqa: F401  (re-exported: exporters name groups with it)
+from ingest.nvml import NO_SAMPLE
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,7 @@ class ExporterStats:
     checkpoints: int = 0
     batches: int = 0
     errors: int = 0
+    tcp_flows: int = 0
 
 
 class RankExporter:
@@ -135,7 +137,11 @@ class RankExporter:
     def __init__(self, job_id: str, rank: int, dp_rank: int, pp_rank: int, sink: Callable[[pa.Table], Any], *,
                  attempt: int = 0, sampling: Sampling = Sampling(), heartbeat_s: float = 5.0,
                  hang_dump_s: float = 60.0, use_cuda: bool | None = None, mc: int = 0, gmc: int | None = None,
-                 host: str | None = None, send_every_s: float = 1.0):
+                 host: str | None = None, send_every_s: float = 1.0, tcp_flows: bool = True, nvml=None):
+        """``tcp_flows``: read this process's TCP connections at the start and end of every profiled step and send
+        their counters (``ingest.tcp_flows``), on a thread of their own. ``nvml``: the NVML module the GPU is
+        sampled through with every heartbeat (``ingest.nvml``; default pynvml, where a CUDA device is in use;
+        False: none)."""
         self.job_id, self.rank, self.dp_rank, self.pp_rank, self.attempt = job_id, rank, dp_rank, pp_rank, attempt
         self.sink = sink
         self.sampling = sampling
@@ -169,6 +175,21 @@ class RankExporter:
         self._step_ref: _StepAnchor | None = None
         self._last_anchor: _StepAnchor | None = None  # the resolver's: the previous step's, for chaining
         threading.Thread(target=self._heartbeat_loop, name="ss-heartbeat", daemon=True).start()
+        self._gpu = None
+        if nvml is not False and (nvml is not None or self._cuda is not None):
+            from ingest.nvml import NvmlSampler
+
+            self._gpu = NvmlSampler(nvml)
+        self._tcp_marks: queue.SimpleQueue | None = None
+        self._tcp_thread = None
+        if tcp_flows:
+            from ingest.tcp_flows import TcpFlowSampler
+
+            self._tcp = TcpFlowSampler()
+            if not self._tcp.unavailable:
+                self._tcp_marks = queue.SimpleQueue()
+                self._tcp_thread = threading.Thread(target=self._tcp_loop, name="ss-tcp-flows", daemon=True)
+                self._tcp_thread.start()
         self._resolver = None
         if self._cuda is not None:
             self._resolver = threading.Thread(target=self._resolve_loop, name="ss-cuda-events", daemon=True)
@@ -216,6 +237,8 @@ class RankExporter:
         self._step = step
         self._window = self.sampling.window_of(step)
         self._seq = {}
+        if self._window is not None and self._tcp_marks is not None:
+            self._tcp_marks.put((self._window, step, False))  # read by the flows' thread, not this one
         if self._window is not None and self._cuda is not None:
             ev = self._event()
             ev.record()
@@ -227,6 +250,8 @@ class RankExporter:
         if completed:
             self._step_done = (self._step, self.now_ns())
         if self._window is not None:
+            if self._tcp_marks is not None:
+                self._tcp_marks.put((self._window, self._step, True))
             self._flush_step()
         self._window = None
 
@@ -502,10 +527,27 @@ class RankExporter:
 
     @contextlib.contextmanager
     def checkpointing(self, step: int, kind: str = "save"):
-        """Times a checkpoint save or load; reports it only if the block completes without raising."""
+        """Times a checkpoint save or load; reports it only if the block completes without raising.
+
+        While it runs the heartbeats say ``checkpoint-save`` (or ``-load``) is in flight: the hang
+        detector gives a save minutes (``hang.checkpoint_s``), not the 45 s of a stalled step."""
         t0 = self.now_ns()
-        yield
+        with self.in_flight(f"checkpoint-{kind}"):
+            yield
         self.checkpoint(step, kind, start_ns=t0, duration_ns=self.now_ns() - t0)
+
+    @contextlib.contextmanager
+    def in_flight(self, op: str):
+        """Tell the heartbeats ``op`` is in flight (no span is timed): what a rank is doing while no step
+        moves, such as a checkpoint save (``checkpoint-save``), which the hang detector waits longer for.
+        Its end counts as progress."""
+        before = self._inflight
+        self._inflight = (op, "", -1, self.now_ns())
+        try:
+            yield
+        finally:
+            self._inflight = before
+            self._last_op = (op, self.now_ns())
 
     # -- heartbeats ---------------------------------------------------------
     def request_stacks(self) -> None:
@@ -523,12 +565,44 @@ class RankExporter:
             self._dumped_for = inflight
         op, group, seq, since = inflight or ("", "", -1, -1)
         step_done, step_done_ns = self._step_done
+        gpu = self._gpu.sample() if self._gpu is not None else None
         return codec.from_rows(S.HEARTBEAT, [dict(
             job_id=self.job_id, attempt=self.attempt, rank=self.rank, host=self.host, pid=os.getpid(), ts_ns=now,
             step=self._step, last_op=self._last_op[0], last_op_end_ns=self._last_op[1], inflight_op=op,
             inflight_group=group, inflight_seq=seq, inflight_since_ns=since, clock_offset_ns=self.clock_offset_ns,
-            stack=stack, step_done=step_done, step_done_ns=step_done_ns,
+            stack=stack, step_done=step_done, step_done_ns=step_done_ns, **(gpu.fields() if gpu else NO_SAMPLE),
         )])
+
+    def _tcp_loop(self) -> None:
+        """Read the connections at each profiled step's start and end marks; send the step's differences.
+
+        A reading lags its mark by this thread's wake-up (well under a millisecond when idle); the step's
+        start reading is the previous step's end reading when the steps follow each other.
+        """
+        from ingest.tcp_flows import delta
+
+        last: tuple | None = None  # (window, step, ended, reading) of the latest reading
+        while True:
+            mark = self._tcp_marks.get()
+            if mark is None:  # close(): every mark before it is done
+                return
+            window, step, ended = mark
+            try:
+                if not ended:
+                    if last is None or not (last[2] and last[0] == window and last[1] == step - 1):
+                        last = (window, step, False, self._tcp.read())
+                    continue
+                before = last[3] if last is not None and last[1] in (step, step - 1) else None
+                last = (window, step, True, self._tcp.read())
+                rows = delta(before, last[3]) if before is not None else []
+                if rows:
+                    ident = dict(job_id=self.job_id, attempt=self.attempt, rank=self.rank, window_id=window,
+                                 step=step)
+                    self.stats.tcp_flows += len(rows)
+                    self._send(codec.from_rows(S.TCP_FLOW, [dict(ident, **r) for r in rows]))
+            except Exception as e:  # telemetry must never take training down
+                self.stats.errors += 1
+                log.warning("reading TCP connections failed: %s", e)
 
     def _heartbeat_loop(self) -> None:
         while not self._closed.wait(self.heartbeat_s):
@@ -544,6 +618,9 @@ class RankExporter:
         self._pending_cuda.put(_STEP_END)  # wakes the resolver: it sends what is left and stops
         if self._resolver is not None and self._resolver is not threading.current_thread():
             self._resolver.join(timeout)  # the last CUDA-timed ops are emitted by the resolver
+        if self._tcp_thread is not None:
+            self._tcp_marks.put(None)  # the last step's connections are read and sent first
+            self._tcp_thread.join(min(timeout, 5.0))
         self._emit_buffered()
         self.stats.heartbeats += 1
         self._send(self.heartbeat())

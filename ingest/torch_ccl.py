@@ -80,6 +80,7 @@ class Call:
     is_send: bool = False
     is_async: bool = False
     note: Any = None         # the observer's own state for this call
+    via: list[int] | None = None  # a P2P call's process group (its ranks), None for the default group
 
 
 def _nbytes(x: Any) -> int:
@@ -329,9 +330,12 @@ def instrument_distributed(exporter: RankExporter, observer: Any = None) -> Call
                 me = dist.get_rank()
                 a, b = (me, peer) if is_send else (peer, me)
                 gname = f"p2p:{a}>{b}"
+                # The group a transfer names tells which pipeline it belongs to (Megatron passes its
+                # pipeline group): the observer reads its direction from the stages' order in it.
+                via = None if group is None or group is dist.group.WORLD else group_of(group)[1]
                 call = enter(Call(fname, gname, [a, b], next_seq(gname + (":s" if is_send else ":r")),
                                   _nbytes(tensor), [peer], exporter.now_ns(), time.perf_counter_ns(), tensor,
-                                  is_p2p=True, is_send=is_send, is_async=is_async))
+                                  is_p2p=True, is_send=is_send, is_async=is_async, via=via))
             except Exception as e:
                 failed(f"recording {fname}", e)
                 call = None

@@ -4,7 +4,7 @@
 alert rows (ALERT schema). State is the last alert time per (job, rule), kept
 in the shard that owns the job; ``now`` is injected so tests drive it.
 ``AlertReducer`` runs the rules over what the other reducers emit (window
-results, link faults, hangs) and publishes each alert once it is stored.
+results, link faults, hangs, regressions) and publishes each alert once it is stored.
 ``WebhookSender`` delivers them to an optional webhook off the shard's loop.
 """
 from __future__ import annotations
@@ -22,16 +22,22 @@ import pyarrow as pa
 from analyzers.hang import hang_summary
 from core import codec, jsonutil
 from core import schema as S
+from analyzers.explain import title
 from core.config import AlertConfig
 from ray_jobs.checkpoint import Clock, Unit
 
 log = logging.getLogger(__name__)
 
 
+CERTAIN = 0.9
+"""A link finding this confident pages at once; a less confident one only when the next window finds it again."""
+
+
 class AlertRules:
     def __init__(self, cfg: AlertConfig):
         self.cfg = cfg
         self._last: dict[tuple[str, str], float] = {}
+        self._links: dict[tuple[str, int], tuple[int, tuple]] = {}  # (job, attempt) -> (window, element) found last
         self.suppressed = 0
 
     def _fire(self, job_id: str, rule: str, now: float) -> bool:
@@ -50,7 +56,11 @@ class AlertRules:
         if s == s and s >= self.cfg.slowdown_threshold and row["n_gpus"] >= self.cfg.min_gpus:
             if self._fire(job, "slowdown", now):
                 sev = "critical" if s >= 1.5 else "warning"
-                why = f" ({row['verdict']})" if row["verdict"] else ""
+                why = f" ({title(row['verdict']).lower()})" if row["verdict"] else ""
+                if '"hardware"' in row.get("verdicts_json", ""):  # what the slow worker's GPU says (NVML)
+                    hw = next((v["hardware"]["sentence"] for v in json.loads(row["verdicts_json"])
+                               if v.get("hardware")), "")
+                    why = f" ({title(row['verdict']).lower()}; its GPU: {hw})" if hw else why
                 alerts.append(dict(
                     base, alert_id=f"{job}/{row['attempt']}/slowdown/{row['window_id']}", rule="slowdown",
                     severity=sev,
@@ -91,12 +101,41 @@ class AlertRules:
                 "kind", "group", "seq", "op", "stuck_ranks", "missing_ranks", "suspect_hosts", "duration_s")}),
         )]
 
+    def evaluate_regression(self, row: dict, now: float, now_ns: int) -> list[dict]:
+        """The alert of one REGRESSION row (``ray_jobs.regressions``): a job slower than its own past
+        (critical from +30%, else a warning) or a worker over its own best (a warning); a return to the
+        baseline is stored, never alerted."""
+        if row["kind"] == "recovered":
+            return []
+        rule = "regression" if row["kind"] == "regression" else "degraded_worker"
+        if not self._fire(row["job_id"], rule, now):
+            return []
+        return [dict(
+            alert_id=f"{row['job_id']}/{row['attempt']}/{rule}/{row['window_id']}/{row['scope'][:40]}",
+            job_id=row["job_id"], attempt=row["attempt"], ts_ns=now_ns, rule=rule,
+            severity="critical" if rule == "regression" and row["change"] >= 0.3 else "warning",
+            summary=row["summary"][:1000],
+            details_json=jsonutil.dumps({k: row[k] for k in ("kind", "window_id", "began_window", "began_step",
+                                                             "change", "before_s", "after_s", "scope")}),
+        )]
+
     def evaluate_links(self, rows: list[dict], now: float, now_ns: int, min_confidence: float = 0.5) -> list[dict]:
-        """One alert per window for its most confident link fault (LINK_FAULT rows)."""
+        """One alert per window for its most confident link fault (LINK_FAULT rows).
+
+        Critical only when the same element was found in the job's window before too, or the finding is
+        near certain (``CERTAIN``): one window's finding alone is a warning. A noisy host made one window's
+        all-reduce look slow and the next window named another element; a real fault stays where it is.
+        """
         rows = [r for r in rows if r["confidence"] >= min_confidence]
         if not rows:
             return []
         top = max(rows, key=lambda r: (r["confidence"], r["slowdown"]))
+        element = (top["kind"], top["src"], top["dst"])
+        seen = self._links.get((top["job_id"], top["attempt"]))
+        self._links[(top["job_id"], top["attempt"])] = (top["window_id"], element)
+        if len(self._links) > 100_000:  # bounded: the oldest entries go first
+            del self._links[next(iter(self._links))]
+        again = seen is not None and seen[1] == element and seen[0] != top["window_id"]
         rule = "link"
         if not self._fire(top["job_id"], rule, now):
             return []
@@ -107,9 +146,11 @@ class AlertRules:
         return [dict(
             alert_id=f"{top['job_id']}/{top['attempt']}/link/{top['window_id']}", job_id=top["job_id"],
             attempt=top["attempt"], ts_ns=now_ns, rule=rule,
-            severity="warning" if top["kind"] == "noncomm_slow" else "critical",
+            severity="critical" if top["kind"] != "noncomm_slow" and (again or top["confidence"] >= CERTAIN)
+            else "warning",
             summary=f"{top['job_id']}: slow {where} in group {top['group']} "
-                    f"({top['slowdown']:.1f}x, confidence {top['confidence']:.2f}); {len(rows)} finding(s)",
+                    f"({top['slowdown']:.1f}x, confidence {top['confidence']:.2f}"
+                    f"{', found in the window before too' if again else ''}); {len(rows)} finding(s)",
             details_json=jsonutil.dumps({k: top[k] for k in ("group", "kind", "src", "dst", "confidence", "slowdown",
                                                              "window_id")}),
         )]
@@ -123,7 +164,7 @@ class AlertReducer:
     cooling them down. They are published (alert topic, webhook) only once
     stored. A rule that fails costs its alert (logged), never the results.
     """
-    consumes = frozenset({"window", "link_fault", "hang"})
+    consumes = frozenset({"window", "link_fault", "hang", "regression"})
 
     def __init__(self, rules: AlertRules, clock: Clock, publish: Callable[[dict], None]):
         self.rules = rules
@@ -145,6 +186,9 @@ class AlertReducer:
             elif kind == "hang":
                 for row in rows:
                     self._pending += self.rules.evaluate_hang(row, wall, wall_ns)
+            elif kind == "regression":
+                for row in rows:
+                    self._pending += self.rules.evaluate_regression(row, wall, wall_ns)
         except Exception as e:
             log.warning("alert rules failed on %d %s rows: %s", table.num_rows, kind, e)
 
@@ -161,10 +205,11 @@ class AlertReducer:
 
     def state(self) -> dict:
         """What a restarted shard resumes from (``ray_jobs.state``): when each (job, rule) last alerted (wall s)."""
-        return {"cooldowns": dict(self.rules._last)}
+        return {"cooldowns": dict(self.rules._last), "links": dict(self.rules._links)}
 
     def restore(self, state: dict) -> None:
         self.rules._last.update(state["cooldowns"])
+        self.rules._links.update(state.get("links", {}))
 
     def snapshot(self) -> dict:
         return dict(alerts=self.published)

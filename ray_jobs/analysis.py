@@ -58,9 +58,11 @@ def _flops_info(info: Registration, n_gpus: int) -> dict:
 
 
 def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int], complete: bool,
-                   note: str, ccl: pa.Table | None = None) -> dict[str, pa.Table]:
-    """What-if analysis and link diagnosis of one window; returns {result kind: table} for the sink."""
-    links = _links(ccl, key)
+                   note: str, ccl: pa.Table | None = None, tcp: pa.Table | None = None) -> dict[str, pa.Table]:
+    """What-if analysis and link diagnosis of one window; returns {result kind: table} for the sink.
+
+    ``ccl``: the window's collective records; ``tcp``: its ranks' TCP connection counters (TCP_FLOW)."""
+    links = _links(ccl, key, tcp)
     if ops.num_rows == 0:
         row = _window_row(info, key, ccl if ccl is not None else ops, complete, note)
         row["verdict"] = "no_op_spans"
@@ -73,6 +75,16 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
     from analyzers.whatif.tables import step_times, to_tables, window_fields
 
     row = _window_row(info, key, ops, complete, note)
+    conflict = layout_conflict(info, ops)
+    if conflict:
+        # The ranks' coordinates contradict each other (two ranks claiming one worker, ...): analysed, such
+        # spans make a dependency cycle or a wrong answer. Flag the window with what is wrong, S NaN, out of
+        # fleet statistics, as for clock skew.
+        row["verdict"] = "layout_conflict"
+        row["complete"] = False
+        row["note"] = (f"layout conflict: {conflict}; window not analysed, left out of fleet statistics"
+                       + ("; " + note if note else ""))[:4000]
+        return _tables(row, links)
     skew = worker_clock_skew(ops)
     if skew is not None:
         # Some workers' clocks are hours off: their spans would stretch the window, and the GPU-hours and
@@ -108,11 +120,76 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
                                               [times["actual"][s] for s in steps],
                                               [times["ideal"].get(s, float("nan")) for s in steps])
     out = to_tables(result, key)
+    out["window_profile"] = window_profile(ops, row)
     if verdicts or links["link_fault"].num_rows:
         remedies = _remedies(ops, info, result, links["link_fault"], key)
         if remedies is not None:
             out["remedy"] = remedies
     return _tables(row, links, out)
+
+
+def window_profile(ops: pa.Table, row: dict) -> pa.Table:
+    """Where the window's time went (WINDOW_PROFILE): the job's step time, each op type's time per step
+    (summed over a worker's ops, averaged over workers and steps) and each worker's ops' time per step.
+
+    The history a job's regressions are found in (``ray_jobs.regressions``): a step that got slower says
+    which op types and which workers took the extra time. Only for an analysed window (its step time is
+    the what-if's actual one).
+    """
+    step_s = row["step_time_actual"]
+    if ops.num_rows == 0 or not step_s == step_s:
+        return codec.empty(S.WINDOW_PROFILE)
+    dp = ops["dp_rank"].to_numpy().astype(np.int64)
+    pp = ops["pp_rank"].to_numpy().astype(np.int64)
+    step = ops["step"].to_numpy()
+    dur = ops["duration_ns"].to_numpy().astype(np.float64) / 1e9
+    optype = np.asarray(ops["optype"].to_pylist(), dtype=object)
+    worker = dp * (int(pp.max()) + 1) + pp
+    workers, w_idx = np.unique(worker, return_inverse=True)
+    n_steps = max(1, len(np.unique(step)))
+    base = dict(job_id=row["job_id"], attempt=row["attempt"], window_id=row["window_id"],
+                first_step=row["first_step"], end_ns=row["end_ns"])
+    rows = [dict(base, dp_rank=-1, pp_rank=-1, rank=-1, optype="step", seconds=float(step_s))]
+    names, o_idx = np.unique(optype, return_inverse=True)
+    per_type = np.bincount(o_idx, weights=dur, minlength=len(names)) / (len(workers) * n_steps)
+    rows += [dict(base, dp_rank=-1, pp_rank=-1, rank=-1, optype=str(n), seconds=float(t))
+             for n, t in zip(names, per_type)]
+    per_worker = np.bincount(w_idx, weights=dur, minlength=len(workers))
+    ranks = ops["rank"].to_numpy()
+    for i, w in enumerate(workers):
+        mine = w_idx == i
+        steps_w = max(1, len(np.unique(step[mine])))
+        d, p = divmod(int(w), int(pp.max()) + 1)
+        rows.append(dict(base, dp_rank=d, pp_rank=p, rank=int(ranks[mine].min()), optype="step",
+                         seconds=float(per_worker[i] / steps_w)))
+    return codec.from_rows(S.WINDOW_PROFILE, rows)
+
+
+def layout_conflict(info: Registration, ops: pa.Table) -> str:
+    """What contradicts the job's layout, or "": the registration's ``layout_problem`` (what the traced ranks
+    found when they compared their claims), else two ranks sending op spans as one worker in these ops (an
+    exporter that registered none, or an older one)."""
+    reg = getattr(info, "registration", None)
+    problem = str((reg or {}).get("layout_problem") or "") if isinstance(reg, dict) else ""
+    if problem:
+        return problem
+    if ops.num_rows == 0 or "rank" not in ops.column_names:
+        return ""
+    rank = ops["rank"].to_numpy()
+    keep = rank >= 0  # replays and imports without a rank say nothing here
+    if not keep.any():
+        return ""
+    worker = (ops["dp_rank"].to_numpy()[keep].astype(np.int64) << 32) | ops["pp_rank"].to_numpy()[keep].astype(
+        np.int64)
+    pairs = np.unique(np.stack([worker, rank[keep].astype(np.int64)]), axis=1)
+    workers, counts = np.unique(pairs[0], return_counts=True)
+    shared = workers[counts > 1]
+    if not len(shared):
+        return ""
+    w = int(shared[0])
+    ranks = pairs[1][pairs[0] == w].tolist()
+    more = f" (and {len(shared) - 1} more worker{'s' if len(shared) > 2 else ''})" if len(shared) > 1 else ""
+    return f"ranks {', '.join(map(str, ranks))} all sent op spans as worker dp {w >> 32}, pp {w & 0xFFFFFFFF}{more}"
 
 
 def _remedies(ops: pa.Table, info: Registration, result, links: pa.Table, key) -> pa.Table | None:
@@ -145,22 +222,22 @@ def _main_verdict(verdicts) -> str:
     return ""
 
 
-def _links(ccl: pa.Table | None, key) -> dict[str, pa.Table]:
-    """Link diagnosis of the window's CCL records (LINK_FAULT and LINK_CELL rows); never raises."""
+def _links(ccl: pa.Table | None, key, tcp: pa.Table | None = None) -> dict[str, pa.Table]:
+    """Link diagnosis of the window's CCL and TCP records (LINK_FAULT and LINK_CELL rows); never raises."""
     empty = {"link_fault": codec.empty(S.LINK_FAULT), "link_cell": codec.empty(S.LINK_CELL)}
-    if ccl is None or ccl.num_rows == 0:
+    if (ccl is None or ccl.num_rows == 0) and (tcp is None or tcp.num_rows == 0):
         return empty
     from analyzers.links import diagnose_window, to_tables
 
     try:
-        return to_tables(diagnose_window(ccl), key)
+        return to_tables(diagnose_window(ccl if ccl is not None else codec.empty(S.CCL_RECORD), tcp=tcp), key)
     except Exception as e:  # bad records must not cost the window its what-if result
         log.warning("link diagnosis of %s failed: %s", key, e)
         return empty
 
 
 _ALWAYS = {"optype_slowdown": S.OPTYPE_SLOWDOWN, "worker_slowdown": S.WORKER_SLOWDOWN,
-           "step_slowdown": S.STEP_SLOWDOWN}
+           "step_slowdown": S.STEP_SLOWDOWN, "window_profile": S.WINDOW_PROFILE}
 """The what-if's tables: every window has them, empty where the analysis did not run."""
 
 

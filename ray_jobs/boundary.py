@@ -170,6 +170,23 @@ def check_ccl(table: pa.Table, key: str | None, layout: JobLayout | None, limits
     ])
 
 
+def check_tcp_flows(table: pa.Table, key: str | None, layout: JobLayout | None, limits: ValidationConfig) -> Split:
+    """Connection counters: differences over one step, so never negative, and no longer than an op may be."""
+    max_ns = int(limits.max_op_duration_s * _NS)
+    counters = ("bytes_acked", "bytes_received", "busy_us", "rwnd_limited_us", "sndbuf_limited_us", "rtt_us",
+                "min_rtt_us", "retrans", "notsent_bytes")
+    elapsed = _col(table, "elapsed_ns")
+    rules = _key_rules(table, key, limits) + _layout_rules(table, layout, limits, False) + [
+        ((elapsed < 0) | (elapsed > max_ns), f"elapsed_ns outside 0..validation.max_op_duration_s "
+                                             f"({limits.max_op_duration_s:g} s)"),
+        (_col(table, "busy_us") > elapsed // 1000 + 1_000_000, "busy_us longer than the time it was read over"),
+    ]
+    rules += [(_col(table, c) < 0, f"negative {c}") for c in counters]
+    rules.append((pc.or_(pc.equal(pc.utf8_length(table["local"]), 0), pc.equal(pc.utf8_length(table["remote"]), 0)),
+                  "a connection without its endpoints"))
+    return _apply(table, "tcp_flow", rules)
+
+
 def check_heartbeats(table: pa.Table, key: str | None, layout: JobLayout | None, limits: ValidationConfig,
                      wall_ns: int) -> Split:
     """Heartbeats after ``ClockGuard.correct_heartbeats``: times plausible and consistent with ``ts_ns``."""

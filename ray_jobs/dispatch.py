@@ -13,11 +13,14 @@ reason: visible, and never pinning the offsets.
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Callable
 
 import pyarrow as pa
 
+from analyzers.hardware import hardware_evidence
+from core import jsonutil
 from core.config import PipelineConfig
 from core.layout import JobLayout
 from core.registration import Registration
@@ -33,11 +36,15 @@ UNSIZED_INFLIGHT = 2
 
 
 class WindowDispatch:
-    consumes = frozenset({"job", "op_span", "ccl_record"})
+    consumes = frozenset({"job", "op_span", "ccl_record", "tcp_flow"})
 
     def __init__(self, cfg: PipelineConfig, clock: Clock, is_stored: Callable[[tuple], bool],
-                 submit: Callable[..., Any] | None = None, max_world_size: int = 1 << 18, name: str = "shard"):
+                 submit: Callable[..., Any] | None = None, max_world_size: int = 1 << 18, name: str = "shard",
+                 gpu_of: Callable[[str, int], dict[int, dict]] | None = None):
+        """``gpu_of(job, attempt)``: the latest GPU sample of each of its ranks (``HangMonitor.gpu_of``), which a
+        slow worker's verdict is compared with (``analyzers.hardware``); None: no hardware evidence."""
         self.cfg = cfg
+        self._gpu_of = gpu_of
         self.clock = clock
         self._is_stored = is_stored
         self.tracker = WindowTracker(cfg.idle_timeout_s, is_stored=self._ask_store, ccl_grace_s=cfg.ccl_grace_s)
@@ -59,6 +66,8 @@ class WindowDispatch:
             self.tracker.add_ops(table, at[0], at[1], now)
         elif kind == "ccl_record":
             self.tracker.add_ccl(table, at[0], at[1], now)
+        elif kind == "tcp_flow":
+            self.tracker.add_tcp(table, at[0], at[1], now)
 
     def _ask_store(self, key: tuple) -> bool:
         """Whether a window first seen now was stored before (a replay after a restart drops its records)."""
@@ -90,7 +99,7 @@ class WindowDispatch:
                 # failure so the window is visible and its offsets can advance.
                 log.warning("analysis task for %s failed: %s", win.key, err)
                 tables = self._failed(win, f"analysis task failed: {err}")
-            units.append(self._unit(tables, win, t0))
+            units.append(self._unit(self._with_hardware(tables, win), win, t0))
             spans = self._spans_worth_keeping(tables, win)
             if spans is not None:
                 units.append(spans)
@@ -116,12 +125,47 @@ class WindowDispatch:
         t0 = self.clock.monotonic()
         try:
             info = self.tracker.job(win.key[0], win.key[1]) or unregistered(win, self.max_world_size)
-            args = (win.ops, info, win.key, win.complete, win.note, win.ccl)
+            args = (win.ops, info, win.key, win.complete, win.note, win.ccl, win.tcp)
             handle = self._submit(*args) if self._submit else analyze_window(*args)
         except Exception as e:
             log.warning("%s: dispatching %s failed: %s", self.name, win.key, e)
             handle = self._failed(win, f"dispatch failed: {type(e).__name__}: {e}")
         self.inflight.append((handle, win, t0))
+
+    def _with_hardware(self, tables: dict[str, pa.Table], win: ReadyWindow) -> dict[str, pa.Table]:
+        """A slow-worker verdict with what its GPUs say against their peers' ("SM clock 1,140 MHz vs the peers'
+        median 1,980; throttled: sw_power_cap"), from the samples the heartbeats carried. Here and not in the
+        analysis: the samples live in the shard's hang monitor. Never fails the window."""
+        if self._gpu_of is None or win.ops.num_rows == 0:
+            return tables
+        try:
+            row = tables["window"]
+            if row.num_rows != 1 or "worker" not in row["verdicts_json"][0].as_py():
+                return tables
+            samples = self._gpu_of(win.key[0], win.key[1])
+            if not samples:
+                return tables
+            verdicts = json.loads(row["verdicts_json"][0].as_py())
+            coords = list(zip(win.ops["dp_rank"].to_pylist(), win.ops["pp_rank"].to_pylist(),
+                              win.ops["rank"].to_pylist()))
+            changed = False
+            for v in verdicts:
+                if v.get("kind") != "worker":
+                    continue
+                tops = {(w["dp_rank"], w["pp_rank"]) for w in v.get("evidence", {}).get("top_workers", [])}
+                ranks = sorted({r for d, p, r in coords if (d, p) in tops})
+                found = hardware_evidence(ranks, samples)
+                if found:
+                    v["hardware"] = found
+                    v["summary"] = f"{v.get('summary', '')}; its GPU: {found['sentence']}"
+                    changed = True
+            if changed:
+                i = row.schema.get_field_index("verdicts_json")
+                tables = dict(tables, window=row.set_column(i, row.schema.field(i),
+                                                            pa.array([jsonutil.dumps(verdicts)], pa.string())))
+        except Exception as e:  # evidence is a bonus: the window is stored without it
+            log.warning("%s: hardware evidence for %s failed: %s", self.name, win.key, e)
+        return tables
 
     def _unit(self, tables: dict[str, pa.Table], win: ReadyWindow, t0: float) -> Unit:
         def stored():

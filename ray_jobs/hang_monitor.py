@@ -19,6 +19,9 @@ from core import codec
 from core import schema as S
 from ray_jobs.checkpoint import Clock, Unit
 
+GPU_FIELDS = ("gpu_sm_mhz", "gpu_mem_mhz", "gpu_power_w", "gpu_power_limit_w", "gpu_temp_c", "gpu_throttle",
+              "gpu_ecc_uncorrected", "gpu_pcie_replays")
+
 _NS = 1_000_000_000
 
 
@@ -26,7 +29,7 @@ class HangMonitor:
     consumes = frozenset({"heartbeat", "ccl_record", "job"})
 
     def __init__(self, params: HangParams = HangParams(), every_s: float = 1.0, forget_after_s: float = 3600.0,
-                 clock: Clock = Clock()):
+                 clock: Clock = Clock(), gpu_every_s: float = 60.0):
         self.params = params
         self.clock = clock
         self.every_s = every_s
@@ -39,7 +42,19 @@ class HangMonitor:
         self._freshest_arrived_ns = 0  # when it arrived (wall clock)
         self.hangs = 0  # stored
         self.heartbeat_age_s = 0.0  # wall clock minus the newest heartbeat, at its arrival
+        # The latest GPU sample per (job, attempt, rank), stored at most every gpu_every_s (the heartbeats
+        # carry one every 5 s; a row a minute per rank is what the fleet statistics need).
+        self.gpu_every_s = gpu_every_s
+        self.max_gpu_ranks = 1_000_000
+        self._gpu: dict[tuple[str, int, int], dict] = {}
+        self._gpu_sent: dict[tuple[str, int, int], int] = {}
+        self._gpu_next = 0.0
         self.clock_held_back_s = 0.0  # wall clock minus the evaluation time, at the last evaluation
+        # Where each rank runs (RANK_HOST rows): stored once per (job, attempt, rank, host), so a finding
+        # about a rank or a worker can name its machine across jobs (lemon hosts).
+        self._hosts_seen: dict[tuple[str, int, int, str], None] = {}
+        self._hosts_new: list[dict] = []
+        self.max_hosts_seen = 1_000_000
 
     def _by_job(self, table: pa.Table):
         jobs = pc.unique(table["job_id"]).to_pylist()
@@ -53,8 +68,50 @@ class HangMonitor:
                     tr = self.trackers[key] = HangTracker(job, attempt, self.params)
                 yield key, tr, sub
 
+    def _gpu_samples(self, table: pa.Table) -> None:
+        """The latest GPU sample of each rank that reported one, for the next GPU_SAMPLE unit."""
+        if "gpu_sm_mhz" not in table.column_names:
+            return
+        sampled = table.filter(pc.greater_equal(table["gpu_sm_mhz"], 0))
+        for row in sampled.select(["job_id", "attempt", "rank", "host", "ts_ns", *GPU_FIELDS]).to_pylist():
+            key = (row["job_id"], row["attempt"], row["rank"])
+            if row["ts_ns"] > self._gpu.get(key, {}).get("ts_ns", -1):
+                if key not in self._gpu and len(self._gpu) >= self.max_gpu_ranks:
+                    del self._gpu[next(iter(self._gpu))]
+                self._gpu[key] = row
+
+    def gpu_of(self, job_id: str, attempt: int) -> dict[int, dict]:
+        """The latest GPU sample of each rank of a job attempt (rank -> GPU_SAMPLE fields): hardware evidence."""
+        return {k[2]: {n.removeprefix("gpu_"): v for n, v in row.items()}
+                for k, row in self._gpu.items() if k[:2] == (job_id, attempt)}
+
+    def _gpu_due(self, now: float) -> pa.Table | None:
+        if now < self._gpu_next or not self._gpu:
+            return None
+        self._gpu_next = now + self.gpu_every_s
+        rows = [{n.removeprefix("gpu_"): v for n, v in row.items()} for k, row in self._gpu.items()
+                if row["ts_ns"] > self._gpu_sent.get(k, -1)]
+        for k, row in self._gpu.items():
+            self._gpu_sent[k] = row["ts_ns"]
+        return codec.from_rows(S.GPU_SAMPLE, rows) if rows else None
+
+    def _rank_hosts(self, table: pa.Table) -> None:
+        if not table.num_rows:
+            return
+        cols = [table[c].to_pylist() for c in ("job_id", "attempt", "rank", "host", "ts_ns")]
+        for job, attempt, rank, host, ts in zip(*cols):
+            key = (job, attempt, rank, host)
+            if key in self._hosts_seen:
+                continue
+            self._hosts_seen[key] = None
+            if len(self._hosts_seen) > self.max_hosts_seen:  # bounded: the oldest go (the table keeps them)
+                del self._hosts_seen[next(iter(self._hosts_seen))]
+            self._hosts_new.append(dict(job_id=job, attempt=attempt, rank=rank, host=host, seen_ns=ts))
+
     def add_heartbeats(self, table: pa.Table, now: float) -> None:
         self.last_input = now
+        self._gpu_samples(table)
+        self._rank_hosts(table)
         if table.num_rows:
             newest = int(pc.max(table["ts_ns"]).as_py())
             wall = self.clock.wall_ns()
@@ -116,14 +173,22 @@ class HangMonitor:
             (self.add_heartbeats if kind == "heartbeat" else self.add_ccl)(table, now)
 
     def due(self, now: float) -> list[Unit]:
-        """The hangs found since the last evaluation, as one unit (hangs never wait for a window)."""
+        """The hangs found since the last evaluation, as one unit (hangs never wait for a window); the GPU
+        samples when due, and the ranks seen on a host for the first time, as others."""
+        out = []
+        gpu = self._gpu_due(now)
+        if gpu is not None:
+            out.append(Unit(f"{gpu.num_rows} GPU sample(s)", {"gpu_sample": gpu}))
+        if self._hosts_new:
+            rows, self._hosts_new = self._hosts_new, []
+            out.append(Unit(f"{len(rows)} rank host(s)", {"rank_host": codec.from_rows(S.RANK_HOST, rows)}))
         hangs = self.evaluate(now)
         if not hangs.num_rows:
-            return []
+            return out
 
         def stored(n=hangs.num_rows):
             self.hangs += n
-        return [Unit(f"{hangs.num_rows} hang(s)", {"hang": hangs}, on_stored=stored)]
+        return out + [Unit(f"{hangs.num_rows} hang(s)", {"hang": hangs}, on_stored=stored)]
 
     def state(self) -> dict:
         """What a restarted shard resumes from (``ray_jobs.state``): every job's tracker, as of now."""

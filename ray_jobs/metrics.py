@@ -16,6 +16,7 @@ _METRICS = (
     ("late_records", "ss_late_records_total", "counter", "records that arrived after their window was analysed"),
     ("heartbeats", "ss_heartbeats_total", "counter", "heartbeat records seen"),
     ("ccl_records", "ss_ccl_records_total", "counter", "collective records seen"),
+    ("tcp_flows", "ss_tcp_flows_total", "counter", "TCP connection samples seen"),
     ("windows_stored", "ss_windows_stored_total", "counter", "windows analysed and stored"),
     ("windows_failed", "ss_windows_failed_total", "counter", "windows whose analysis task failed"),
     ("span_windows_kept", "ss_span_windows_kept_total", "counter", "windows whose raw op spans were stored"),
@@ -45,6 +46,10 @@ _METRICS = (
     ("hangs", "ss_hangs_total", "counter", "hangs detected"),
     ("checkpoints", "ss_checkpoints_total", "counter", "checkpoint save and load records seen"),
     ("downtime_incidents", "ss_downtime_incidents_total", "counter", "downtime incidents stored"),
+    ("regression_jobs", "ss_regression_jobs", "gauge", "jobs whose history the regression detector follows"),
+    ("regressions", "ss_regressions_total", "counter", "regressions against a job's own past stored"),
+    ("recoveries", "ss_recoveries_total", "counter", "returns to a job's baseline stored"),
+    ("degraded_workers", "ss_degraded_workers_total", "counter", "workers found over their own best, stored"),
     ("commits", "ss_offset_commits_total", "counter", "offset stores, each after the results it covers were stored"),
 )
 

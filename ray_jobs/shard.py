@@ -8,7 +8,10 @@ the same verbs (add a table, emit the units due at ``now``, snapshot):
   (at most ``max_inflight`` at once: at the limit the shard stops polling,
   which is the backpressure), finished analyses out as result units;
 - ``HangMonitor``: heartbeats and CCL records in, hangs out;
-- ``AlertReducer``: window results, link faults and hangs in, alerts out;
+- ``RegressionReducer``: window profiles in, regressions against each job's
+  own past out;
+- ``AlertReducer``: window results, link faults, hangs and regressions in,
+  alerts out;
 - ``DowntimeReducer``: registrations, checkpoints, heartbeats, hangs and
   alerts in, fault downtime out.
 
@@ -43,6 +46,7 @@ from ray_jobs.checkpoint import Checkpoint, Clock, RetryLater, Unit
 from ray_jobs.crashes import CrashJournal, default_path
 from ray_jobs.dispatch import WindowDispatch
 from ray_jobs.downtime_reducer import DowntimeReducer
+from ray_jobs.regressions import RegressionReducer, params_of
 from ray_jobs.hang_monitor import HangMonitor
 from ray_jobs.state import StateKeeper, shard_key
 
@@ -65,6 +69,8 @@ class ShardStats:
     """Stored registrations skipped at start because they do not validate."""
     heartbeats: int = 0
     ccl_records: int = 0
+    tcp_flows: int = 0
+    """Per-connection TCP records (``core.schema.TCP_FLOW``) taken into windows for the link diagnosis."""
     jobs_registered: int = 0
     windows_stored: int = 0
     windows_failed: int = 0
@@ -74,6 +80,10 @@ class ShardStats:
     hangs: int = 0
     checkpoints: int = 0
     downtime_incidents: int = 0
+    regression_jobs: int = 0
+    regressions: int = 0
+    recoveries: int = 0
+    degraded_workers: int = 0
     webhook_sent: int = 0
     webhook_failed: int = 0
     webhook_dropped: int = 0
@@ -163,18 +173,22 @@ class ShardWorker:
         self.limits = cfg.validation
         self.clocks = B.ClockGuard(self.limits)
         h = cfg.hang
+        self.hangs = HangMonitor(HangParams(h.floor_s, h.k_steps, h.heartbeat_timeout_s, h.startup_s, h.checkpoint_s),
+                                 clock=clock)
         self.windows = WindowDispatch(cfg.pipeline, clock, self.sink.window_stored, self._submit,
-                                      self.limits.max_world_size, name=f"shard {self.index}")
-        self.hangs = HangMonitor(HangParams(h.floor_s, h.k_steps, h.heartbeat_timeout_s, h.startup_s), clock=clock)
+                                      self.limits.max_world_size, name=f"shard {self.index}",
+                                      gpu_of=self.hangs.gpu_of)
+        self.regressions = RegressionReducer(clock, params_of(cfg.regression))
         self.alerts = AlertReducer(AlertRules(cfg.alerts), clock, self._publish)
         self.downtime = DowntimeReducer(clock)
         # In this order each pass: alerts follow the windows and hangs emitted in the same pass,
         # and the downtime follows the alerts.
-        self.reducers = (self.windows, self.hangs, self.alerts, self.downtime)
+        self.reducers = (self.windows, self.hangs, self.regressions, self.alerts, self.downtime)
         # The windows hold back their own records' offsets; these three keep state built from records
         # committed long ago, so it is saved with the offsets (ray_jobs.state).
         self.state = StateKeeper(self.sink, self.source_id, shard_key(self.partitions),
-                                 {"hangs": self.hangs, "alerts": self.alerts, "downtime": self.downtime},
+                                 {"hangs": self.hangs, "alerts": self.alerts, "downtime": self.downtime,
+                                  "regressions": self.regressions},
                                  cfg.pipeline.state_interval_s)
         self.checkpoint = Checkpoint(
             self.sink, self.source, self.windows.committable, self.source_id, cfg.pipeline.commit_interval_s,
@@ -406,6 +420,9 @@ class ShardWorker:
         elif kind == "ccl_record":
             split = B.check_ccl(self.clocks.correct_ccl(table), key, layout, self.limits, self.clock.wall_ns())
             self.stats.ccl_records += split.good.num_rows
+        elif kind == "tcp_flow":
+            split = B.check_tcp_flows(table, key, layout, self.limits)
+            self.stats.tcp_flows += split.good.num_rows
         else:  # a kind of record the shard does not read on an input topic
             self._dead_letter(msg, f"{kind} records are not input")
             return

@@ -45,6 +45,7 @@ FORMAT = 1
 _ALLOWED = {
     "analyzers.hang": {"HangTracker", "HangParams", "_Rank"},
     "analyzers.downtime": {"DowntimeAccountant", "AccountantStats", "Signal", "_Save", "_Attempt", "_Job"},
+    "analyzers.regression": {"WindowPoint"},
     "builtins": {"set", "frozenset"},
 }
 

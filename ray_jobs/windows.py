@@ -40,6 +40,7 @@ class OpenWindow:
     key: WindowKey
     tables: list[pa.Table] = dataclasses.field(default_factory=list)
     ccl_tables: list[pa.Table] = dataclasses.field(default_factory=list)
+    tcp_tables: list[pa.Table] = dataclasses.field(default_factory=list)
     n_rows: int = 0
     first_offset: dict[TopicPartition, int] = dataclasses.field(default_factory=dict)
     step_ends: set = dataclasses.field(default_factory=set)  # (dp, pp, step) with an optimizer op
@@ -57,6 +58,7 @@ class ReadyWindow:
     complete: bool
     note: str
     ccl: pa.Table | None = None
+    tcp: pa.Table | None = None
 
 
 @dataclasses.dataclass
@@ -111,6 +113,17 @@ class WindowTracker:
                 ranks = part["rank"].to_numpy()
                 for step in np.unique(steps).tolist():
                     win.ccl_ranks_at.setdefault(step, set()).update(np.unique(ranks[steps == step]).tolist())
+
+    def add_tcp(self, table: pa.Table, tp: TopicPartition, offset: int, now: float) -> None:
+        """Route TCP connection records of profiled windows for link diagnosis (they travel with the collectives,
+        so a window that waits for its collectives has them too)."""
+        table = table.filter(pc.greater_equal(table["window_id"], 0))
+        parts = _split_by_window(table)
+        stored = self._stored_among([key for key, _ in parts])
+        for key, part in parts:
+            win = self._open(key, part.num_rows, tp, offset, now, key in stored)
+            if win is not None:
+                win.tcp_tables.append(part)
 
     def _stored_among(self, keys: list[WindowKey]) -> set[WindowKey]:
         """The keys whose windows are stored already, asking ``is_stored`` about keys never seen.
@@ -174,8 +187,9 @@ class WindowTracker:
                 ops = pa.concat_tables(win.tables) if win.tables else OP_SPAN.empty_table()
                 win.tables = [ops]
                 ccl = pa.concat_tables(win.ccl_tables) if win.ccl_tables else None
+                tcp = pa.concat_tables(win.tcp_tables) if win.tcp_tables else None
                 out.append(ReadyWindow(key, ops, complete, "" if complete else f"closed on idle timeout: {note}",
-                                       ccl))
+                                       ccl, tcp))
         return out
 
     def _completeness(self, win: OpenWindow, info: Registration | None) -> tuple[bool, str]:

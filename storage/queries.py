@@ -162,6 +162,26 @@ _QUERIES = [
         "every window of one job: S, W, T, T_ideal, fidelity (launch_slowdown), GPU-hours, verdicts",
     ),
     NamedQuery(
+        "job_history",
+        # The job page's history charts: a year of windows of one job is tens of thousands of rows, so
+        # only the columns a chart draws, not verdicts_json and the notes (job_window has those).
+        "SELECT attempt, window_id, analyzed_ns, n_gpus, slowdown, waste_fraction, step_time_actual, "
+        "step_time_ideal, mfu, mfu_ideal, verdict, complete FROM windows WHERE job_id = {job_id:String} "
+        "AND analyzed_ns >= {since:Int64} AND analyzed_ns < {until:Int64} "
+        "ORDER BY attempt, window_id LIMIT {limit:UInt64}",
+        (_job_required(), SINCE, UNTIL, _limit(50_000)),
+        "one job's windows over time, lean: S, waste, step times (actual, ideal), MFU and the main verdict",
+    ),
+    NamedQuery(
+        "job_window",
+        "SELECT * FROM windows WHERE job_id = {job_id:String} AND window_id = {window_id:Int64} "
+        "AND attempt = if({attempt:Int32} >= 0, {attempt:Int32}, (SELECT max(attempt) FROM windows "
+        "WHERE job_id = {job_id:String} AND window_id = {window_id:Int64})) LIMIT 1",
+        (_job_required(), ParamSpec("window_id", "Int64", None, "the window (its first step)"),
+         ParamSpec("attempt", "Int32", -1, "the attempt (-1: the latest with this window)")),
+        "every column of one window of one job: its verdicts with their evidence and its notes",
+    ),
+    NamedQuery(
         "job_step_trend",
         "SELECT attempt, window_id, step, actual_s, sim_s, ideal_s, slowdown FROM step_slowdown "
         "WHERE job_id = {job_id:String} AND ({window_id:Int64} < 0 OR window_id = {window_id:Int64}) "
@@ -305,6 +325,87 @@ _QUERIES = [
         "ORDER BY attempt, window_id, priority LIMIT {limit:UInt64}",
         (_job_required(), ParamSpec("window_id", "Int64", -1, "only this window (-1: all)"), _limit(1000)),
         "the latest advised remedies of a job's windows, best first",
+    ),
+    NamedQuery(
+        "job_regressions",
+        "SELECT job_id, kind, attempt, window_id, began_window, began_step, change, before_s, after_s, scope, "
+        "summary, optypes_json, found_ns FROM regressions "
+        "WHERE found_ns >= {since:Int64} AND found_ns < {until:Int64} "
+        "AND ({job_id:String} = '' OR job_id = {job_id:String}) AND ({kind:String} = '' OR kind = {kind:String}) "
+        "ORDER BY found_ns DESC LIMIT {limit:UInt64}",
+        (SINCE, UNTIL, JOB, ParamSpec("kind", "String", "", "regression, recovered or degraded_worker (empty: all)"),
+         _limit(1000)),
+        "jobs slower (or back) against their own past: when it began, by how much, what moved, newest first",
+    ),
+    NamedQuery(
+        "job_profile",
+        "SELECT attempt, window_id, first_step, end_ns, optype, seconds FROM window_profiles "
+        "WHERE job_id = {job_id:String} AND dp_rank = -1 "
+        "AND ({optype:String} = '' OR optype = {optype:String}) "
+        "ORDER BY end_ns, optype LIMIT {limit:UInt64}",
+        (_job_required(), ParamSpec("optype", "String", "", "only this op type; 'step' is the step time (empty: "
+                                                             "all)"), _limit(100_000)),
+        "a job's history per window: its step time and each op type's time per step, oldest first",
+    ),
+    NamedQuery(
+        "lemon_hosts",
+        "SELECT host, label, lemon, jobs, incidents, gpu_hours, expected_jobs, p_value, evidence_json, scored_ns, "
+        "period_s FROM lemon_hosts WHERE scored_ns = (SELECT max(scored_ns) FROM lemon_hosts) "
+        "AND ({lemons_only:Int8} = 0 OR lemon) ORDER BY lemon DESC, p_value, jobs DESC LIMIT {limit:UInt64}",
+        (ParamSpec("lemons_only", "Int8", 0, "1: only the hosts called lemons"), _limit(1000)),
+        "hosts implicated across jobs, lemons first, from the latest scoring pass (lemons.every_s)",
+    ),
+    # -- what the lemon scoring reads (ray_jobs/lemon_watch.py): one pass over a period -------------------
+    NamedQuery(
+        "lemon_job_hours",
+        "SELECT job_id, attempt, sum(gpu_hours) AS gpu_hours FROM windows "
+        "WHERE analyzed_ns >= {since:Int64} AND analyzed_ns < {until:Int64} AND isFinite(slowdown) "
+        "GROUP BY job_id, attempt LIMIT {limit:UInt64}",
+        (SINCE, UNTIL, _limit(10_000_000)),
+        "GPU-hours per job attempt analysed in a period (a host's exposure is its ranks' share)",
+    ),
+    NamedQuery(
+        "lemon_slow_workers",
+        "SELECT job_id, attempt, window_id, argMax(dp_rank, s_w) AS top_dp, argMax(pp_rank, s_w) AS top_pp, "
+        "max(s_w) AS top_s_w, max(analyzed_ns) AS at_ns FROM worker_slowdown ALL INNER JOIN ("
+        "SELECT job_id, attempt, window_id, analyzed_ns FROM windows WHERE analyzed_ns >= {since:Int64} "
+        "AND analyzed_ns < {until:Int64} AND verdict = 'worker') AS w USING (job_id, attempt, window_id) "
+        "WHERE step = -1 GROUP BY job_id, attempt, window_id LIMIT {limit:UInt64}",
+        (SINCE, UNTIL, _limit(10_000_000)),
+        "the slowest worker of each window whose main verdict is a slow worker, in a period",
+    ),
+    NamedQuery(
+        "lemon_worker_ranks",
+        "SELECT job_id, attempt, dp_rank, pp_rank, min(rank) AS worker_rank FROM window_profiles "
+        "WHERE dp_rank >= 0 AND rank >= 0 AND (job_id, attempt) IN (SELECT job_id, attempt FROM windows "
+        "WHERE analyzed_ns >= {since:Int64} AND analyzed_ns < {until:Int64}) "
+        "GROUP BY job_id, attempt, dp_rank, pp_rank LIMIT {limit:UInt64}",
+        (SINCE, UNTIL, _limit(10_000_000)),
+        "the rank that reported each worker's spans, for the jobs analysed in a period",
+    ),
+    NamedQuery(
+        "lemon_rank_hosts",
+        "SELECT job_id, attempt, rank, host FROM rank_hosts WHERE (job_id, attempt) IN (SELECT job_id, attempt "
+        "FROM windows WHERE analyzed_ns >= {since:Int64} AND analyzed_ns < {until:Int64}) "
+        "OR (job_id, attempt) IN (SELECT job_id, attempt FROM hangs WHERE hang_id >= {since:Int64} "
+        "AND hang_id < {until:Int64}) LIMIT {limit:UInt64}",
+        (SINCE, UNTIL, _limit(10_000_000)),
+        "where each rank of the jobs analysed (or hung) in a period ran",
+    ),
+    NamedQuery(
+        "lemon_hangs",
+        "SELECT job_id, attempt, hang_id, kind, suspect_hosts, duration_s FROM hangs "
+        "WHERE hang_id >= {since:Int64} AND hang_id < {until:Int64} AND suspect_hosts != '' LIMIT {limit:UInt64}",
+        (SINCE, UNTIL, _limit(1_000_000)),
+        "hangs and node losses with the hosts they suspect, in a period",
+    ),
+    NamedQuery(
+        "lemon_degraded_workers",
+        "SELECT job_id, attempt, window_id, scope, change, found_ns FROM regressions "
+        "WHERE kind = 'degraded_worker' AND found_ns >= {since:Int64} AND found_ns < {until:Int64} "
+        "LIMIT {limit:UInt64}",
+        (SINCE, UNTIL, _limit(1_000_000)),
+        "workers found over their own best, in a period",
     ),
     NamedQuery(
         "alert_history",

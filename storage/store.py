@@ -457,7 +457,8 @@ class SQLStore(Store):
             self.enforce_retention()
 
     def enforce_retention(self, now_ns: int | None = None) -> list[str]:
-        """Drop op-span partitions (UTC days of ``stored_ns``) older than ``retention_days``.
+        """Drop partitions older than ``retention_days`` (UTC days) of the tables with retention (op spans,
+        GPU samples, window profiles).
 
         Runs on every engine (TTL, where the engine has it, also expires rows
         on merges). Returns the dropped partitions, e.g. ``['2024-01-01']``.

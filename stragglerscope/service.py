@@ -256,10 +256,13 @@ def run_service(cfg: Config) -> int:
             native = stack.enter_context(NativeStderr(driver_log_path(cfg)))
             say(f"logs       Ray's own output goes to {native.path}")
             svc = start_services(cfg, stack)
+            lemons = LemonPasses.start(cfg, svc.store)
             say("running; Ctrl-C stops")
             last, problems = time.monotonic(), ()
             while True:
                 time.sleep(HEALTH_EVERY_S)
+                if lemons is not None:
+                    lemons.maybe_run()
                 try:
                     st = svc.pipeline.check_health()
                 except Superseded as e:
@@ -280,6 +283,47 @@ def run_service(cfg: Config) -> int:
     except KeyboardInterrupt:
         say("stopped")
         return 0
+
+
+class LemonPasses:
+    """The fleet's lemon-host scoring (``ray_jobs.lemon_watch``) every ``lemons.every_s``, off the driver's
+    loop on a thread of its own: a pass over a week of a big fleet takes seconds, health checks do not wait."""
+
+    def __init__(self, watch, every_s: float):
+        self.watch, self.every_s = watch, every_s
+        self._next = time.monotonic() + min(every_s, 60.0)  # the first soon after start, then every every_s
+        self._thread = None
+
+    @classmethod
+    def start(cls, cfg: Config, store) -> "LemonPasses | None":
+        if cfg.lemons.every_s <= 0:
+            return None
+        from analyzers.lemons import LemonParams
+        from ray_jobs.lemon_watch import LemonWatch, read_topology, restore_lemons
+
+        watch = LemonWatch(store, LemonParams(cfg.lemons.min_jobs, cfg.lemons.max_p), cfg.lemons.period_days * 86400,
+                           read_topology(cfg.lemons.topology_file), restore_lemons(store))
+        say(f"lemons     hosts scored across jobs every {cfg.lemons.every_s:g} s over {cfg.lemons.period_days:g} "
+            "days (`sql lemon_hosts`)")
+        return cls(watch, cfg.lemons.every_s)
+
+    def maybe_run(self) -> None:
+        import threading
+
+        if time.monotonic() < self._next or (self._thread is not None and self._thread.is_alive()):
+            return
+        self._next = time.monotonic() + self.every_s
+        self._thread = threading.Thread(target=self._pass, name="lemon-hosts", daemon=True)
+        self._thread.start()
+
+    def _pass(self) -> None:
+        try:
+            scores = self.watch.score()
+            lemons = [s.host for s in scores if s.lemon]
+            if lemons:
+                say(f"lemons     {len(lemons)} lemon host(s): {', '.join(lemons[:10])}")
+        except Exception as e:  # the store is busy or away: the next pass tries again
+            say(f"WARNING    lemon-host scoring failed, next try in {self.every_s:g} s: {type(e).__name__}: {e}")
 
 
 def status_line(statuses: list[dict], placement=None) -> str:

@@ -249,13 +249,49 @@ def _read_reports(run_dir: str) -> list[dict]:
     return out
 
 
+LINK_SHOWN_CONFIDENCE = 0.3
+"""Link findings at least this confident are printed in the trace summary (below, they are hints the console
+lists with the window's matrix)."""
+
+
+def link_sentence(f: dict) -> str:
+    """One line for a LINK_FAULT row: the element, how slow, how sure, and what it rests on."""
+    src, dst, kind = f["src"], f["dst"], f["kind"]
+    what = {"source": f"the NIC of rank {src} is slow to send (its egress)",
+            "destination": f"rank {dst} is slow to receive (its ingress)",
+            "link": f"the link from rank {src} to rank {dst} is slow",
+            "endpoint": f"the network of rank {src} is slow both ways",
+            "comm_slow": "communication is slow but could not be placed",
+            "noncomm_slow": f"rank {src} comes late to communicate (its own compute or input, not the network)",
+            }.get(kind, f"{kind} {src}>{dst}")
+    try:
+        ev = json.loads(f.get("evidence_json") or "{}")
+    except ValueError:
+        ev = {}
+    basis = ""
+    if ev.get("bottleneck"):
+        b = ev["bottleneck"][0]
+        basis = (f"; transfer {b['flow']} had data in flight {100 * b['busy']:.0f}% of the time at "
+                 f"{b['mb_per_s_busy']:.1f} MB/s")
+    return f"{what} ({f['slowdown']:.1f}x slower than the job's other transfers, confidence " \
+           f"{f['confidence']:.2f}, from {f['group'] or 'collectives'}{basis})"
+
+
 def summarize(store, job_id: str, attempt: int, reports: list[dict]) -> str:
     """The job's diagnosis, for a terminal: S per window, verdicts with evidence, top workers, waste, hangs."""
+    from analyzers.explain import hang_lines, window_lines
+
     lay = reports[0]["layout"]
     lines = [f"\n== stragglerscope: job {job_id} (attempt {attempt}) ==",
              f"{len(reports)} ranks, layout dp={lay['dp_size']} pp={lay['pp_size']} tp={lay['tp_size']} "
              f"cp={lay['cp_size']} vpp={lay['vpp_size']}; {max(r['steps'] for r in reports)} steps"]
     wins = [w for w in store.run_named("job_windows", {"job_id": job_id}).to_pylist() if w["attempt"] == attempt]
+    links_of_window: dict[int, list[dict]] = {}
+    for f in store.run_named("job_links", {"job_id": job_id}).to_pylist():
+        if f["attempt"] == attempt and f["confidence"] >= LINK_SHOWN_CONFIDENCE:
+            links_of_window.setdefault(f["window_id"], []).append(f)
+    for found in links_of_window.values():
+        found.sort(key=lambda f: -f["confidence"])
     if not wins:
         lines.append("no window was analysed (were any steps profiled? see --sample)")
     wasted = total = 0.0
@@ -267,22 +303,21 @@ def summarize(store, job_id: str, attempt: int, reports: list[dict]) -> str:
                      f"S = {w['slowdown']:.3f}, waste {100 * (w['waste_fraction'] or 0):.1f}%, "
                      f"step {w['step_time_actual']:.3f} s actual vs {w['step_time_ideal']:.3f} s ideal "
                      f"(fidelity {w['launch_slowdown']:.3f})")
-        verdicts = json.loads(w["verdicts_json"] or "[]")
-        for v in verdicts[:3]:
-            lines.append(f"  verdict  {v.get('kind')} (score {v.get('score')}): {v.get('summary', '')}")
-        if not verdicts:
-            lines.append("  verdict  none: no significant straggling")
+        lines += window_lines(w)  # the console's words for each verdict (analyzers.explain)
         workers = store.run_named("job_workers", {"job_id": job_id, "window_id": w["window_id"],
                                                   "attempt": attempt}).to_pylist()
         top = sorted(workers, key=lambda r: -(r.get("s_w") or 0))[:3]
         if top:
             lines.append("  top workers  " + ", ".join(
                 f"dp {r['dp_rank']} pp {r['pp_rank']} (S_w {r['s_w']:.3f})" for r in top))
+        for f in links_of_window.get(w["window_id"], [])[:2]:
+            lines.append(f"  network  {link_sentence(f)}")
         if w["note"] and not w["complete"]:
             lines.append(f"  note     {w['note'][:200]}")
     if wins:
         lines.append(f"\nwasted {wasted:.6f} of {total:.6f} GPU-hours in the analysed windows")
     hangs = store.run_named("job_hangs", {"job_id": job_id}).to_pylist()
+    reg = store.run_named("job_info", {"job_id": job_id, "attempt": attempt}).to_pylist() if hangs else []
     for h in hangs[:3]:
-        lines.append(f"hang: {h.get('kind')} {h.get('summary', '')}".rstrip())
+        lines += hang_lines(h, reg[0] if reg else None)
     return "\n".join(lines)

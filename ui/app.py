@@ -20,6 +20,7 @@ nav = st.navigation([
     st.Page(str(_PAGES / "fleet.py"), title="Fleet", default=True),
     st.Page(str(_PAGES / "alerts.py"), title="Alerts"),
     st.Page(str(_PAGES / "job.py"), title="Job"),
+    st.Page(str(_PAGES / "hosts.py"), title="Hosts"),
     st.Page(str(_PAGES / "sql.py"), title="SQL"),
 ])
 nav.run()

@@ -8,12 +8,16 @@ widget change do not hit the store again.
 from __future__ import annotations
 
 import os
+import time
 
 import pandas as pd
 import streamlit as st
 
 FLEET_TTL_S = 15
 ALERTS_TTL_S = 5
+JOB_LIST_TTL_S = 300
+"""The job page's picker lists the top wasting jobs: the slowest query of that page (a scan of the whole fleet)
+for a list that changes slowly. A job an alert links to is added to it from the address anyway."""
 
 
 def store_url() -> str:
@@ -43,6 +47,22 @@ def named(name: str, **params) -> pd.DataFrame:
 @st.cache_data(ttl=ALERTS_TTL_S, show_spinner=False)
 def named_live(name: str, **params) -> pd.DataFrame:
     return _store(store_url()).run_named(name, _clean(params)).to_pandas()
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+def viewer_tz() -> str | None:
+    """The viewer's time zone as their browser names it (None outside a browser session, e.g. AppTest)."""
+    return st.context.timezone
+
+
+@st.cache_data(ttl=JOB_LIST_TTL_S, show_spinner=False)
+def job_choices(limit: int = 200) -> list[str]:
+    """The job picker's jobs: the fleet's top wasting ones."""
+    top = _store(store_url()).run_named("top_wasting_jobs", {"limit": limit}).to_pandas()
+    return top["job_id"].tolist() if "job_id" in top else []
 
 
 def free_sql(sql: str) -> pd.DataFrame:

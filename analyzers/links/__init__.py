@@ -1,12 +1,17 @@
 """Link diagnosis of one job window: which link, NIC or receiver is slow, or which rank sends late.
 
-Two kinds of evidence, both from the window's CCL records (``core.schema.CCL_RECORD``):
+Three kinds of evidence: two from the window's CCL records (``core.schema.CCL_RECORD``), one from its TCP
+connections (``core.schema.TCP_FLOW``):
 - ``reported``: per-peer transfer times that the collective library timed
   itself (a latency matrix per group, its hot cells, rows and columns);
 - ``measured``: every other record, through the enter and exit times each
   rank recorded: p2p sends matched with their receives across ranks, and the
   members of each collective side by side; ``localise`` names the fault by
-  intersecting the slow and the healthy observations.
+  intersecting the slow and the healthy observations;
+- ``tcp``: what the kernel counted on each connection between two ranks (the
+  bottleneck flow is busy while the others wait for it; where its queue is
+  says which end is slow): the only evidence that places a fault inside a
+  flat data-parallel ring, where every rank is in the one all-reduce.
 
 ``diagnose_window(ccl) -> LinkDiagnosis`` (faults and the whole matrix),
 ``diagnose(ccl)`` its faults, ``to_tables(diagnosis, key)`` the LINK_FAULT and
@@ -25,11 +30,12 @@ from analyzers.links.localise import comm_faults, late_senders
 from analyzers.links.measured import (MeasuredParams, Observation, collective_observations, judge, measured_rows,
                                       p2p_observations)
 from analyzers.links.reported import Edges, LinkParams, diagnose_group, edges_from_ccl
+from analyzers.links.tcp import FlowVerdict, TcpParams, flows, judge_flows, where
 from core import codec, jsonutil
 from core import schema as S
 
-__all__ = ["KINDS", "LinkFault", "LinkParams", "MeasuredParams", "Edges", "Observation", "LinkDiagnosis",
-           "diagnose", "diagnose_window", "edges_from_ccl", "diagnose_group", "to_tables"]
+__all__ = ["KINDS", "LinkFault", "LinkParams", "MeasuredParams", "TcpParams", "Edges", "Observation",
+           "LinkDiagnosis", "diagnose", "diagnose_window", "edges_from_ccl", "diagnose_group", "to_tables"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +43,18 @@ class LinkDiagnosis:
     faults: list[LinkFault]            # most confident first
     edges: list[Edges]                 # reported matrices, one per group
     observations: list[Observation]    # measured pairs and collective groups
+    flows: list[FlowVerdict] = dataclasses.field(default_factory=list)  # TCP flows between ranks
 
 
 def diagnose_window(ccl: pa.Table, params: LinkParams = LinkParams(),
-                    measured: MeasuredParams = MeasuredParams()) -> LinkDiagnosis:
-    """Faults and matrices of every group of the window."""
+                    measured: MeasuredParams = MeasuredParams(), tcp: pa.Table | None = None,
+                    tcp_params: TcpParams = TcpParams()) -> LinkDiagnosis:
+    """Faults and matrices of every group of the window (``tcp``: its TCP_FLOW records, if any)."""
     faults: list[LinkFault] = []
+    verdicts = judge_flows(flows(tcp), tcp_params) if tcp is not None and tcp.num_rows else []
+    for kind, src, dst, conf, evidence in where(verdicts, tcp_params):
+        ratio = float(np.median([v.ratio for v in verdicts if v.status == "slow"]))
+        faults.append(LinkFault("tcp", kind, int(src), int(dst), conf, ratio, evidence))
     edges = edges_from_ccl(ccl) if ccl.num_rows else []
     for e in edges:
         faults += diagnose_group(e, params)
@@ -51,9 +63,41 @@ def diagnose_window(ccl: pa.Table, params: LinkParams = LinkParams(),
     if rest.num_rows:
         observations = p2p_observations(rest) + collective_observations(rest, measured)
         judge(observations, measured)
-        faults += comm_faults(observations, measured) + late_senders(observations, measured)
+        faults += _weigh_by_flows(comm_faults(observations, measured) + late_senders(observations, measured),
+                                  verdicts, faults)
     faults.sort(key=lambda f: (-f.confidence, -f.slowdown))
-    return LinkDiagnosis(faults, edges, observations)
+    return LinkDiagnosis(faults, edges, observations, verdicts)
+
+
+TCP_SURE = 0.5
+"""A finding from the flows this confident stands instead of what enter and exit times say of the network."""
+CCL_ONLY_CAP = 0.3
+"""Most confidence a finding from enter and exit times keeps where the kernel saw every transfer healthy."""
+
+
+def _weigh_by_flows(measured: list[LinkFault], verdicts: list[FlowVerdict], tcp_faults: list[LinkFault]
+                    ) -> list[LinkFault]:
+    """Findings from enter and exit times, weighed against the kernel's account of the same transfers.
+
+    Enter and exit times see a transfer slow when either end was late to it (a CPU hiccup on a shared host
+    made an all-reduce 'slow' and flipped the verdict between windows), and see a late sender where a slow
+    NIC delayed the data a rank waited for. Where the flows named a network fault, it stands instead; where
+    the flows were all healthy, a network finding from the times stays a hint.
+    """
+    if not verdicts:
+        return measured
+    tcp_network = [f for f in tcp_faults if f.group == "tcp" and f.confidence >= TCP_SURE]
+    if tcp_network:
+        # A rank that seemed late waited for the slow transfer: late because of the network.
+        ends = {r for f in tcp_network for r in (f.src, f.dst) if r >= 0}
+        return [f for f in measured if f.kind == "noncomm_slow" and f.src not in ends]
+    judged = [v for v in verdicts if v.status != "unknown"]
+    if judged and all(v.status == "ok" for v in judged):
+        return [f if f.kind == "noncomm_slow" else dataclasses.replace(
+            f, confidence=min(f.confidence, CCL_ONLY_CAP),
+            evidence={**f.evidence, "tcp": "every transfer between the ranks was healthy in the kernel's counters"})
+            for f in measured]
+    return measured
 
 
 def diagnose(ccl: pa.Table, params: LinkParams = LinkParams()) -> list[LinkFault]:
@@ -76,6 +120,10 @@ def _cells(d: LinkDiagnosis) -> list[dict]:
         else:
             rows += [dict(group=o.name, src=r, dst=-1, wait_ns=o.lateness_ns.get(r, -1.0), **common)
                      for r in o.members]
+    for v in d.flows:  # what each rank sent each other, as the kernel timed it: time per byte while busy
+        f = v.flow
+        rows.append(dict(group="tcp", src=f.src, dst=f.dst, ns_per_byte=1e9 / f.rate if f.rate > 0 else math.nan,
+                         median_ns=math.nan, wait_ns=-1.0, samples=f.steps, ratio=v.ratio, status=v.status))
     reported = []
     for e in d.edges:
         med = float(np.median(e.time_per_byte)) if len(e.time_per_byte) else math.nan

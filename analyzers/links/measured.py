@@ -62,6 +62,9 @@ class MeasuredParams:
     percent behind is a straggler for the what-if to weigh, not a late sender to page about ..."""
     min_collectives: int = 3
     """... over at least this many collectives of the group in the window."""
+    late_spread: float = 3.0
+    """... and later than the others by this many of their spreads (robust: 1.48 x their median deviation),
+    where it is not this many times their median lateness (``localise._later_than_the_rest``)."""
 
 
 @dataclasses.dataclass

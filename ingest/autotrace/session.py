@@ -26,6 +26,7 @@ from pathlib import Path
 
 from core.kafka_conn import KafkaConn
 from core.layout import JobLayout
+from ingest.autotrace.layout import DEFAULT_ORDER, LayoutError, coords_in_order, parse_order
 from ingest.exporter import Sampling
 
 log = logging.getLogger(__name__)
@@ -38,15 +39,51 @@ class SettingsError(ValueError):
     """A --layout, --sample or other trace setting that cannot be used."""
 
 
-def parse_layout(text: str) -> dict[str, int]:
-    """``dp=2,pp=2,tp=1`` -> {'dp_size': 2, 'pp_size': 2, 'tp_size': 1}; only the sizes named."""
-    out: dict[str, int] = {}
+def parse_layout(text: str) -> dict[str, int | str]:
+    """``dp=2,pp=2,tp=1`` -> {'dp_size': 2, 'pp_size': 2, 'tp_size': 1}; only the sizes named.
+
+    ``order=A,B,...`` (the items after ``order=`` up to the next ``NAME=``) states the rank order, outermost
+    dimension first, as a DeviceMesh's shape lists them: ``order=dp,pp`` numbers ranks dp-major (``dp_rank,
+    stage = divmod(rank, pp)``), ``order=pp,dp,tp`` is Megatron's. It is kept as ``{'order': 'dp,pp'}``.
+    """
+    out: dict[str, int | str] = {}
+    order: list[str] | None = None
     for part in filter(None, (p.strip() for p in text.split(","))):
+        if order is not None and "=" not in part:
+            order.append(part)  # the next dimension of order=...
+            continue
+        m = re.fullmatch(r"order\s*=\s*([\w\-/ ]*)", part)
+        if m:
+            order = [m.group(1)] if m.group(1) else []
+            continue
+        if order is not None:
+            out["order"], order = _order_text(order), None
         m = re.fullmatch(r"(dp|pp|tp|cp|vpp)\s*=\s*(\d+)", part)
         if not m or int(m.group(2)) < 1:
-            raise SettingsError(f"bad layout item {part!r}: want NAME=N with NAME in dp, pp, tp, cp, vpp and N >= 1")
+            raise SettingsError(f"bad layout item {part!r}: want NAME=N with NAME in dp, pp, tp, cp, vpp and N >= 1, "
+                                "or order=A,B,... with A, B, ... among dp, pp, tp, cp (outermost first)")
         out[_LAYOUT_KEYS[m.group(1)]] = int(m.group(2))
+    if order is not None:
+        out["order"] = _order_text(order)
     return out
+
+
+def _order_text(names: list[str]) -> str:
+    try:
+        return ",".join(parse_order(",".join(names)))
+    except LayoutError as e:
+        raise SettingsError(str(e)) from None
+
+
+def layout_sizes(layout: dict) -> dict[str, int]:
+    """The sizes a parsed --layout names, without its rank order."""
+    return {k: v for k, v in layout.items() if k in _SIZE_NAMES}
+
+
+def layout_order(layout: dict) -> tuple[str, ...] | None:
+    """The rank order a parsed --layout states, outermost first; None when it states none."""
+    text = layout.get("order")
+    return parse_order(text) if text else None
 
 
 def parse_sample(text: str) -> Sampling:
@@ -64,7 +101,7 @@ def parse_sample(text: str) -> Sampling:
 class TraceSettings:
     job_id: str
     bootstrap: str
-    layout: dict[str, int] = dataclasses.field(default_factory=dict)  # only the sizes the user named
+    layout: dict[str, int | str] = dataclasses.field(default_factory=dict)  # what --layout named (parse_layout)
     sampling: Sampling = Sampling()
     attempt: int = 0
     spool_dir: str = ""
@@ -74,6 +111,7 @@ class TraceSettings:
     team: str = ""
     model: str = ""
     kafka_transport: str = ""  # KafkaConn.to_json(): TLS/SASL settings, no secret; empty = plaintext
+    peak_flops: float = 0.0    # peak FLOP/s of one device for MFU; 0: from the device's name (analyzers.mfu)
 
     def conn(self) -> KafkaConn:
         """The producer's Kafka connection."""
@@ -81,7 +119,12 @@ class TraceSettings:
 
     def to_env(self) -> dict[str, str]:
         layout = ",".join(f"{k}={self.layout[v]}" for k, v in _LAYOUT_KEYS.items() if v in self.layout)
-        return {ENV: "1", f"{ENV}_JOB_ID": self.job_id, f"{ENV}_BOOTSTRAP": self.bootstrap,
+        if self.layout.get("order"):
+            layout = ",".join(filter(None, (layout, f"order={self.layout['order']}")))
+        # The peak travels only when set: a STRAGGLERSCOPE_TRACE_PEAK_FLOPS of the user's own shell then
+        # reaches the ranks unchanged.
+        peak = {f"{ENV}_PEAK_FLOPS": repr(self.peak_flops)} if self.peak_flops else {}
+        return {**peak, ENV: "1", f"{ENV}_JOB_ID": self.job_id, f"{ENV}_BOOTSTRAP": self.bootstrap,
                 f"{ENV}_LAYOUT": layout,
                 f"{ENV}_SAMPLE": f"{self.sampling.profile_steps}/{self.sampling.every}",
                 f"{ENV}_ATTEMPT": str(self.attempt), f"{ENV}_SPOOL_DIR": self.spool_dir,
@@ -99,7 +142,17 @@ class TraceSettings:
                    sampling=parse_sample(get("SAMPLE", "10/100")), attempt=int(get("ATTEMPT", "0")),
                    spool_dir=get("SPOOL_DIR"), run_dir=get("RUN_DIR"), heartbeat_s=float(get("HEARTBEAT_S", "5")),
                    hang_dump_s=float(get("HANG_DUMP_S", "60")), team=get("TEAM"), model=get("MODEL"),
-                   kafka_transport=get("KAFKA_TRANSPORT"))
+                   kafka_transport=get("KAFKA_TRANSPORT"), peak_flops=_peak(get("PEAK_FLOPS", "0")))
+
+
+def _peak(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise SettingsError(f"bad {ENV}_PEAK_FLOPS {text!r}: want FLOP/s of one device, e.g. 989e12") from None
+    if not value >= 0 or value == float("inf"):
+        raise SettingsError(f"bad {ENV}_PEAK_FLOPS {text!r}: want a finite number >= 0")
+    return value
 
 
 _armed: TraceSettings | None = None
@@ -126,6 +179,29 @@ def arm(settings: TraceSettings) -> None:
     when_imported("torch.distributed.distributed_c10d", _patch_init)
     # DeviceMesh captured init_process_group by name when it was imported.
     when_imported("torch.distributed.device_mesh", _patch_init)
+    when_imported("torch.distributed.device_mesh", _patch_mesh)
+
+
+def _patch_mesh(module) -> None:
+    """Tell the session of every DeviceMesh made over the job. Wrapped when arming, not when the session
+    starts: ``init_device_mesh`` before ``init_process_group`` starts the session from inside the mesh's own
+    constructor, which a wrapper installed then would miss (torchtitan's way: the layout went unread)."""
+    cls = getattr(module, "DeviceMesh", None)
+    orig = getattr(cls, "__init__", None)
+    if orig is None or getattr(orig, "_stragglerscope", False):
+        return
+
+    def __init__(mesh, *args, **kwargs):
+        orig(mesh, *args, **kwargs)
+        session = _session
+        if session is not None and kwargs.get("_root_mesh") is None:  # a slice says nothing new
+            tracer = getattr(session, "tracer", None)
+            if tracer is not None:
+                tracer.on_mesh(mesh)  # guarded: never raises
+    __init__.__wrapped__ = orig
+    __init__.__doc__ = orig.__doc__
+    __init__._stragglerscope = True
+    cls.__init__ = __init__
 
 
 def _patch_init(module) -> None:
@@ -166,8 +242,9 @@ def _start() -> None:
                   file=sys.stderr)
 
 
-def instrument(job_id: str, bootstrap: str | KafkaConn, *, layout: str | dict | None = None, sample: str | Sampling = "10/100",
-               attempt: int = 0, spool_dir: str = "", team: str = "", model: str = "") -> None:
+def instrument(job_id: str, bootstrap: str | KafkaConn, *, layout: str | dict | None = None,
+               sample: str | Sampling = "10/100", attempt: int = 0, spool_dir: str = "", team: str = "",
+               model: str = "", peak_flops: float = 0.0) -> None:
     """Instrument this training process with no other change to its code (the one-call API).
 
     Call it before or after ``torch.distributed.init_process_group``. Steps,
@@ -175,12 +252,15 @@ def instrument(job_id: str, bootstrap: str | KafkaConn, *, layout: str | dict | 
     optimizer, GC pauses and checkpoints are then recorded as
     ``stragglerscope trace`` records them, and exported to ``bootstrap`` (a
     host:port list, or an ``core.kafka_conn.KafkaConn`` for TLS/SASL).
+    ``layout``: ``--layout``'s text (sizes, ``order=...``); ``peak_flops``: one
+    device's peak FLOP/s for MFU, 0 to take it from the device's name.
     """
     transport = bootstrap.to_json() if isinstance(bootstrap, KafkaConn) else ""
     lay = parse_layout(layout) if isinstance(layout, str) else dict(layout or {})
     sampling = parse_sample(sample) if isinstance(sample, str) else sample
     arm(TraceSettings(job_id=job_id, bootstrap=str(bootstrap), layout=lay, sampling=sampling, attempt=attempt,
-                      spool_dir=spool_dir, team=team, model=model, kafka_transport=transport))
+                      spool_dir=spool_dir, team=team, model=model, kafka_transport=transport,
+                      peak_flops=float(peak_flops)))
 
 
 class TraceSession:
@@ -196,24 +276,27 @@ class TraceSession:
 
         self.settings = settings
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.layout = resolve_layout(settings.layout, self.world)
-        dp_rank, pp_rank = coords_of(self.rank, self.layout)
+        self.warnings: list[str] = []
+        self.problems: list[str] = []   # what no source can reconcile: the registration is flagged with them
+        self.order = layout_order(settings.layout)
+        self.layout = JobLayout(self.world, 1)
+        self.relayout()  # --layout alone, until the processes say more
+        dp_rank, pp_rank, speaks = self.order_coords(self.rank, quiet=True)
         spool = os.path.join(settings.spool_dir, f"rank{self.rank}") if settings.spool_dir else None
         self.producer = TelemetryProducer(settings.conn(), client_id=f"trace-{settings.job_id}-{self.rank}",
                                           spool_dir=spool)
         self.exporter = RankExporter(settings.job_id, self.rank, dp_rank, pp_rank, self.producer.send,
                                      attempt=settings.attempt, sampling=settings.sampling,
                                      heartbeat_s=settings.heartbeat_s, hang_dump_s=settings.hang_dump_s)
-        inner = self.layout.tp_size * self.layout.cp_size
-        self.exporter.worker_spans = self.rank % inner == 0  # Megatron's order: TP, then CP, fastest
+        self.exporter.worker_spans = speaks
         if dist.get_backend() == "gloo":
             # Every rank is inside init_process_group now, so a collective here cannot deadlock. With a GPU
             # backend this would touch a device the script may not have chosen yet: clocks stay as they are.
             estimate_clock_offset(self.exporter)
+        self.side_group = self._side_group(dist)
         self.tracer = Tracer(self)
         self.undo_ccl = instrument_distributed(self.exporter, observer=self.tracer)
         self.tracer.install()
-        self.warnings: list[str] = []
         self._closed = False
         # Flush before the Kafka client's own atexit handler closes it: threading's exit hooks run
         # before atexit's.
@@ -223,25 +306,64 @@ class TraceSession:
         except RuntimeError:  # interpreter already shutting down
             atexit.register(self.close)
 
-    def relayout(self, pp: int | None = None, vpp: int | None = None, mesh: dict[str, int] | None = None) -> None:
+    def _side_group(self, dist):
+        """A gloo group of every rank, ours alone: after step 0 each rank's claim (its worker, the sizes it
+        sees, its FLOPs) goes to every other through one all-gather on it, posted and polled so that training
+        never waits on it. Made here because every rank is in this call (a group's creation is collective)
+        and before the job makes its own groups. None where it cannot be made: no cross-rank check then."""
+        if self.world == 1:
+            return None
+        try:
+            return dist.new_group(backend="gloo")
+        except Exception as e:
+            self.warn(f"no side group for the layout check and MFU ({e!r}): each rank's layout goes unchecked")
+            return None
+
+    def order_coords(self, rank: int, quiet: bool = False) -> tuple[int, int, bool]:
+        """(dp_rank, pp_rank, sends its worker's spans) of ``rank`` by rank order alone: the order --layout
+        states, else Megatron's (TP fastest, then CP, DP, PP slowest). ``quiet``: a provisional reading,
+        before the processes said what they know (an order that leaves out a size is no news then)."""
+        lay = self.layout
+        sizes = {"dp": lay.dp_size, "pp": lay.pp_size, "tp": lay.tp_size, "cp": lay.cp_size}
+        try:
+            c = coords_in_order(rank, sizes, self.order or DEFAULT_ORDER)
+        except LayoutError as e:
+            if not quiet:
+                self.warn(f"--layout {e}; Megatron's order is used")
+            c = coords_in_order(rank, sizes, DEFAULT_ORDER)
+        return c["dp"], c["pp"], c["tp"] == 0 and c["cp"] == 0
+
+    def relayout(self, pp: int | None = None, vpp: int | None = None, mesh: dict[str, int] | None = None,
+                 source: str = "the DeviceMesh") -> None:
         """The layout again, from --layout and what the processes report: a pipeline's ``pp`` and ``vpp``,
-        a DeviceMesh's sizes. What they report beats --layout (a contradiction is a warning and the
-        contradicted names are dropped); where the mesh and the pipeline disagree, the pipeline, which runs
-        the schedule, wins and the mesh's sizes are not used."""
+        sizes of a DeviceMesh or of the groups the job uses (``mesh``, told by ``source``). What they report
+        beats --layout (a contradiction is a warning and the contradicted names are dropped); where the mesh
+        and the pipeline disagree, the pipeline, which runs the schedule, wins and the mesh's sizes are not
+        used. When nothing makes the world (a pipeline whose size does not divide it), it is a problem: the
+        registration is flagged and its windows are not analysed."""
+        named = layout_sizes(self.settings.layout)
         mesh = {k: v for k, v in (mesh or {}).items() if pp is None or k != "pp_size"}
         told = set(mesh) | {k for k, v in (("pp_size", pp), ("vpp_size", vpp)) if v is not None}
-        unnamed = {k: v for k, v in self.settings.layout.items() if k not in told and k != "dp_size"}
-        attempts = ((self.settings.layout, mesh, "using what the processes report"),
-                    (unnamed, mesh, "the DeviceMesh's sizes are not used"), (unnamed, {}, ""))
-        for named, reported, fallback in attempts:
+        unnamed = {k: v for k, v in named.items() if k not in told and k != "dp_size"}
+        attempts = ((named, mesh, "using what the processes report"),
+                    (unnamed, mesh, f"{source}'s sizes are not used"),
+                    (unnamed, {}, "the sizes --layout names are not used"), ({}, {}, ""))
+        for sizes, reported, fallback in attempts:
             try:
-                self.layout = resolve_layout(named, self.world, pp=pp, vpp=vpp, reported=reported,
-                                             source="the DeviceMesh")
+                self.layout = resolve_layout(sizes, self.world, pp=pp, vpp=vpp, reported=reported, source=source)
                 return
             except SettingsError as e:
-                if not fallback:
-                    raise
-                self.warn(f"{e}; {fallback}")
+                if fallback:
+                    self.warn(f"{e}; {fallback}")
+                    continue
+                self.problem(str(e))
+                self.layout = JobLayout(self.world, 1)
+
+    def problem(self, msg: str) -> None:
+        """A contradiction nothing reconciles: a warning now, and the registration carries it."""
+        if msg not in self.problems:
+            self.problems.append(msg)
+        self.warn(f"layout conflict: {msg}")
 
     def warn(self, msg: str) -> None:
         """A clear line in the trace log, once per message; never an exception in training."""
@@ -266,7 +388,8 @@ class TraceSession:
             return
         st = self.producer.stats
         report = dict(rank=self.rank, world=self.world, job_id=self.settings.job_id, attempt=self.settings.attempt,
-                      windows=sorted(self.tracer.windows), steps=self.tracer.step, layout=dataclasses.asdict(self.layout),
+                      windows=sorted(self.tracer.windows), steps=self.tracer.step,
+                      layout=dataclasses.asdict(self.layout), layout_problems=self.problems,
                       records_sent=st.records_sent, records_dropped=st.records_dropped,
                       records_spooled=self.producer.spooled, errors=self.exporter.stats.errors,
                       warnings=self.warnings)
@@ -280,7 +403,7 @@ class TraceSession:
 _SIZE_NAMES = {"dp_size": "dp", "pp_size": "pp", "tp_size": "tp", "cp_size": "cp", "vpp_size": "vpp"}
 
 
-def resolve_layout(named: dict[str, int], world: int, pp: int | None = None, vpp: int | None = None,
+def resolve_layout(named: dict, world: int, pp: int | None = None, vpp: int | None = None,
                    reported: dict[str, int] | None = None, source: str = "the framework") -> JobLayout:
     """The job's layout from what the user named and what the framework reports.
 
@@ -289,7 +412,7 @@ def resolve_layout(named: dict[str, int], world: int, pp: int | None = None, vpp
     world leaves over unless reported. A contradiction raises SettingsError; the caller turns it into a
     warning and keeps the framework's word.
     """
-    sizes = dict(named)
+    sizes = layout_sizes(named)
     told = dict(reported or {})
     if pp is not None:
         told["pp_size"] = pp
@@ -298,7 +421,8 @@ def resolve_layout(named: dict[str, int], world: int, pp: int | None = None, vpp
     for key, value in told.items():
         if key in sizes and sizes[key] != value:
             what = ("the pipeline stages report" if key == "pp_size" and pp is not None else
-                    "the schedule runs" if key == "vpp_size" and vpp is not None else f"{source} says")
+                    "the schedule runs" if key == "vpp_size" and vpp is not None else
+                    f"{source} {'say' if source.endswith('groups') else 'says'}")
             raise SettingsError(f"--layout says {_SIZE_NAMES[key]}={sizes[key]} but {what} "
                                 f"{_SIZE_NAMES[key]}={value}")
         sizes[key] = value

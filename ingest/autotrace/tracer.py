@@ -9,18 +9,29 @@ What is recorded, and where it comes from (op types of WHATIF.md):
 - **forward-/backward-compute**: from ``torch.distributed.pipelining`` stages
   (``forward_one_chunk`` / ``backward_one_chunk``: microbatch and model chunk
   from the schedule), else from the outermost module call (global forward
-  hooks: plain loops, DDP, FSDP2) and ``torch.autograd.backward``. Time a
-  compute span spends blocked waiting for other ranks (a collective or a
-  ``wait()`` inside it; for DDP, whose wait is in C++, the time after the last
-  gradient was ready) is communication, split off as a leading
-  ``params-all-gather`` (a forward: FSDP2's all-gathers) or a trailing
+  hooks: plain loops, DDP, FSDP2, hand-written schedules) and every backward
+  the autograd engine runs (``Variable._execution_engine.run_backward``, which
+  ``torch.autograd.backward``, ``Tensor.backward``, ``torch.autograd.grad`` and
+  Megatron's ``custom_backward`` all reach; a backward started inside another
+  span, as reentrant checkpointing does, belongs to that span). Time a
+  compute span spends blocked waiting for other ranks of a data-parallel
+  group (a collective or a ``wait()`` inside it; for DDP, whose wait is in C++,
+  the time after the last gradient was ready) is communication, split off as a
+  leading ``params-all-gather`` (a forward: FSDP2's all-gathers) or a trailing
   ``grads-reduce-scatter`` (a backward: DDP's and FSDP2's gradient reduction).
+  Waits on TP and CP groups stay in the compute they happen in: the what-if
+  model folds those ranks into one worker.
 - **pipeline transfers**: the stage's own P2P ops (``get_fwd_recv_ops`` ...)
   are tagged, and their isend/irecv calls become forward-/backward-send/-recv
-  spans. A receive ends when its wait returns and, posted early, starts when
-  the compute before its consumer ended; an async send ends when the rank
-  moves on (gloo says nothing of a send's completion before its wait, which
-  schedules do late): the receiver's span carries the transfer.
+  spans. Outside ``torch.distributed.pipelining`` (Megatron's batched
+  ``P2POp``s, plain ``isend``/``irecv``/``send``/``recv``), a transfer with a
+  neighbour in the rank's pipeline group is one too: to the next stage or from
+  the previous one it is the forward's, else the backward's, its microbatch
+  the count of such transfers in the step. A receive ends when its wait
+  returns and, posted early, starts when the compute before its consumer
+  ended; an async send ends when the rank moves on (gloo says nothing of a
+  send's completion before its wait, which schedules do late): the
+  receiver's span carries the transfer.
 - **data-parallel collectives** called outside compute (a hand-written
   gradient all-reduce): a reduction over a group orthogonal to the pipeline is
   ``grads-reduce-scatter``, over the whole world of a pipelined job
@@ -28,6 +39,13 @@ What is recorded, and where it comes from (op types of WHATIF.md):
 - **optimizer**, **gc** (``gc.callbacks``: one op per step, the pauses between
   the last backward and the optimizer, empty when there were none) and
   **checkpoints** (``torch.distributed.checkpoint`` save and load).
+
+- **layout**: where the rank sits, (dp, pp) and whether it sends its worker's
+  spans, is settled when step 0 closes, before its spans go out, from the
+  groups the job used (``_settle_layout``); after that each rank's claim is
+  all-gathered on the session's side group, off the training thread's way,
+  and rank 0 registers the job with what contradicts it, if anything, and
+  the FLOPs facts for MFU.
 
 Every hook is guarded: an error in here is counted, logged once and never
 raised into training. Hooks act on the thread that initialised
@@ -37,10 +55,12 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import threading
 import time
 import weakref
 
+from ingest.autotrace import layout as L
 from ingest.torch_ccl import Call
 
 log = logging.getLogger(__name__)
@@ -73,10 +93,23 @@ class Tracer:
         self.open_sends: list[Call] = []
         self.p2p_tags: dict[int, tuple[str, int, int]] = {}
         self.pp_group: set[int] | None = None
+        self.pp_ranks: list[int] | None = None      # this rank's pipeline group, in stage order
         self.stage_info: tuple[int, int, int] | None = None  # (pp_size, pp_rank, vpp)
+        self.p2p_pipe: list[int] | None = None      # the pipeline group learned from transfers (no pipelining)
+        self.p2p_counts: dict[str, int] = {}        # transfers of each direction so far in the step
         self.mesh_sizes: dict[str, int] = {}        # what a DeviceMesh over the job says (see _learn_mesh)
-        self.mesh_coords: tuple[int, int] | None = None   # this rank's (dp_rank, pp_rank) in that mesh
-        self.non_dp_groups: list[frozenset[int]] = []     # this rank's TP and CP groups of that mesh
+        self.mesh_info: dict | None = None          # that mesh: names, shape, coordinates, this rank's groups
+        self.non_dp_groups: list[frozenset[int]] = []     # this rank's TP and CP groups
+        self.made_groups: list[tuple[int, ...]] = []      # every group the job made, in order (new_group)
+        self.dp_seen: list[tuple[int, ...]] = []          # groups of reductions outside compute in step 0
+        self.inside_groups: set[tuple[int, ...]] = set()  # groups of reductions inside compute in step 0
+        self.settled = False          # the layout is settled (step 0 closed)
+        self.sources = 0              # layout.SRC_* bits: where this rank's coordinates came from
+        self.tokens0 = 0              # tokens this rank's model took in step 0
+        self.fwd_flops: float | None = None  # FLOPs of the first forward of step 0, counted (see _count_start)
+        self.fwd_flops_tokens = 0     # the tokens that forward took
+        self._counter = None          # the FLOP-counting dispatch mode while it counts
+        self._gather = None           # the claims' all-gather in flight: (work, output buffers)
         self.num_microbatches = 0
         self.roots: weakref.WeakSet = weakref.WeakSet()
         self.hooked_params: weakref.WeakSet = weakref.WeakSet()
@@ -114,6 +147,7 @@ class Tracer:
             self.open = True
             self.saw_optimizer_in_step = False
             self.fwd_in_step = self.bwd_in_step = 0
+            self.p2p_counts = {}
             self.gc_pause, self.after_backward, self.gc_done = None, False, False
             self.exp.start_step(self.step)
             if self.exp.profiling:
@@ -123,6 +157,7 @@ class Tracer:
         if not self.open:
             self.pending_close = False
             return
+        self._count_stop()  # a forward that never came back to its post-hook (it raised past it) counts no more
         self._close_sends()
         self._emit_gc()
         if not self.saw_optimizer_in_step and self.exp.profiling:
@@ -132,34 +167,137 @@ class Tracer:
             self.exp.record_op("optimizer", at, at)
         if self.num_microbatches == 0:
             self.num_microbatches = max(self.fwd_in_step, 1)
+        if not self.settled:
+            # Before the step's spans go out: they carry the coordinates settled here.
+            self.settled = True
+            try:
+                self._settle_layout()
+            except Exception as e:
+                self._failed("settling the layout", e)
         self.exp.finish_step(True)
         self.open = self.pending_close = False
         self.step += 1
         if not self.registered:
-            self.registered = True
-            self._register()
+            try:
+                if self._gather is None:
+                    self._post_claims()
+                self._poll_claims()
+            except Exception as e:
+                self.registered = True
+                self._failed("registering the job", e)
         if self._global_fwd_hooks and self.mod_depth == 0:
             self._narrow_module_hooks()
 
-    def _register(self) -> None:
-        if self.session.rank != 0:
+    # -- the claims of every rank, and the registration ------------------------------------------------------
+    def _claim(self) -> L.Claim:
+        lay = self.session.layout
+        exp = self.exp
+        speaks = bool(exp.worker_spans)
+        # Model FLOPs of the worker's step: the first forward's, counted, times 3 (forward and backward) for
+        # each of its tokens of the step; else the dense rule, 6 x parameters x tokens. One rank of a TP/CP
+        # group counts them (DTensor ops and parameters have global sizes).
+        if self.fwd_flops and self.fwd_flops_tokens:
+            flops = 3.0 * self.fwd_flops * self.tokens0 / self.fwd_flops_tokens
+        else:
+            flops = 6.0 * self.params * self.tokens0
+        flops = flops if speaks else 0.0
+        first = min(self.pp_ranks) if self.pp_ranks else -1
+        return L.Claim(rank=self.session.rank, dp=int(exp.dp_rank), pp=int(exp.pp_rank), speaks=speaks,
+                       pipeline=first, sizes=(lay.dp_size, lay.pp_size, lay.tp_size, lay.cp_size, lay.vpp_size),
+                       sources=self.sources, flops=flops, tokens=float(self.tokens0), params=float(self.params),
+                       problem="; ".join(getattr(self.session, "problems", ())))
+
+    def _post_claims(self) -> None:
+        """Post this rank's claim on the side group (every rank does, once, at the end of its step 0); the
+        all-gather completes on gloo's thread while training goes on, and ``_poll_claims`` picks it up."""
+        side = getattr(self.session, "side_group", None)
+        claim = self._claim()
+        if side is None:
+            self._gather = ("local", [claim])
+            return
+        try:
+            import torch
+
+            mine = torch.frombuffer(bytearray(claim.encode()), dtype=torch.uint8)
+            outs = [torch.empty(L.Claim.SIZE, dtype=torch.uint8) for _ in range(self.session.world)]
+            self._gather = (side.allgather([outs], [mine]), outs)
+        except Exception as e:
+            self._failed("posting this rank's layout claim", e)
+            self._gather = ("local", [claim])
+
+    def _poll_claims(self, wait_s: float = 0.0) -> None:
+        """Register once every rank's claim is in (rank 0); never waits in training (``wait_s`` 0)."""
+        if self.registered or self._gather is None:
+            return
+        work, outs = self._gather
+        claims = None
+        if work == "local":
+            claims = outs if self.session.world == 1 else None
+        else:
+            try:
+                deadline = time.monotonic() + wait_s
+                while not work.is_completed():
+                    if time.monotonic() >= deadline:
+                        return
+                    time.sleep(0.05)
+                work.wait()
+                claims = [L.Claim.decode(bytes(o.numpy())) for o in outs]
+            except Exception as e:
+                self._failed("gathering the ranks' layout claims", e)
+        self.registered = True
+        self._gather = None
+        try:
+            self._register(claims)
+        except Exception as e:
+            self._failed("registering the job", e)
+
+    def _register(self, claims: list[L.Claim] | None) -> None:
+        """Rank 0 registers the job: its layout, where it was read, what contradicts it, and the FLOPs facts.
+        ``claims``: every rank's, or None when they could not be gathered (this rank's word alone)."""
+        sess = self.session
+        if sess.rank != 0:
             return
         from core import codec
         from core import schema as S
 
-        lay = self.session.layout
-        st = self.session.settings
+        lay = sess.layout
+        st = sess.settings
+        mine = self._claim()
+        if claims is None:
+            problems, sources, everyone = list(sess.problems), mine.sources, [mine]
+        else:
+            problems = L.check_claims(claims, sess.world)
+            for p in problems:
+                sess.warn(f"layout conflict: {p}")
+            sources = 0
+            for c in claims:
+                sources |= c.sources
+            everyone = claims
+        if problems:
+            sess.warn("windows of this job are stored as layout_conflict, not analysed: state its layout with "
+                      "--layout, sizes and rank order, outermost first (e.g. --layout tp=2,order=tp,pp)")
+        tokens = sum(c.tokens for c in everyone if c.speaks and c.pp == 0)
+        flops = sum(c.flops for c in everyone)
+        params = sum(c.params for c in everyone if c.speaks and c.dp == 0)
+        gpu = _gpu_type()
+        peak = st.peak_flops or _peak_of(gpu)
+        if peak <= 0:
+            sess.warn(f"MFU not reported: the peak FLOP/s of device {gpu!r} is not known (set "
+                      "STRAGGLERSCOPE_TRACE_PEAK_FLOPS to one device's peak, e.g. 989e12)")
+        elif not flops or not tokens:
+            sess.warn("MFU not reported: no model FLOPs counted in step 0 (no forward with parameters seen)")
+        source = L.describe_sources(sources)
         row = dict(job_id=st.job_id, attempt=st.attempt, ts_ns=self.exp.now_ns(), team=st.team,
-                   model=st.model or self.model_name, n_gpus=self.session.world, dp_size=lay.dp_size,
+                   model=st.model or self.model_name, n_gpus=sess.world, dp_size=lay.dp_size,
                    pp_size=lay.pp_size, tp_size=lay.tp_size, cp_size=lay.cp_size, vpp_size=lay.vpp_size,
                    num_microbatches=self.num_microbatches, profiled_steps=st.sampling.profile_steps,
-                   gpu_type=_gpu_type(), peak_flops=0.0, flops_per_token=0.0, tokens_per_step=0,
-                   params=self.params if lay.pp_size == 1 else 0, seq_len=0, num_layers=0)
+                   gpu_type=gpu, peak_flops=float(peak), flops_per_token=flops / tokens if tokens else 0.0,
+                   tokens_per_step=int(tokens), params=int(params), seq_len=0, num_layers=0,
+                   layout_source=source, layout_problem="; ".join(problems)[:4000])
         self.exp._send(codec.from_rows(S.JOB, [row]))  # fields it does not name get their defaults
 
     # -- install --------------------------------------------------------------
     def install(self) -> None:
-        import torch
         from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim_mod
 
@@ -172,26 +310,61 @@ class Tracer:
         self._global_fwd_hooks = [h1, h2]
         self._undo += [h.remove for h in (h1, h2, h3, h4)]
 
-        orig_backward = torch.autograd.backward
-        tracer = self
-
-        def backward(*args, **kwargs):
-            token = tracer._bwd_begin()
-            try:
-                return orig_backward(*args, **kwargs)
-            finally:
-                tracer._bwd_end(token)
-        backward.__wrapped__ = orig_backward
-        backward.__doc__ = orig_backward.__doc__
-        torch.autograd.backward = backward
-        self._undo.append(lambda: setattr(torch.autograd, "backward", orig_backward))
-
+        self._patch_engine()
+        self._patch_new_group()
         gc.callbacks.append(self._gc)
         self._undo.append(lambda: gc.callbacks.remove(self._gc))
         when_imported("torch.distributed.pipelining.stage", self._patch_stage)
         when_imported("torch.distributed.pipelining.schedules", self._patch_schedules)
         when_imported("torch.distributed.checkpoint", self._patch_checkpoint)
-        when_imported("torch.distributed.device_mesh", self._patch_device_mesh)
+        self._provisional()
+
+    def _patch_engine(self) -> None:
+        """Every backward passes through ``Variable._execution_engine.run_backward``: wrapping
+        ``torch.autograd.backward`` missed Megatron's ``custom_backward``, which calls the engine itself
+        (no backward span at all, S 2.37 where 1.55 was right). The engine object is put behind a proxy
+        that forwards everything else (``queue_callback``, ...) to it."""
+        from torch.autograd.variable import Variable
+
+        engine = Variable.__dict__.get("_execution_engine")
+        if engine is None or isinstance(engine, _EngineProxy):
+            return
+        Variable._execution_engine = _EngineProxy(engine, self)
+        self._undo.append(lambda: setattr(Variable, "_execution_engine", engine))
+
+    def _patch_new_group(self) -> None:
+        """Note the members of every group the job makes. Every rank makes every group, in the same order,
+        so each rank knows groups it is not in: a transfer over the default group is placed in the smallest
+        group the job made that holds both ends."""
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        orig = c10d.new_group
+        if getattr(orig, "_stragglerscope", False):
+            return
+        tracer = self
+
+        def new_group(ranks=None, *args, **kwargs):
+            group = orig(ranks, *args, **kwargs)
+            try:
+                if ranks is not None and len(tracer.made_groups) < 100_000:
+                    tracer.made_groups.append(tuple(sorted(int(r) for r in ranks)))
+            except Exception as e:
+                tracer._failed("noting a new group", e)
+            return group
+        new_group.__wrapped__ = orig
+        new_group.__doc__ = orig.__doc__
+        new_group._stragglerscope = True
+        c10d.new_group = new_group
+        if dist.new_group is orig:
+            dist.new_group = new_group
+
+        def undo():
+            if c10d.new_group is new_group:
+                c10d.new_group = orig
+            if dist.new_group is new_group:
+                dist.new_group = orig
+        self._undo.append(undo)
 
     def _narrow_module_hooks(self) -> None:
         """Trade the global forward hooks for hooks on the outermost modules, after the first step.
@@ -222,6 +395,10 @@ class Tracer:
                 self._close_step()
             except Exception as e:
                 self._failed("closing the last step", e)
+        if self.settled and not self.registered:
+            # The process is exiting: the other ranks' claims may take a moment more (they post them at
+            # the end of their own step 0); rank 0 waits a little for them, then registers regardless.
+            self._poll_claims(wait_s=10.0 if self.session.rank == 0 else 0.0)
         for undo in reversed(self._undo):
             try:
                 undo()
@@ -246,12 +423,16 @@ class Tracer:
                 self._learn_root(module)
             self._ensure_step()
             self._close_sends()
+            if not self.settled:
+                self.tokens0 += _tokens(_inputs)
             self.active = "forward-compute"
             self.after_backward = False
             self.blocked_ns = 0
             self._span = (self.exp.begin_op("forward-compute", mb_id=self.fwd_in_step), time.perf_counter_ns())
             self.fwd_in_step += 1
             self._span_module = module
+            if not self.settled and self.fwd_flops is None and type(module).__name__ != "OptimizedModule":
+                self._count_start(_tokens(_inputs))
         except Exception as e:
             self._failed("forward pre-hook", e)
 
@@ -262,12 +443,40 @@ class Tracer:
             self.mod_depth = max(0, self.mod_depth - 1)
             if self.mod_depth != 0 or self.active != "forward-compute" or module is not self._span_module:
                 return
+            self._count_stop()
             token, t0 = self._span
             self.active = None
             self._span_module = None
             self._end_compute(token, t0, "forward-compute")
         except Exception as e:
             self._failed("forward hook", e)
+
+    def _count_start(self, tokens: int) -> None:
+        """Count the FLOPs of this forward (the first of step 0) with PyTorch's FLOP counter: its dispatch mode
+        alone, without the module tracker of ``FlopCounterMode.__enter__``, whose global module hooks cannot
+        be added from inside one (this runs in a global forward pre-hook). The ops run as they would; only
+        their shapes are read. Where it cannot count, the dense rule stands (``_claim``)."""
+        self.fwd_flops = 0.0  # tried once, counted or not
+        try:
+            from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
+
+            counter = FlopCounterMode(display=False)
+            counter.mode = _FlopCounterMode(counter)
+            counter.mode.__enter__()
+            self._counter, self.fwd_flops_tokens = counter, tokens
+        except Exception as e:
+            self._failed("counting a forward's FLOPs", e)
+
+    def _count_stop(self) -> None:
+        counter, self._counter = self._counter, None
+        if counter is None:
+            return
+        try:
+            counter.mode.__exit__(None, None, None)
+            self.fwd_flops = float(counter.get_total_flops())
+        except Exception as e:
+            self.fwd_flops = 0.0
+            self._failed("counting a forward's FLOPs", e)
 
     def _learn_root(self, module) -> None:
         self.roots.add(module)
@@ -361,22 +570,116 @@ class Tracer:
 
     # -- collectives (torch_ccl observer) ----------------------------------------
     def on_enter(self, call: Call) -> None:
-        if not self._mine() or not self.exp.profiling:
+        if not self._mine():
+            return
+        if call.is_p2p:
+            self._on_p2p(call)
+            return
+        if not self.settled and call.op in _REDUCTIONS and 1 < len(call.ranks) < self.session.world \
+                and not _is_meta(call.tensor):
+            if self.active is not None:
+                self.inside_groups.add(tuple(call.ranks))  # reduced inside compute: TP-like, not the DP group
+            elif tuple(call.ranks) not in self.dp_seen:
+                self.dp_seen.append(tuple(call.ranks))  # a candidate DP group (_settle_layout)
+        if not self.exp.profiling:
             return
         self._close_sends()
-        if call.is_p2p:
-            tag = self.p2p_tags.pop(id(call.tensor), None)
-            if tag is not None:
-                optype, mc, gmc = tag
-                call.note = ("send" if call.is_send else "recv", self.exp.begin_op(optype, -1, mc, gmc))
-                if call.is_send and call.is_async and call.note[1] is not None:
-                    self.open_sends.append(call)
-            return
-        if self.active is not None:
-            return  # nested in a span: its blocking time is what counts (on_blocked)
+        if self.active is not None or _is_meta(call.tensor):
+            return  # nested in a span: its blocking time is what counts (on_blocked); or shapes only
         optype = self._dp_optype(call)
         if optype is not None:
             call.note = ("span", self.exp.begin_op(optype))
+
+    def _on_p2p(self, call: Call) -> None:
+        tag = self.p2p_tags.pop(id(call.tensor), None) if self.p2p_tags else None
+        if tag is not None:
+            optype, mc, gmc = tag
+            mb = -1
+        else:
+            optype = self._transfer_optype(call)
+            if optype is None:
+                return
+            if not self.open and self.active is None:
+                self._ensure_step()  # a stage's first receive comes before its first forward
+            mb = self.p2p_counts.get(optype, 0)
+            self.p2p_counts[optype] = mb + 1
+            mc, gmc = None, None
+        if not self.exp.profiling:
+            return
+        self._close_sends()
+        call.note = ("send" if call.is_send else "recv", self.exp.begin_op(optype, mb, mc, gmc))
+        if call.is_send and call.is_async and call.note[1] is not None:
+            self.open_sends.append(call)
+
+    def _transfer_optype(self, call: Call) -> str | None:
+        """forward-/backward-send/-recv for a transfer between neighbour stages of this rank's pipeline,
+        outside ``torch.distributed.pipelining`` (whose stages tag their own); None for any other."""
+        if self.stage_info is not None or not call.peers:
+            return None
+        pipe = self.p2p_pipe or self._learn_transfer_pipeline(call)
+        if pipe is None:
+            return None
+        me, peer = self.session.rank, call.peers[0]
+        if peer not in pipe or me not in pipe:
+            return None
+        step = pipe.index(peer) - pipe.index(me)  # stage order, no wrap-around: stage 0 has no previous
+        if call.is_send:
+            return "forward-send" if step == 1 else "backward-send" if step == -1 else None
+        return "forward-recv" if step == -1 else "backward-recv" if step == 1 else None
+
+    def _learn_transfer_pipeline(self, call: Call) -> list[int] | None:
+        """This rank's pipeline group from its first transfer: the group the transfer names (Megatron's
+        pipeline group), else the smallest group the job made that holds both ends, else, where --layout
+        says pp > 1, the rank order's. A transfer over the default group with nothing to place it (a
+        hand-made ring all-reduce) is no pipeline transfer."""
+        me, peer, world = self.session.rank, call.peers[0], self.session.world
+        pipe = None
+        if call.via is not None and len(call.via) > 1:
+            pipe = list(call.via)  # a group named on purpose, all ranks included (a pipeline-only job)
+        else:
+            made = [g for g in self.made_groups if me in g and peer in g and 1 < len(g) < world]
+            if made:
+                pipe = list(min(made, key=len))
+            elif self.session.layout.pp_size > 1 and self.session.settings.layout.get("pp_size"):
+                pipe = self._order_group(("pp",))
+        if pipe is None or me not in pipe or peer not in pipe:
+            return None
+        self.p2p_pipe, self.pp_ranks, self.pp_group = pipe, pipe, set(pipe)
+        stage = pipe.index(me)
+        self.session.relayout(pp=len(pipe), mesh=self._mesh_sizes_now())
+        self._provisional()
+        self.exp.pp_rank, self.exp.mc, self.exp.gmc = stage, 0, stage
+        return pipe
+
+    def _provisional(self) -> None:
+        """Until step 0 settles the layout: TP and CP groups, and whether this rank sends its worker's spans,
+        from the rank order, where --layout names TP or CP and no DeviceMesh says more. A TP wait in step 0
+        split off as DP communication made window 0 a dependency cycle."""
+        sess = self.session
+        if self.settled or self.mesh_info is not None or not hasattr(sess, "order_coords"):
+            return
+        try:
+            lay = sess.layout
+            if lay.tp_size * lay.cp_size > 1:
+                self.non_dp_groups = [frozenset(self._order_group(("tp", "cp")))]
+                self.exp.worker_spans = sess.order_coords(sess.rank, quiet=True)[2]
+        except Exception as e:
+            self._failed("reading the rank order", e)
+
+    def _order_group(self, dims: tuple[str, ...]) -> list[int]:
+        """The ranks that differ from this one only along ``dims`` in the rank order (--layout's, else
+        Megatron's), in the order of their coordinates along them."""
+        sess = self.session
+        lay = sess.layout
+        sizes = {"dp": lay.dp_size, "pp": lay.pp_size, "tp": lay.tp_size, "cp": lay.cp_size}
+        order = sess.order or L.DEFAULT_ORDER
+        try:
+            coords = [L.coords_in_order(r, sizes, order) for r in range(sess.world)]
+        except L.LayoutError:
+            coords = [L.coords_in_order(r, sizes, L.DEFAULT_ORDER) for r in range(sess.world)]
+        mine = coords[sess.rank]
+        same = [r for r, c in enumerate(coords) if all(c[d] == mine[d] for d in L.DIMS if d not in dims)]
+        return sorted(same, key=lambda r: tuple(coords[r][d] for d in dims))
 
     def on_exit(self, call: Call) -> None:
         note, call.note = call.note, None
@@ -399,8 +702,12 @@ class Tracer:
                 self.on_exit(call)
 
     def on_blocked(self, call: Call, ns: int) -> None:
-        """Time the training thread waited in a collective inside a compute span: communication."""
-        if self.active in ("forward-compute", "backward-compute") and self._mine():
+        """Time the training thread waited in a data-parallel collective inside a compute span: DP
+        communication. A wait on a TP or CP group stays in the compute (the what-if folds those ranks into
+        the worker): split off as DP communication, whose ideal transfer is nil, a TP peer's slowness
+        vanished from the model (S +14.5% on a DTensor job with a worker's second rank slowed)."""
+        if self.active in ("forward-compute", "backward-compute") and self._mine() and not call.is_p2p \
+                and self._is_dp_group(call.ranks):
             self.blocked_ns += ns
 
     def _is_dp_group(self, ranks: list[int]) -> bool:
@@ -468,10 +775,21 @@ class Tracer:
 
             def wrapper(stage, chunk_id, *args, **kwargs):
                 span = tracer._stage_begin(stage, optype, chunk_id)
+                counting = span is not None and optype == "forward-compute" and not tracer.settled \
+                    and tracer.fwd_flops is None
+                if counting:
+                    tracer._count_start(0)
                 try:
-                    return orig(stage, chunk_id, *args, **kwargs)
+                    out = orig(stage, chunk_id, *args, **kwargs)
                 finally:
+                    if counting:
+                        tracer._count_stop()
                     tracer._stage_end(span)
+                if span is not None and not tracer.settled and optype == "forward-compute":
+                    tracer.tokens0 += _tokens(out)  # the stage's output: as many rows as it took in
+                    if counting:
+                        tracer.fwd_flops_tokens = _tokens(out)
+                return out
             return orig, wrapper
 
         def tagging(name: str, optype: str):
@@ -570,7 +888,8 @@ class Tracer:
             self.pending_since = time.perf_counter_ns()
 
     def _learn_pipeline(self, schedule) -> None:
-        """Pipeline size, this rank's stage and chunks from the schedule: they beat --layout."""
+        """Pipeline size, this rank's stage and chunks, and its pipeline group from the schedule: they beat
+        --layout. The DP coordinate waits for the gradient reduction (``_settle_layout``)."""
         import torch.distributed as dist
 
         stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
@@ -582,80 +901,213 @@ class Tracer:
         self.stage_info = (pp, pp_rank, vpp)
         ranks = list(dist.get_process_group_ranks(first.group)) if first.group is not None else \
             list(range(self.session.world))
-        self.pp_group = set(ranks)
-        sess = self.session
-        sess.relayout(pp=pp, vpp=vpp, mesh=self.mesh_sizes)
-        lay = sess.layout
-        dp_rank = (min(ranks) // (lay.tp_size * lay.cp_size)) % lay.dp_size
-        if self.mesh_coords is not None and self.mesh_coords[1] == pp_rank:
-            dp_rank = self.mesh_coords[0]
-        if (self.exp.dp_rank, self.exp.pp_rank) != (dp_rank, pp_rank) and sess.settings.layout:
-            sess.warn(f"rank order of --layout puts this rank at dp {self.exp.dp_rank}, pp {self.exp.pp_rank}; "
-                      f"the pipeline says dp {dp_rank}, pp {pp_rank} (used)")
-        self.exp.dp_rank, self.exp.pp_rank = dp_rank, pp_rank
+        self.pp_group, self.pp_ranks = set(ranks), ranks
+        self.params = max(self.params, sum(p.numel() for st in stages for p in st.submod.parameters()))
+        if not self.model_name:
+            self.model_name = type(first.submod).__name__
+        self.session.relayout(pp=pp, vpp=vpp, mesh=self._mesh_sizes_now())
+        self._provisional()
+        self.exp.pp_rank = pp_rank
         self.exp.mc, self.exp.gmc = 0, int(first.stage_index)
         if self.mod_depth == 0:
             self._narrow_module_hooks()
 
     # -- DeviceMesh: the job's dimensions where the script names them --------------
-    def _patch_device_mesh(self, dm) -> None:
-        """Read every DeviceMesh over the whole job as it is made (``init_device_mesh`` makes one)."""
-        cls = getattr(dm, "DeviceMesh", None)
-        orig = getattr(cls, "__init__", None)
-        if orig is None or getattr(orig, "_stragglerscope", False):
-            return
-        tracer = self
-
-        def __init__(mesh, *args, **kwargs):
-            orig(mesh, *args, **kwargs)
-            if kwargs.get("_root_mesh") is None:  # a slice or a flattening of a mesh says nothing new
-                try:
-                    tracer._learn_mesh(mesh)
-                except Exception as e:
-                    tracer._failed("reading a DeviceMesh", e)
-        __init__.__wrapped__ = orig
-        __init__.__doc__ = orig.__doc__
-        __init__._stragglerscope = True
-        cls.__init__ = __init__
-        self._undo.append(lambda: setattr(cls, "__init__", orig))
+    def on_mesh(self, mesh) -> None:
+        """A DeviceMesh was made (``session`` wraps ``DeviceMesh.__init__`` when it arms: a mesh made by
+        ``init_device_mesh`` before torch.distributed was initialised starts this session from inside its own
+        constructor, after which a wrapper installed now would miss it)."""
+        try:
+            self._learn_mesh(mesh)
+        except Exception as e:
+            self._failed("reading a DeviceMesh", e)
 
     def _learn_mesh(self, mesh) -> None:
-        """DP, PP, TP and CP sizes and this rank's place from a named mesh over every rank: they beat
-        --layout (a contradiction is a warning), and a pipeline's own stages beat the mesh's pp."""
-        from ingest.autotrace.session import mesh_axis, mesh_layout
+        """A mesh over every rank, as it is made: its dimensions by name for now (torchtitan's names; an
+        unknown one counts as DP), this rank's place in it, and its groups along each dimension, which
+        ``_settle_layout`` matches with the groups the job uses (a dimension of any name that the pipeline
+        runs over is the pipeline). Its sizes beat --layout (a contradiction is a warning), and a
+        pipeline's own stages beat the mesh's pp."""
 
         names = getattr(mesh, "mesh_dim_names", None)
         sess = self.session
-        if not names or int(mesh.size()) != sess.world:
+        if int(mesh.size()) != sess.world:
             return
         shape = tuple(int(n) for n in mesh.shape)
+        named = bool(names)
+        names = tuple(str(n) for n in names) if names else tuple(f"dim{i}" for i in range(len(shape)))
         coords = mesh.get_coordinate()
-        sizes, dp_rank, pp_rank, unknown = mesh_layout(tuple(names), shape, tuple(coords) if coords else None)
-        if unknown:
-            sess.warn(f"DeviceMesh dimension(s) {', '.join(unknown)} read as data parallel")
+        if coords is None:
+            return
+        grid = mesh.mesh
+        groups = []
+        for i in range(len(shape)):
+            at = list(coords)
+            at[i] = slice(None)
+            groups.append(tuple(int(r) for r in grid[tuple(at)].reshape(-1).tolist()))
+        self.mesh_info = dict(names=names, shape=shape, coords=tuple(int(c) for c in coords), groups=groups,
+                              grid=[int(r) for r in grid.reshape(-1).tolist()], named=named)
+        roles = self._mesh_roles()
+        sizes, inner, dp_rank, pp_rank = _mesh_facts(self.mesh_info, roles)
+        self.mesh_sizes = sizes
         if self.stage_info is not None:
             sess.relayout(pp=self.stage_info[0], vpp=self.stage_info[2], mesh=sizes)
         else:
             sess.relayout(mesh=sizes)
-        self.mesh_sizes = sizes
-        if coords is None:
-            return
-        grid = mesh.mesh
-        self.non_dp_groups = []
-        first_of_worker = True
-        for i, name in enumerate(names):
-            if mesh_axis(name) in ("tp_size", "cp_size"):
-                at = list(coords)
-                at[i] = slice(None)
-                self.non_dp_groups.append(frozenset(int(r) for r in grid[tuple(at)].reshape(-1).tolist()))
-                first_of_worker = first_of_worker and int(coords[i]) == 0
-        self.exp.worker_spans = first_of_worker
-        self.mesh_coords = (dp_rank, pp_rank)
-        if self.stage_info is None:
-            if (self.exp.dp_rank, self.exp.pp_rank) != (dp_rank, pp_rank) and sess.settings.layout:
-                sess.warn(f"rank order of --layout puts this rank at dp {self.exp.dp_rank}, pp {self.exp.pp_rank}; "
-                          f"the DeviceMesh says dp {dp_rank}, pp {pp_rank} (used)")
-            self.exp.dp_rank, self.exp.pp_rank = dp_rank, pp_rank
+        self.non_dp_groups = [frozenset(g) for g in inner]
+        self.exp.worker_spans = all(g.index(sess.rank) == 0 for g in inner)
+        self.exp.dp_rank = dp_rank
+        if self.stage_info is None and self.p2p_pipe is None:
+            self.exp.pp_rank = self.exp.gmc = pp_rank
+
+    def _mesh_sizes_now(self) -> dict[str, int]:
+        """The mesh's sizes with what is known now of its dimensions (the pipeline's group, once known,
+        names the mesh's pipeline dimension whatever it is called)."""
+        if self.mesh_info is None:
+            return {}
+        self.mesh_sizes = _mesh_facts(self.mesh_info, self._mesh_roles())[0]
+        return self.mesh_sizes
+
+    def _mesh_roles(self) -> list[str]:
+        """What each dimension of the mesh is: 'pp', 'dp', 'tp' or 'cp'. A dimension the pipeline runs over
+        is the pipeline, whatever its name; one a gradient reduction ran over is data parallel; else its
+        name says (torchtitan's and common names), and an unknown name counts as DP, with a warning once it
+        is settled."""
+        from ingest.autotrace.session import mesh_axis
+
+        info = self.mesh_info
+        roles = []
+        for name, group in zip(info["names"], info["groups"]):
+            if self.pp_group is not None and len(group) > 1 and set(group) == self.pp_group:
+                roles.append("pp")
+            elif str(name).lower() in _KNOWN_MESH_NAMES():
+                roles.append(mesh_axis(name)[:2])
+            elif tuple(sorted(group)) in {tuple(sorted(g)) for g in self.dp_seen}:
+                roles.append("dp")
+            else:
+                roles.append("dp")
+        return roles
+
+    # -- the layout, settled at the end of step 0 ------------------------------------------------------------
+    def _settle_layout(self) -> None:
+        """This rank's worker (dp, pp), whether it sends the worker's spans, and the job's sizes, from what
+        the job did in step 0. For each coordinate the first source that has it:
+
+        - pp: the group of a ``torch.distributed.pipelining`` stage (its stage), the group its pipeline
+          transfers ran over (its place in it), Megatron's ``parallel_state``, a DeviceMesh dimension;
+        - dp: Megatron's ``parallel_state``, a DeviceMesh's DP dimensions, the group its gradients were
+          reduced over (orthogonal to the pipeline; its place in it): numbering each stage's replicas by
+          rank, which is the same order at every stage of a regular layout (the claims check it);
+        - TP and CP groups (folded into the worker; the first rank of each sends the spans): Megatron's
+          ``parallel_state``, a DeviceMesh's TP and CP dimensions;
+        - else the rank order of ``--layout order=...``, and last Megatron's, with a warning.
+
+        Sizes follow (``session.relayout``: what the processes report beats --layout). The spans of step 0
+        are still buffered when this runs: they go out with these coordinates.
+        """
+        sess, exp = self.session, self.exp
+        if not hasattr(sess, "relayout"):
+            return  # a stand-in session (unit tests): the coordinates it was given stand
+        me, world = sess.rank, sess.world
+        src = 0
+        pipe, pp_rank, vpp = None, None, None
+        inner: list[tuple[int, ...]] = []  # this rank's TP and CP groups
+        dp_group, dp_rank = None, None
+        reported: dict[str, int] = {}
+        if self.stage_info is not None:
+            pipe, pp_rank, vpp, src = self.pp_ranks, self.stage_info[1], self.stage_info[2], L.SRC_STAGE
+        elif self.p2p_pipe is not None:
+            pipe, pp_rank, src = self.p2p_pipe, self.p2p_pipe.index(me), L.SRC_P2P
+        mg = _megatron_state()
+        if mg is not None:
+            src |= L.SRC_MEGATRON
+            if pipe is None and len(mg["pp_ranks"]) > 1:
+                pipe, pp_rank, vpp = mg["pp_ranks"], mg["pp_rank"], mg["vpp"]
+            inner = [g for g in (mg["tp_ranks"], mg["cp_ranks"]) if len(g) > 1]
+            reported.update(tp_size=len(mg["tp_ranks"]), cp_size=len(mg["cp_ranks"]))
+            dp_group, dp_rank = mg["dp_ranks"], mg["dp_rank"]
+        elif self.mesh_info is not None:
+            src |= L.SRC_MESH
+            roles = self._mesh_roles()
+            sizes, inner, mesh_dp, mesh_pp = _mesh_facts(self.mesh_info, roles)
+            reported.update({k: v for k, v in sizes.items() if k != "pp_size"})
+            if pipe is None and "pp" in roles:
+                pipe = list(self.mesh_info["groups"][roles.index("pp")])
+                pp_rank = mesh_pp
+            if "dp" in roles:
+                dp_group, dp_rank = _mesh_dp_group(self.mesh_info, roles), mesh_dp
+            unknown = [n for n, r in zip(self.mesh_info["names"], roles) if r == "dp"
+                       and str(n).lower() not in _KNOWN_MESH_NAMES()]
+            if unknown and self.mesh_info.get("named", True):  # an unnamed mesh (FSDP's 1-D one) is DP
+                sess.warn(f"DeviceMesh dimension(s) {', '.join(unknown)} read as data parallel")
+        if dp_group is None and pipe is not None:
+            dp_group = self._dp_group_of_step0(pipe, inner)
+            if dp_group is not None:
+                dp_rank, src = dp_group.index(me), src | L.SRC_DP_GROUP
+        if dp_group is not None:
+            reported["dp_size"] = len(dp_group)
+            if pipe is not None and not L.orthogonal(pipe, dp_group, me):
+                sess.problem(f"rank {me}'s data-parallel group {_folded(dp_group)} holds more than one stage of "
+                             f"its pipeline {_folded(pipe)}")
+        named = set(sess.settings.layout)
+        if pipe is not None and dp_group is not None and not inner and not named & {"tp_size", "cp_size"}:
+            # What the world leaves beside the pipeline and its replicas is folded into the worker: TP or CP
+            # that no group names (taken as TP; its first rank is guessed from the rank order below).
+            rest, left = divmod(world, len(pipe) * len(dp_group))
+            if left == 0 and rest > 1:
+                reported["tp_size"] = rest
+        said_by = ("Megatron's parallel_state" if src & L.SRC_MEGATRON else "the DeviceMesh" if src & L.SRC_MESH
+                   else "the job's process groups")
+        sess.relayout(pp=len(pipe) if pipe is not None else None, vpp=vpp, mesh=reported, source=said_by)
+        lay = sess.layout
+        odp, opp, ospeaks = sess.order_coords(me)
+        guessed = []
+        if pipe is None:
+            pp_rank = opp
+            if lay.pp_size > 1:
+                guessed.append("pipeline stage")
+        if dp_group is None:
+            dp_rank = odp
+            if lay.pp_size > 1 and lay.dp_size > 1:
+                guessed.append("data-parallel replica")
+        if inner:
+            speaks = all(g.index(me) == 0 for g in inner)
+        else:
+            speaks = ospeaks
+            if lay.tp_size * lay.cp_size > 1:
+                guessed.append("place in its TP/CP group")
+                inner = [tuple(self._order_group(("tp", "cp")))]
+        if guessed and sess.order:
+            src |= L.SRC_ORDER
+        elif guessed:
+            src |= L.SRC_GUESS
+            sess.warn(f"no process group says this rank's {' or '.join(guessed)}: taken from Megatron's rank "
+                      "order (tensor parallel fastest, then cp, dp, pp); state the order with --layout order=...")
+        if sess.order and (odp, opp) != (dp_rank, pp_rank):
+            src |= L.SRC_OVERRULED
+            sess.warn(f"--layout order={','.join(sess.order)} puts rank {me} at dp {odp}, pp {opp}; the groups it "
+                      f"uses say dp {dp_rank}, pp {pp_rank} (used)")
+        if not (0 <= dp_rank < lay.dp_size and 0 <= pp_rank < lay.pp_size):
+            sess.problem(f"rank {me} sits at dp {dp_rank}, pp {pp_rank}, outside dp={lay.dp_size} pp={lay.pp_size}")
+        self.non_dp_groups = [frozenset(g) for g in inner if len(g) > 1]
+        if pipe is not None:
+            self.pp_ranks, self.pp_group = list(pipe), set(pipe)
+        self.sources = src
+        exp.dp_rank, exp.pp_rank, exp.worker_spans = int(dp_rank), int(pp_rank), bool(speaks)
+        if self.stage_info is None and exp.gmc != pp_rank:
+            exp.mc, exp.gmc = 0, int(pp_rank)
+            _relabel_buffered(exp, 0, int(pp_rank))
+
+    def _dp_group_of_step0(self, pipe, inner) -> list[int] | None:
+        """The largest group a reduction ran over outside compute in step 0 that crosses the pipeline
+        (shares only this rank with it) and no TP/CP group: the replicas of this rank's stage. A group also
+        reduced over inside a forward or backward is not: a gradient reduction follows the backward, while
+        tensor parallelism reduces activations inside it (a TP group taken for DP gave consistent but wrong
+        coordinates)."""
+        me = self.session.rank
+        fits = [g for g in self.dp_seen if me in g and L.orthogonal(pipe, g, me) and g not in self.inside_groups
+                and all(L.orthogonal(t, g, me) for t in inner)]
+        return list(max(fits, key=len)) if fits else None
 
     # -- checkpoints -----------------------------------------------------------
     def _patch_checkpoint(self, dcp) -> None:
@@ -667,7 +1119,8 @@ class Tracer:
 
             def wrapper(*args, __orig=orig, __kind=kind, **kwargs):
                 t0 = tracer.exp.now_ns()
-                out = __orig(*args, **kwargs)
+                with tracer.exp.in_flight(f"checkpoint-{__kind}"):  # the hang detector waits longer for it
+                    out = __orig(*args, **kwargs)
                 try:
                     step = max(0, tracer.step - 1) if __kind == "save" else tracer.step
                     tracer.exp.checkpoint(step, __kind, start_ns=t0, duration_ns=tracer.exp.now_ns() - t0)
@@ -679,6 +1132,153 @@ class Tracer:
             wrapper._stragglerscope = True
             setattr(dcp, name, wrapper)
             self._undo.append(lambda name=name, orig=orig: setattr(dcp, name, orig))
+
+
+class _EngineProxy:
+    """Stands in for ``Variable._execution_engine``: its ``run_backward`` is a backward span (unless one is
+    open already: a reentrant checkpoint's recomputation, a backward inside a forward), everything else is
+    the engine's own."""
+
+    def __init__(self, engine, tracer: Tracer):
+        self._ss_engine = engine
+        self._ss_tracer = tracer
+
+    def run_backward(self, *args, **kwargs):
+        tracer = self._ss_tracer
+        # A backward over meta tensors computes nothing (torch.distributed.pipelining infers its shapes so).
+        tensors = args[0] if args else kwargs.get("tensors")
+        span = None if _is_meta(tensors) else tracer._bwd_begin()
+        try:
+            return self._ss_engine.run_backward(*args, **kwargs)
+        finally:
+            tracer._bwd_end(span)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_ss_engine"], name)
+
+
+def _KNOWN_MESH_NAMES():
+    from ingest.autotrace.session import _MESH_NAMES
+
+    return _MESH_NAMES
+
+
+def _mesh_facts(info: dict, roles: list[str]) -> tuple[dict[str, int], list[tuple[int, ...]], int, int]:
+    """(sizes, this rank's TP/CP groups, its dp coordinate, its pp coordinate) of a mesh whose dimensions
+    have these roles. DP dimensions multiply (HSDP), the outermost first in the coordinate."""
+    sizes: dict[str, int] = {}
+    inner = []
+    dp_rank = pp_rank = 0
+    for i, (role, n) in enumerate(zip(roles, info["shape"])):
+        sizes[role + "_size"] = sizes.get(role + "_size", 1) * n
+        if role == "dp":
+            dp_rank = dp_rank * n + info["coords"][i]
+        elif role == "pp":
+            pp_rank = info["coords"][i]
+        elif n > 1:
+            inner.append(info["groups"][i])
+    return sizes, inner, dp_rank, pp_rank
+
+
+def _mesh_dp_group(info: dict, roles: list[str]) -> list[int]:
+    """The ranks that share this rank's place on every dimension but the DP ones, in DP-coordinate order."""
+    import itertools
+
+    shape, coords, grid = info["shape"], list(info["coords"]), info["grid"]
+    dims = [i for i, r in enumerate(roles) if r == "dp"]
+    out = []
+    for combo in itertools.product(*(range(shape[i]) for i in dims)):
+        at = list(coords)
+        for i, c in zip(dims, combo):
+            at[i] = c
+        flat = 0
+        for i, n in enumerate(shape):
+            flat = flat * n + at[i]
+        out.append(grid[flat])
+    return out
+
+
+def _megatron_state() -> dict | None:
+    """Megatron-LM's own word on the layout, where ``megatron.core.parallel_state`` is loaded and set up."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None:
+        return None
+    try:
+        if not ps.model_parallel_is_initialized():
+            return None
+        import torch.distributed as dist
+
+        def ranks(group) -> list[int]:
+            return list(dist.get_process_group_ranks(group)) if group is not None else [dist.get_rank()]
+
+        cp = getattr(ps, "get_context_parallel_group", None)
+        return dict(pp_ranks=ranks(ps.get_pipeline_model_parallel_group()),
+                    pp_rank=int(ps.get_pipeline_model_parallel_rank()),
+                    vpp=int(ps.get_virtual_pipeline_model_parallel_world_size() or 1),
+                    dp_ranks=ranks(ps.get_data_parallel_group()), dp_rank=int(ps.get_data_parallel_rank()),
+                    tp_ranks=ranks(ps.get_tensor_model_parallel_group()),
+                    cp_ranks=ranks(cp()) if cp is not None else [dist.get_rank()])
+    except Exception as e:
+        log.warning("stragglerscope: reading megatron.core.parallel_state failed: %r", e)
+        return None
+
+
+def _relabel_buffered(exp, mc: int, gmc: int) -> None:
+    """Give the step's buffered spans this rank's model chunk, learned after some of them began (a first
+    stage's first forward comes before its first transfer says which stage it is). CPU-timed spans only:
+    CUDA-timed ones are in the resolver's queue already, and keep what they began with."""
+    with exp._lock:
+        exp._ops = [op[:4] + (mc, gmc) + op[6:] for op in exp._ops]
+
+
+def _folded(ranks) -> str:
+    from core.layout import fold_ranks
+
+    return f"[{fold_ranks(ranks)}]"
+
+
+def _tokens(x) -> int:
+    """Tokens in a model's input or output: the ids of an integer tensor, else the rows of its last dimension
+    (a batch x sequence x hidden activation is batch x sequence tokens). The first tensor found counts."""
+    t = _first_tensor(x)
+    if t is None:
+        return 0
+    try:
+        n = int(t.numel())
+        if t.is_floating_point() or t.is_complex():
+            return n // max(1, int(t.shape[-1])) if t.dim() >= 2 else n
+        return n
+    except Exception:
+        return 0
+
+
+def _is_meta(x) -> bool:
+    t = _first_tensor(x)
+    return t is not None and bool(getattr(t, "is_meta", False))
+
+
+def _first_tensor(x, depth: int = 0):
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x
+    if depth < 3 and isinstance(x, (list, tuple)):
+        for item in x:
+            t = _first_tensor(item, depth + 1)
+            if t is not None:
+                return t
+    if depth < 3 and isinstance(x, dict):
+        for item in x.values():
+            t = _first_tensor(item, depth + 1)
+            if t is not None:
+                return t
+    return None
+
+
+def _peak_of(gpu: str) -> float:
+    from core.gpus import peak_flops_of
+
+    return peak_flops_of(gpu)
 
 
 def _uncompiled(module):

@@ -1,6 +1,9 @@
 """Hang detection on generated incidents and on hand-made edge cases."""
 import pytest
 
+from core import codec
+from core import schema as S
+
 from analyzers.hang import HangParams, HangTracker, _Rank, to_tables
 from analyzers.stacks import merge_stacks
 from generators.faultgen import hang_incident
@@ -289,3 +292,25 @@ def test_a_peer_clock_ahead_within_the_tolerance_does_not_make_a_reporting_rank_
     rank 0 is not 'silent' for the minutes by which rank 1's stamps run ahead of the evaluation clock."""
     rows = _through_the_boundary(ahead_s * 10**9, lambda i: 0.05, silent_from=1000, beats=30)
     assert rows == []
+
+
+def test_a_rank_inside_a_checkpoint_save_is_given_checkpoint_s_not_the_floor():
+    """Issue 41: the floor is 45 s so a hang is named within a minute; a save says it is one and gets longer."""
+    def beat(rank, ts, inflight="", since=-1):
+        return dict(job_id="j", attempt=0, rank=rank, host=f"h{rank}", pid=1, ts_ns=ts, step=5,
+                    last_op="optimizer", last_op_end_ns=0, inflight_op=inflight, inflight_group="", inflight_seq=-1,
+                    inflight_since_ns=since, clock_offset_ns=0, stack="", step_done=4, step_done_ns=0)
+
+    s = 10**9
+    params = HangParams()
+    assert params.floor_s == 45.0
+    for inflight, hung_at in (("", 45), ("checkpoint-save", 900)):  # no op has ended since 0
+        t = HangTracker("j", params=params)
+        t.add_heartbeats(codec.from_rows(S.HEARTBEAT, [beat(r, 1 * s, inflight if r == 0 else "", 0)
+                                                        for r in range(4)]))
+        for now in range(2, 1000):
+            t.add_heartbeats(codec.from_rows(S.HEARTBEAT, [beat(r, now * s, inflight if r == 0 else "", 0)
+                                                            for r in range(4)]))
+            if t.evaluate(now * s, input_alive=True) is not None:
+                break
+        assert now == hung_at, (inflight, now)

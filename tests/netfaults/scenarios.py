@@ -11,17 +11,26 @@ a compute delay on one rank instead (``--slow-rank``). The fault is on from
 the start; the time to verdict runs from the launcher's ``fault-start`` line
 to the moment the checked window was stored.
 
-Two jobs:
+Four jobs. Besides enter and exit times, every rank's exporter reports the
+kernel's counters of its TCP connections (``ingest/tcp_flows.py``): which
+transfer was the bottleneck, and where its data queued
+(``analyzers/links/tcp.py``).
 - ``pipe``: torch.distributed.pipelining (1F1B), dp=2 x pp=2. The zoo puts
   rank = stage * dp + dp_rank: stage 0 is ranks 0, 1 and stage 1 ranks 2, 3;
   pipeline pairs 0<->2 and 1<->3; gradient all-reduce groups {0, 1}, {2, 3}.
-  P2P gives direction, so a slow NIC (egress), a slow receiver (ingress) and
-  one slow link are told apart.
 - ``hier``: data parallel only, 8 ranks, a two-level all-reduce (nodes of 4,
-  then across nodes). Collectives go both ways, so a slow NIC and a slow
-  receiver are both the rank's ``endpoint``, and one slow link inside a group
-  of four is slow communication of its group, not a named link (which links
-  gloo used is not known from Python).
+  then across nodes): gloo's ring inside a node sends from each rank to the
+  one before it; the cross-node pairs {i, i+4} exchange both ways. Rank 5
+  sends to 4 and 1, rank 6 receives from 7 and 2: its NIC, its receiver and
+  one link are told apart.
+- ``flat``: data parallel over one all-reduce of 8 ranks (the zoo's
+  ``plain``), the most common job there is: gloo's ring sends from each rank
+  to the one before it only. A slow receiver is told from the sender's side
+  by where the data queued; the sender's NIC and its one link look alike
+  (its NIC is named, at half the confidence, the link as the alternative), so
+  a link fault there counts as wrong.
+- ``ring``: a hand-written bidirectional ring (``ring_job.py``): every rank
+  sends to both neighbours.
 """
 from __future__ import annotations
 
@@ -37,9 +46,13 @@ ROOT = Path(__file__).resolve().parents[2]
 ZOO = ROOT / "tests" / "training" / "zoo.py"
 STEPS, SAMPLE, WINDOW = 12, "5/6", 6  # windows 0 (warm-up, connections made) and 6 (steps 6-10): 6 is checked
 
+RING = ROOT / "tests" / "netfaults" / "ring_job.py"
+# job -> (ranks, script, its arguments)
 JOBS = {
-    "pipe": (4, ["--framework", "pipelining", "--dp", "2", "--hidden", "256", "--rows", "32", "--gpu-ms", "10"]),
-    "hier": (8, ["--framework", "hier", "--node-size", "4", "--hidden", "256", "--rows", "16", "--gpu-ms", "10"]),
+    "pipe": (4, ZOO, ["--framework", "pipelining", "--dp", "2", "--hidden", "256", "--rows", "32", "--gpu-ms", "10"]),
+    "hier": (8, ZOO, ["--framework", "hier", "--node-size", "4", "--hidden", "256", "--rows", "16", "--gpu-ms", "10"]),
+    "flat": (8, ZOO, ["--framework", "plain", "--hidden", "256", "--rows", "16", "--gpu-ms", "10"]),
+    "ring": (8, RING, ["--hidden", "256", "--gpu-ms", "10"]),
 }
 # (rate of a network fault, compute delay of the late sender in ms). Healthy links of the fabric carry
 # 25-50 MB/s on these 2 shared cores (every packet goes through the veth at full size), so 40mbit is a
@@ -78,14 +91,17 @@ def scenarios(job: str, severity: str) -> list[Scenario]:
             Scenario(job, "noncomm_slow", severity, "none", 0, delay, ("noncomm_slow", 0, -1)),
             Scenario(job, "none", "", "none", -1, 0, ("none",)),
         ]
+    # gloo's rings send from each rank to the one before it: 5>4 carries the all-reduce, 4>5 nothing
+    # (measured, step time of rank 4 at 20mbit: 5>4 380 ms; 4>5, 4>6, 6>4 and no fault 130-141 ms). A fault on
+    # a link the job does not use is not a fault of the job. The hand-written ring sends both ways.
+    link = (5, 4) if job in ("hier", "flat") else (3, 4)
+    nic = 5 if job in ("hier", "flat") else 3
+    rcv = 6 if job in ("hier", "flat") else 3
     return [
-        # gloo's ring on four ranks sends from each rank to the previous one: 5>4 carries the all-reduce,
-        # 4>5 and 4<>6 carry nothing (measured, step time of rank 4 at 20mbit: 5>4 380 ms; 4>5, 4>6,
-        # 6>4 and no fault 130-141 ms). A fault on a link the job does not use is not a fault of the job.
-        Scenario(job, "link", severity, f"link:5:4:{rate}", -1, 0, ("comm_slow", -1, -1)),
-        Scenario(job, "source", severity, f"egress:5:{rate}", -1, 0, ("endpoint", 5, 5)),
-        Scenario(job, "destination", severity, f"ingress:6:{rate}", -1, 0, ("endpoint", 6, 6)),
-        Scenario(job, "noncomm_slow", severity, "none", 5, delay, ("noncomm_slow", 5, -1)),
+        Scenario(job, "link", severity, f"link:{link[0]}:{link[1]}:{rate}", -1, 0, ("link", *link)),
+        Scenario(job, "source", severity, f"egress:{nic}:{rate}", -1, 0, ("source", nic, -1)),
+        Scenario(job, "destination", severity, f"ingress:{rcv}:{rate}", -1, 0, ("destination", -1, rcv)),
+        Scenario(job, "noncomm_slow", severity, "none", nic, delay, ("noncomm_slow", nic, -1)),
         Scenario(job, "none", "", "none", -1, 0, ("none",)),
     ]
 
@@ -103,9 +119,9 @@ class Outcome:
 
 def run(scn: Scenario, config: Path, store, *, timeout: float = 240) -> Outcome:
     """One traced run in namespaces; waits for the checked window to be stored and reads its findings."""
-    ranks, args = JOBS[scn.job]
+    ranks, script, args = JOBS[scn.job]
     job_id = f"net-{scn.name}-{uuid.uuid4().hex[:6]}"
-    zoo = [str(ZOO), *args, "--steps", str(STEPS)]
+    zoo = [str(script), *args, "--steps", str(STEPS)]
     if scn.slow_rank >= 0:
         zoo += ["--slow-rank", str(scn.slow_rank), "--delay-ms", str(scn.delay_ms)]
     cmd = [sys.executable, "-m", "stragglerscope", "trace", "--config", str(config), "--job-id", job_id,

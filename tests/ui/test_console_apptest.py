@@ -1,11 +1,15 @@
 """Every console page's logic with Streamlit's AppTest over a demo store (no browser)."""
+import re
 from pathlib import Path
 
 import pytest
 
+from tests.ui.conftest import RAW_TIME
+
 pytestmark = pytest.mark.integration  # real chDB store
 
 APP = str(Path(__file__).resolve().parents[2] / "ui" / "app.py")
+PAGES = [None, "pages/alerts.py", "pages/job.py", "pages/sql.py"]
 
 
 @pytest.fixture
@@ -19,8 +23,25 @@ def app(demo_store_url, monkeypatch):
 
 def _text(at) -> str:
     parts = [m.value for m in at.markdown] + [str(m.value) for m in at.metric] + [t.value for t in at.title]
-    parts += [s.value for s in at.subheader] + [c.value for c in at.caption]
+    parts += [s.value for s in at.subheader] + [c.value for c in at.caption] + [i.value for i in at.info]
     return "\n".join(str(p) for p in parts)
+
+
+def _alert_ids(url: str, **params) -> list[str]:
+    """The alerts' ids, newest first, as the alerts page lists them (ids are not shown to readers)."""
+    from storage import open_store
+
+    return open_store(url).run_named("alert_history", params).column("alert_id").to_pylist()
+
+
+def _raw_times(at) -> list[str]:
+    """19-digit numbers (ns since the epoch) anywhere a reader sees them: text, metrics, tables."""
+    found = re.findall(RAW_TIME, _text(at))
+    for df in (d.value for d in at.dataframe):
+        for col in df.columns:
+            if df[col].dtype.kind in "iu" and len(df) and (df[col].abs() >= 10**18).any():
+                found.append(f"{col}: {df[col].iloc[0]}")
+    return found
 
 
 def test_fleet_page(app):
@@ -38,12 +59,34 @@ def test_fleet_page(app):
     assert any(c.value.startswith("12 jobs · median MFU ≈ 0.") for c in at.caption), [c.value for c in at.caption]
 
 
-def test_alerts_page(app):
+def test_no_page_shows_raw_nanoseconds(app):
+    at = app.run()
+    for page in PAGES[1:]:
+        at.switch_page(page).run()
+        assert not at.exception, (page, at.exception)
+        assert _raw_times(at) == [], page
+    at.switch_page("pages/job.py").run()
+    at.selectbox(key="job").set_value("ui-002").run()  # a job with a hang: its detection time is an id too
+    assert not at.exception and _raw_times(at) == []
+
+
+def test_alerts_page_reads_at_a_glance(app):
     at = app.run()
     at.switch_page("pages/alerts.py").run()
     assert not at.exception, at.exception
-    df = at.dataframe[0].value
-    assert {"slowdown", "hang", "link"} <= set(df["rule"])
+    text = _text(at)
+    # When (an age and a clock time), severity, job, what happened (whole), rule.
+    assert re.search(r"\*\*(just now|\d+ s ago)\*\*", text), text[:2000]
+    assert re.search(r"\d\d:\d\d:\d\d UTC", text)
+    assert {"straggling", "hang", "slow link", "node loss"} <= {m.value for m in at.markdown}
+    assert any(m.value.startswith("communication hang in all\\_reduce") for m in at.markdown)
+    assert "20 alerts" in text
+    # Filters: a rule, and a time range that leaves nothing out of a store filled seconds ago.
+    at.selectbox(key="alert_rule").set_value("hang").run()
+    assert "1 alerts" in _text(at) and "ui-002" not in _text(at).split("What happened")[0]
+    at.selectbox(key="alert_rule").set_value("all").run()
+    at.selectbox(key="alert_range").set_value("last hour").run()
+    assert "20 alerts" in _text(at)
 
 
 def test_acknowledgements_are_stored_and_survive_a_new_session(app, demo_store_url, monkeypatch):
@@ -51,25 +94,46 @@ def test_acknowledgements_are_stored_and_survive_a_new_session(app, demo_store_u
 
     at = app.run()
     at.switch_page("pages/alerts.py").run()
-    first = at.dataframe[0].value["alert_id"].iloc[0]
-    at.multiselect[0].set_value([first]).run()
+    first = _alert_ids(demo_store_url, acked=0)[0]
+    at.multiselect(key="ack_pick").set_value([first]).run()
     at.text_input(key="ack_by").set_value("alice").run()
     at.text_input(key="ack_note").set_value("drained host-3").run()
     next(b for b in at.button if b.label == "Acknowledge selected").click().run()
     assert not at.exception, at.exception
+    assert first not in _alert_ids(demo_store_url, acked=0)
     # Another on-call's console (a new session) no longer lists it as open...
     other = AppTest.from_file(APP, default_timeout=60).run()
     other.switch_page("pages/alerts.py").run()
-    assert first not in set(other.dataframe[0].value["alert_id"])
+    assert "19 alerts" in _text(other)
     # ...and shows who acknowledged it when asked; re-opening restores it.
     next(t for t in other.toggle if t.label == "Show acknowledged").set_value(True).run()
-    df = other.dataframe[0].value
-    row = df[df["alert_id"] == first].iloc[0]
-    assert (row["acked"], row["acked_by"], row["ack_note"]) == (1, "alice", "drained host-3")
-    other.multiselect[0].set_value([first]).run()
+    assert "20 alerts" in _text(other)
+    assert any(re.fullmatch(r"acknowledged by alice (just now|\d+ s ago)\\: drained host-3", c.value)
+               for c in other.caption), [c.value for c in other.caption]
+    other.multiselect(key="ack_pick").set_value([first]).run()
     next(b for b in other.button if b.label == "Re-open selected").click().run()
     next(t for t in other.toggle if t.label == "Show acknowledged").set_value(False).run()
-    assert first in set(other.dataframe[0].value["alert_id"])
+    assert first in _alert_ids(demo_store_url, acked=0) and "20 alerts" in _text(other)
+
+
+def test_an_alerts_query_parameters_open_its_job_at_its_window(app, demo_store_url):
+    from tests.ui.conftest import cause_of
+
+    job = next(j for j, c in cause_of().items() if c == "seq_imbalance")
+    alert = next(a for a in _alert_ids(demo_store_url, job_id=job, rule="slowdown") if a.endswith("/0"))
+    at = app.run()
+    at.query_params.update(job=job, attempt="0", window="0", alert=alert)
+    at.switch_page("pages/job.py").run()
+    assert not at.exception, at.exception
+    assert at.selectbox(key="job").value == job
+    assert at.selectbox(key="window_pick").value == "0/0"
+    assert any(i.value.startswith("**From the alert of ") and "in window 0" in i.value for i in at.info)
+    text = _text(at)
+    assert "**Main cause: Uneven sequence lengths**" in text
+    assert re.search(r"correlation r = 0\.\d{3} over \d+ microbatches", text)
+    # The history of the job's windows, and the job's own alerts.
+    heads = [h.value for h in at.subheader]
+    assert "History" in heads and "Alerts (2)" in heads, heads
 
 
 def test_job_page_shows_stored_remedies_and_per_step_heatmaps(app):
@@ -81,7 +145,8 @@ def test_job_page_shows_stored_remedies_and_per_step_heatmaps(app):
     at.selectbox(key="job").set_value(job).run()
     assert not at.exception, at.exception
     labels = [e.label for e in at.expander]
-    assert any(lab.startswith("1. swap_host (worker): +") for lab in labels), labels
+    assert any(lab.startswith("1. Swap the slow host, for: slow worker · ") for lab in labels), labels
+    assert "Main cause: Slow worker" in _text(at)
     steps = [o for o in at.selectbox(key="heat_step").options if o.startswith("step ")]
     at.selectbox(key="heat_step").set_value(steps[0]).run()
     assert not at.exception and not any("No per-step worker cells" in i.value for i in at.info)
@@ -108,8 +173,15 @@ def test_job_page_shows_heatmap_verdicts_links_and_hangs(app):
     assert "Worker slowdown" in text and "Per-step slowdown" in text
     assert "Link matrix" in text
     at.selectbox(key="job").set_value("ui-002").run()
-    assert "Hangs" in _text(at)
-    assert any("communication hang" in str(e.label) for e in at.expander), [e.label for e in at.expander]
+    text = _text(at)
+    assert "Hang" in [s.value for s in at.subheader]
+    assert "**Communication hang**, detected " in text
+    assert re.search(r"63 ranks have waited in all\\_reduce \\#\d+ of group world for 5 min; rank \d+ \(dp \d+, "
+                     r"pp \d+, tp \d+\) on node-\d+ never entered it\\: it is the culprit\.", text), text
+    # The node loss of another job: its lost ranks named with their host.
+    at.selectbox(key="job").set_value("ui-007").run()
+    assert "**Node loss**, detected " in _text(at)
+    assert re.search(r"ranks \d+-\d+ on node-\d+ stopped sending heartbeats", _text(at))
 
 
 def test_sql_page_runs_named_and_refuses_writes(app):
@@ -117,6 +189,35 @@ def test_sql_page_runs_named_and_refuses_writes(app):
     at.switch_page("pages/sql.py").run()
     assert not at.exception, at.exception
     assert at.dataframe, "the default named query shows a table"
+    at.selectbox[0].set_value("alert_history").run()
+    assert "ts (UTC)" in at.dataframe[0].value.columns  # nanoseconds shown as times
     at.text_area[0].set_value("DROP TABLE windows").run()
     at.button[0].click().run()
     assert at.error, "a write is refused with an error"
+
+
+def test_job_page_shows_a_regression_against_its_own_past(app):
+    """A stored regression: its sentence under the history, a mark at its window, the op types before and after."""
+    at = app.run()
+    at.switch_page("pages/job.py").run()
+    at.selectbox(key="job").set_value("ui-003").run()
+    assert not at.exception, at.exception
+    text = _text(at)
+    assert "**Against its own past** (1 change, newest first)" in text, text
+    plain = text.replace("\\", "")  # the page escapes Markdown's special characters
+    assert "step time +18% since window" in plain and "compute unchanged: communication" in plain, plain
+    assert any(c.value.startswith("Op types, seconds per step") for c in at.caption)
+    at.selectbox(key="job").set_value("ui-000").run()
+    assert any(c.value.startswith("No regression against this job's own past") for c in at.caption)
+
+
+def test_hosts_page_names_the_lemon_with_its_evidence(app):
+    at = app.run()
+    at.switch_page("pages/hosts.py").run()
+    assert not at.exception, at.exception
+    assert [m.value for m in at.metric][:2] == ["1", "2"]
+    labels = [e.label for e in at.expander]
+    assert labels[0] == "🍋 node-07 (switch-2): 3 jobs, 3 findings", labels
+    text = _text(at).replace("\\", "")
+    assert "[ui-005](/job?job=ui-005&attempt=0) · node loss · node loss for 300 s" in text, text
+    assert "By rack or switch" in [s.value for s in at.subheader]

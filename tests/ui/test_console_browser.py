@@ -1,86 +1,99 @@
-"""The console in a real browser: Debian's Chromium driven by Playwright, against a live Streamlit.
+"""The console in a real browser, read as a person reads it: Debian's Chromium driven by Playwright.
 
-The console reads a demo store through the store daemon (as in `stragglerscope demo`).
-Every page is visited; each must show real content and log no browser console
-error; a PNG of each lands in tests/artifacts/ for review.
+The console reads a demo store through the store daemon (as in `stragglerscope demo`). Every page
+is opened from the front page and must show real content, log no browser error, show no raw
+nanosecond timestamp and cut no text; an alert's link must open its job at its window in one click.
+A PNG of each page lands in tests/artifacts/ for review.
 """
-import os
-import subprocess
+import re
 import time
 
 import pytest
 
+from tests.ui.conftest import RAW_TIME, Reader, fill_demo_store, serve_console
+
 pytestmark = pytest.mark.integration
 
-CHROMIUM = "/usr/bin/chromium"
 # (page, its link in the sidebar, text that proves real content)
 PAGES = [("fleet", None, "Jobs analysed"), ("alerts", "Alerts", "refreshed every 5 s"),
          ("job", "Job", "Worker slowdown"), ("sql", "SQL", "Named queries")]
 
 
 @pytest.fixture(scope="module")
-def console(tmp_path_factory):
-    from core.config import Config
-    from services.ports import free_port
-    from services.store_daemon import StoreDaemon
-    from storage import open_store
-    from stragglerscope.demo import start_console, wait_console
-    from tests.ui.conftest import fill_demo_store
-
-    if not os.path.exists(CHROMIUM):
-        pytest.fail("Debian's chromium is not installed: run `make setup-test` (apt-get install chromium)")
-    path = tmp_path_factory.mktemp("browser-store") / "store"
-    with StoreDaemon(f"chdb://{path}") as daemon:
-        store = open_store(daemon.url)
-        store.setup()
-        fill_demo_store(store)
-        store.close()
-        cfg = Config().replace(ui={"address": "127.0.0.1", "port": free_port()})
-        proc = start_console(daemon.url, cfg, output=subprocess.PIPE)
-        url = f"http://127.0.0.1:{cfg.ui.port}"
-        try:
-            wait_console(url)
-        except TimeoutError:
-            proc.kill()
-            pytest.fail("streamlit did not come up: " + proc.stdout.read().decode()[-2000:])
+def console():
+    with serve_console(fill_demo_store) as url:
         yield url
-        proc.terminate()
-        proc.wait(10)
 
 
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
+@pytest.fixture
+def reader(console, browser):
+    r = Reader(browser, console)
+    yield r
+    r.close()
 
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
-        yield b
-        b.close()
+
+def assert_reads_well(r: Reader) -> None:
+    body = r.text()
+    assert "Traceback" not in body, body[:2000]
+    assert not re.search(RAW_TIME, body), re.findall(RAW_TIME, body)
+    assert r.cut_texts() == []
+    # Viewers get no Deploy button (ui/.streamlit/config.toml: client.toolbarMode = "viewer").
+    assert r.page.get_by_test_id("stAppDeployButton").count() == 0
+    assert "Deploy" not in r.page.inner_text("header")
 
 
 @pytest.mark.parametrize("name, link, expect", PAGES, ids=[p[0] for p in PAGES])
-def test_page_renders_real_content_without_console_errors(console, browser, artifacts, name, link, expect):
-    page = browser.new_page(viewport={"width": 1500, "height": 1100})
-    errors = []
-    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.on("response", lambda r: errors.append(f"HTTP {r.status} {r.url}") if r.status >= 400 else None)
+def test_page_renders_real_content_without_console_errors(reader, artifacts, name, link, expect):
     t0 = time.perf_counter()
-    # Arrive as a person does: the console's front page, then the sidebar link. (Deep links
-    # make Streamlit's own front end probe PATH/_stcore/health first and log a 404.)
-    page.goto(console, wait_until="networkidle")
+    reader.front()
     if link:
-        page.get_by_test_id("stSidebarNav").get_by_text(link, exact=True).click()
-    page.get_by_text(expect, exact=False).first.wait_for(timeout=30_000)
-    # Streamlit keeps running the script after the first element shows: wait for it to settle.
-    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=30_000)
+        reader.go(link, expect)
     elapsed = time.perf_counter() - t0
-    page.screenshot(path=str(artifacts / f"console-{name}.png"), full_page=True)
-    body = page.inner_text("body")
-    assert "Traceback" not in body, body[:2000]
-    assert expect in body
-    assert not errors, errors
+    assert_reads_well(reader)
+    reader.screenshot(artifacts / f"console-{name}.png")
+    assert expect in reader.text()
+    assert not reader.errors, reader.errors
     (artifacts / "console-timings.txt").open("a").write(f"{name} {elapsed:.2f}\n")
-    page.close()
+
+
+def test_an_alert_link_opens_its_job_at_its_window(reader, artifacts):
+    reader.front()
+    reader.go("Alerts", "refreshed every 5 s")
+    text = reader.text()
+    assert "ago" in text and "UTC" in text, text[:1000]
+    # The whole summary is on the page (wrapped, not cut), after the job it is about.
+    assert re.search(r"straggling S=1\.\d\d \(sequence_imbalance\), \d+% of 64 GPUs wasted in window 30", text)
+    link = reader.page.get_by_role("link", name="ui-003 · window 30")
+    assert link.count() == 1, reader.text()[:3000]
+    link.click()
+    reader.settle("Link matrix")  # the job page's last section: the script has run to its end
+    assert re.search(r"job=ui-003", reader.page.url) and re.search(r"window=30", reader.page.url), reader.page.url
+    body = reader.text()
+    # The window picker shows the alerted window.
+    assert reader.page.get_by_role("combobox", name="Window").input_value().startswith("window 30 · S 1.")
+    # The verdict in words, whole: its title and its sentence with figures.
+    assert "Main cause: Uneven sequence lengths" in body
+    assert re.search(r"correlation r = 0\.\d{3} over \d+ microbatches", body), body
+    assert "History" in body and "Regressions and lemon hosts" in body
+    assert_reads_well(reader)
+    reader.screenshot(artifacts / "console-job-from-alert.png")
+    assert not reader.errors, reader.errors
+
+
+def test_a_hang_alert_opens_the_picture_with_its_culprit_outlined(reader, artifacts):
+    reader.front()
+    reader.go("Alerts", "refreshed every 5 s")
+    reader.page.get_by_role("link", name="ui-002 · hang").click()
+    reader.settle("Link matrix")
+    grid = reader.page.locator("svg.hang-grid")
+    assert grid.count() == 1
+    culprits = grid.locator("g.cell.culprit")
+    assert culprits.count() == 1
+    missing = re.search(r"rank (\d+) \(dp \d+, pp \d+, tp \d+\)[^.]* never entered it", reader.text())
+    assert missing, reader.text()[:3000]
+    assert culprits.first.get_attribute("data-ranks") == missing.group(1)
+    assert culprits.first.get_attribute("data-state") == "never_entered"
+    assert grid.locator("path.wait-arrow").count() > 0
+    assert_reads_well(reader)
+    reader.screenshot(artifacts / "console-job-hang.png")
+    assert not reader.errors, reader.errors

@@ -169,3 +169,16 @@ def test_ccl_records_carry_per_peer_timing_only_where_the_library_gave_it(clock)
     assert (plain["peer_transfer_ns"], plain["peer_bytes"], plain["recv_wait_ns"]) == ([], [], -1)
     assert plain["exit_ns"] - plain["enter_ns"] >= 2_000_000
     assert (timed["peer_transfer_ns"], timed["peer_bytes"], timed["recv_wait_ns"]) == ([1500], [4096], 0)
+
+
+def test_a_checkpoint_save_is_in_flight_in_the_heartbeats_while_it_runs():
+    """The hang detector waits hang.checkpoint_s for a rank that says it is saving (issue 41)."""
+    sent = []
+    exp = RankExporter("job", 0, 0, 0, sent.append, sampling=Sampling(1, 1), heartbeat_s=3600, use_cuda=False)
+    with exp.checkpointing(step=7):
+        (beat,) = exp.heartbeat().to_pylist()
+        assert beat["inflight_op"] == "checkpoint-save" and beat["inflight_since_ns"] > 0
+    (after,) = exp.heartbeat().to_pylist()
+    assert after["inflight_op"] == "" and after["last_op"] == "checkpoint-save"
+    assert after["last_op_end_ns"] >= beat["inflight_since_ns"]
+    exp.close()

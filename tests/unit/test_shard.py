@@ -1,5 +1,8 @@
 """The shard loop without Kafka or Ray: routing, close policy, dead letters, offsets, replay."""
 
+import json
+import time
+
 import pyarrow as pa
 import pytest
 
@@ -17,7 +20,7 @@ STEPS = 2
 
 
 def fake_analysis(calls):
-    def submit(ops, info, key, complete, note, ccl=None):
+    def submit(ops, info, key, complete, note, ccl=None, tcp=None):
         calls.append((key, complete, ops.num_rows))
         row = _window_row(info, key, ops, complete, note)
         row.update(slowdown=1.5, waste_fraction=1 / 3, launch_slowdown=1.0, verdict="worker")
@@ -93,7 +96,7 @@ def test_kept_spans_one_window_per_job_and_interval_plus_each_new_verdict():
     verdicts = {0: "worker", 100: "worker", 200: "gc", 300: "gc", 400: "gc"}
     tables = [a.registration(0, STEPS)] + [generate_window(a, wid, STEPS, t * 10**9) for wid, t in starts.items()]
 
-    def submit(ops, info, key, complete, note, ccl=None):
+    def submit(ops, info, key, complete, note, ccl=None, tcp=None):
         row = _window_row(info, key, ops, complete, note)
         row.update(slowdown=1.5, waste_fraction=1 / 3, launch_slowdown=1.0, verdict=verdicts[key[2]])
         return _tables(row)
@@ -158,7 +161,7 @@ def test_a_window_waits_for_the_collectives_of_its_last_step_that_travel_on_anot
     late = _all_reduces(a, 0, [STEPS - 1], [2, 3])
     seen = []
 
-    def submit(ops, info, key, complete, note, ccl=None):
+    def submit(ops, info, key, complete, note, ccl=None, tcp=None):
         seen.append((complete, 0 if ccl is None else ccl.num_rows))
         return fake_analysis([])(ops, info, key, complete, note, ccl)
     msgs = messages_for([a.registration(0, STEPS), *early, ops, late])
@@ -243,7 +246,7 @@ def test_backpressure_stops_polling_at_max_inflight():
     tables = [a.registration(0, STEPS)] + [generate_window(a, 100 * i, STEPS, 0) for i in range(4)]
     pending = []
 
-    def never_done(ops, info, key, complete, note, ccl=None):
+    def never_done(ops, info, key, complete, note, ccl=None, tcp=None):
         pending.append(key)
         return _Pending()
 
@@ -497,3 +500,31 @@ def test_the_production_sink_opens_the_configured_store_with_the_pipelines_open_
     assert isinstance(sink, ResultWriter)
     sink.setup()
     assert opened == ["chdb:///somewhere/store"] and isinstance(sink.store, FakeSink)
+
+
+def test_a_slow_workers_verdict_carries_what_its_gpu_says_against_its_peers():
+    """Issue 41: the heartbeats' GPU samples (a fake NVML's figures) beside a real analysis of a slow worker."""
+    from ray_jobs.analysis import analyze_window
+
+    a = JobSpec("a", JobLayout(dp_size=2, pp_size=2), num_microbatches=4, cause="slow_worker", cause_dp=1,
+                cause_pp=0, cause_factor=1.6)
+    ops = generate_window(a, 0, STEPS, 0)
+    slow_rank = next(r["rank"] for r in ops.to_pylist() if (r["dp_rank"], r["pp_rank"]) == (1, 0))
+    now = time.time_ns()
+    beats = codec.from_rows(S.HEARTBEAT, [dict(
+        job_id="a", attempt=0, rank=r, host=f"h{r}", pid=100 + r, ts_ns=now, step=1, last_op="optimizer",
+        last_op_end_ns=now, inflight_op="", inflight_group="", inflight_seq=-1, inflight_since_ns=-1,
+        clock_offset_ns=0, stack="", step_done=0, step_done_ns=now, gpu_sm_mhz=1140 if r == slow_rank else 1980,
+        gpu_mem_mhz=2619, gpu_power_w=700.0, gpu_power_limit_w=700.0, gpu_temp_c=70,
+        gpu_throttle="sw_power_cap" if r == slow_rank else "", gpu_ecc_uncorrected=0, gpu_pcie_replays=0)
+        for r in range(4)])
+    w, _, sink = make_worker(messages_for([a.registration(0, STEPS), beats, ops]), submit=analyze_window)
+    run(w)
+    (row,) = sink.rows["window"]
+    assert row["verdict"] == "worker", row
+    (v,) = [v for v in json.loads(row["verdicts_json"]) if v["kind"] == "worker"]
+    assert v["hardware"]["ranks"] == [slow_rank], v
+    assert v["summary"].endswith("its GPU: SM clock 1,140 MHz vs the peers' median 1,980; throttled: sw_power_cap"), v
+    assert {(r["rank"], r["host"]) for r in sink.rows["rank_host"]} == {(r, f"h{r}") for r in range(4)}
+    (alert,) = [a for a in sink.rows["alert"] if a["rule"] == "slowdown"]
+    assert "(slow worker; its GPU: SM clock 1,140 MHz vs the peers' median 1,980" in alert["summary"], alert

@@ -2,6 +2,7 @@
 import altair as alt
 import streamlit as st
 
+from analyzers.explain import title
 from ui.data import named
 from ui.widgets import bar, fleet_filters, fmt
 
@@ -40,6 +41,8 @@ with left:
 with right:
     st.subheader("Wasted GPU-hours by root cause")
     by_cause = named("wasted_by_cause", **params)
+    if "cause" in by_cause:  # verdict ids ('last_stage_imbalance') in the words the job page uses
+        by_cause = by_cause.assign(cause=by_cause["cause"].map(title))
     bar(by_cause, by_cause.columns[0] if len(by_cause.columns) else "", "wasted_gpu_hours")
 
 left, right = st.columns(2)
@@ -100,4 +103,7 @@ if top.empty:
     st.info("No jobs yet.")
 else:
     st.dataframe(top, width="stretch", hide_index=True)
-    st.caption("Open one on the Job page.")
+    with st.container(horizontal=True, vertical_alignment="center"):
+        st.markdown("Open on the Job page:")
+        for j in top["job_id"].head(5):
+            st.page_link("pages/job.py", label=str(j), query_params={"job": str(j)})

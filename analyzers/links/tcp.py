@@ -1,0 +1,293 @@
+"""The kernel's view of each transfer: directed flows between ranks from their TCP connections' counters.
+
+Every rank reports its TCP connections over each profiled step
+(``core.schema.TCP_FLOW``, read by ``ingest/tcp_flows.py``): its own end and
+the other end of each, what it sent that was acknowledged, how long data was
+in flight, the RTT. A connection's two ends are two records, one per rank,
+with the same endpoints swapped: that pairs them, and names the ranks of a
+transfer without any table of addresses. What a rank sent on a connection is
+the flow src -> dst.
+
+``flows(table)`` aggregates a window's records into ``Flow``s. What they say,
+measured on real gloo traffic through namespaces shaped with ``tc``
+(BENCHMARKS.md, "Link diagnosis on real faults"):
+
+- A collective or a pipeline waits for its slowest transfer, so the flow
+  through a slow element is **busy** (data in flight) nearly all the time at
+  a low rate, while the others are idle most of the time, waiting for it.
+  ``busy_fraction`` and ``rate`` (bytes per busy second) find it in every job,
+  flat data-parallel rings included, which enter and exit times cannot (every
+  rank waits in the same all-reduce).
+- Where its queue is tells what is slow. A slow receiver (its ingress) holds
+  the data in the network: the flow's RTT grows many times over the job's
+  other flows', and, since TCP acknowledges through the same ingress, the RTT
+  of what that receiver sends grows too. A slow sender (its NIC egress, or a
+  link shaped at it) holds the data in its own queue, which TCP keeps short:
+  the RTT barely moves and unsent bytes pile up. Its NIC and one of its links
+  look alike unless it sends to another peer as well (a pipeline, a
+  bidirectional ring): a flat ring cannot tell them apart.
+
+``analyzers/links/localise.py`` turns flows into findings with the job's other
+evidence; this module only measures.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pyarrow as pa
+
+
+@dataclasses.dataclass(frozen=True)
+class Flow:
+    """What ``src`` sent to ``dst`` over a window, summed over their connections and the window's steps."""
+    src: int
+    dst: int
+    bytes: int
+    busy_s: float          # time with data in flight (the busiest connection of the pair, step by step)
+    elapsed_s: float       # time the readings cover
+    rtt_us: float          # median over the steps of the smoothed RTT, weighted by bytes
+    min_rtt_us: float
+    notsent_bytes: int     # most unsent data seen at a step's end
+    sndbuf_s: float        # busy time limited by the sender's buffer
+    rwnd_s: float          # busy time limited by the receiver's window
+    retrans: int
+    steps: int
+
+    @property
+    def busy_fraction(self) -> float:
+        return self.busy_s / self.elapsed_s if self.elapsed_s > 0 else math.nan
+
+    @property
+    def rate(self) -> float:
+        """Bytes per second while data was in flight: what the path delivered when it was used."""
+        return self.bytes / self.busy_s if self.busy_s > 0 else math.nan
+
+    def evidence(self) -> dict:
+        return {"flow": f"{self.src}>{self.dst}", "mb": round(self.bytes / 1e6, 3),
+                "busy": round(self.busy_fraction, 3), "mb_per_s_busy": round(self.rate / 1e6, 3),
+                "rtt_ms": round(self.rtt_us / 1e3, 3), "notsent_kb": round(self.notsent_bytes / 1e3, 1),
+                "retrans": self.retrans}
+
+
+def _owners(local: list[str], rank: np.ndarray) -> dict[str, int]:
+    """Endpoint -> the rank whose connection it is the local end of (an endpoint two ranks claim: neither)."""
+    out: dict[str, int] = {}
+    clash: set[str] = set()
+    for ep, r in zip(local, rank.tolist()):
+        if out.setdefault(ep, r) != r:
+            clash.add(ep)
+    for ep in clash:
+        del out[ep]
+    return out
+
+
+def flows(table: pa.Table, min_bytes: int = 64 << 10) -> list[Flow]:
+    """Directed flows between ranks of one window's TCP_FLOW records; connections to anything but a rank of
+    the window (the Kafka broker, a store, a rendezvous server outside the job) are left out, and so are
+    flows that moved less than ``min_bytes`` (their rate says nothing)."""
+    if table is None or table.num_rows == 0:
+        return []
+    rank = table["rank"].to_numpy()
+    local = table["local"].to_pylist()
+    remote = table["remote"].to_pylist()
+    owner = _owners(local, rank)
+    cols = {c: table[c].to_numpy() for c in ("step", "elapsed_ns", "bytes_acked", "busy_us", "rtt_us",
+                                             "min_rtt_us", "notsent_bytes", "sndbuf_limited_us",
+                                             "rwnd_limited_us", "retrans")}
+    # (src, dst) -> step -> [bytes, busy_us (max over the pair's connections), elapsed_ns, rtt*bytes, ...]
+    acc: dict[tuple[int, int], dict[int, list]] = {}
+    for i, (src, rem) in enumerate(zip(rank.tolist(), remote)):
+        dst = owner.get(rem)
+        sent = int(cols["bytes_acked"][i])
+        if dst is None or dst == src or sent <= 0:
+            continue
+        per_step = acc.setdefault((src, dst), {})
+        s = per_step.setdefault(int(cols["step"][i]), [0, 0, 0, 0.0, math.inf, 0, 0, 0, 0])
+        s[0] += sent
+        s[1] = max(s[1], int(cols["busy_us"][i]))
+        s[2] = max(s[2], int(cols["elapsed_ns"][i]))
+        s[3] += float(cols["rtt_us"][i]) * sent
+        s[4] = min(s[4], float(cols["min_rtt_us"][i]))
+        s[5] = max(s[5], int(cols["notsent_bytes"][i]))
+        s[6] += int(cols["sndbuf_limited_us"][i])
+        s[7] += int(cols["rwnd_limited_us"][i])
+        s[8] += int(cols["retrans"][i])
+    out = []
+    for (src, dst), per_step in sorted(acc.items()):
+        v = np.array([s[:4] + s[5:] for s in per_step.values()], dtype=np.float64)
+        total = int(v[:, 0].sum())
+        if total < min_bytes:
+            continue
+        rtts = v[:, 3] / np.maximum(v[:, 0], 1)
+        order = np.argsort(rtts)
+        cum = np.cumsum(v[order, 0])
+        rtt = float(rtts[order][np.searchsorted(cum, cum[-1] / 2)])  # byte-weighted median
+        min_rtt = min(s[4] for s in per_step.values())
+        out.append(Flow(src, dst, total, float(v[:, 1].sum()) / 1e6, float(v[:, 2].sum()) / 1e9, rtt,
+                        min_rtt if min_rtt < math.inf else math.nan, int(v[:, 4].max()),
+                        float(v[:, 5].sum()) / 1e6, float(v[:, 6].sum()) / 1e6, int(v[:, 7].sum()), len(per_step)))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TcpParams:
+    """When the flows of a window name a slow element. Defaults and why: BENCHMARKS.md, "Link diagnosis on real
+    faults" (gloo rings and pipelines in namespaces, one element shaped to 40 mbit, and healthy controls)."""
+    bottleneck_busy: float = 0.25
+    """A flow with data in flight at least this share of the window (a pipeline's transfers and its gradient
+    all-reduce take turns: the slow one is busy in its phases only) ..."""
+    busy_over_median: float = 1.8
+    """... and this many times the median flow's share holds the others up (in a healthy ring all are alike) ..."""
+    slow_rate: float = 0.5
+    """... while delivering under this share of the median flow's rate when busy: its path is slow."""
+    healthy_rate: float = 0.7
+    """A flow at this share of the median rate or more clears the elements it crosses."""
+    rtt_queue: float = 3.0
+    """A flow whose RTT is this many times the job's reference queued in the network: a slow receiver."""
+    coupled_rate: float = 2.0
+    """Of the slow flows, those over this many times the slowest one's rate ...
+    (measured: the slowest run at the fault's rate, the ones waiting for them in the same ring 2.4-3x it)"""
+    coupled_busy: float = 0.3
+    """... or busy under this share of the busiest one's time are held back by the bottleneck, not through it."""
+    data_tie: float = 0.85
+    """Candidates within this share of the best one's slowdown on the data path are a tie, for the RTT to break."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowVerdict:
+    """A flow's place in the window: the bottleneck, a healthy flow, or neither (slowed by the bottleneck's
+    back-pressure, or idle too much to say)."""
+    flow: Flow
+    status: str            # slow | ok | unknown
+    ratio: float           # the reference rate over this flow's rate (1: typical, 10: ten times slower)
+
+
+def judge_flows(fl: list[Flow], params: TcpParams = TcpParams()) -> list[FlowVerdict]:
+    """Each flow against the job's own others (no fixed floor: a healthy job's flows are alike)."""
+    if len(fl) < 2:
+        return [FlowVerdict(f, "unknown", math.nan) for f in fl]
+    busy = np.array([f.busy_fraction for f in fl])
+    rate = np.array([f.rate for f in fl])
+    med_busy = float(np.nanmedian(busy))
+    med_rate = float(np.nanmedian(rate))
+    out = []
+    for i, f in enumerate(fl):
+        others = float(np.nanmedian(np.delete(rate, i)))
+        ratio = others / f.rate if f.rate > 0 else math.nan
+        if (f.busy_fraction >= params.bottleneck_busy and f.busy_fraction >= params.busy_over_median * med_busy
+                and f.rate <= params.slow_rate * others):
+            status = "slow"
+        elif f.rate >= params.healthy_rate * med_rate:
+            status = "ok"
+        else:
+            status = "unknown"
+        out.append(FlowVerdict(f, status, ratio))
+    # A synchronous job's flows wait for one another: those behind the bottleneck slow down too (busy less,
+    # at a few times its rate). They are neither the fault nor healthy.
+    slow = [v.flow for v in out if v.status == "slow"]
+    if len(slow) > 1:
+        slowest = min(f.rate for f in slow)
+        busiest = max(f.busy_fraction for f in slow)
+        out = [dataclasses.replace(v, status="unknown") if v.status == "slow" and (
+            v.flow.rate > params.coupled_rate * slowest or v.flow.busy_fraction < params.coupled_busy * busiest)
+            else v for v in out]
+    return out
+
+
+def _data_path(f: Flow) -> set[tuple]:
+    """What f's data crosses: the sender's egress, the link, the receiver's ingress."""
+    return {("egress", f.src), ("ingress", f.dst), ("link", f.src, f.dst)}
+
+
+def _ack_path(f: Flow) -> set[tuple]:
+    """What f's acknowledgements cross, the other way: a slow element there slows f too (TCP's coupling)."""
+    return {("egress", f.dst), ("ingress", f.src), ("link", f.dst, f.src)}
+
+
+def _ref_rtt(fl: list[Flow], around: set[int]) -> float:
+    """The RTT of the window's flows that touch none of ``around`` (all flows where every one does)."""
+    far = [f.rtt_us for f in fl if f.src not in around and f.dst not in around]
+    return float(np.median(far or [f.rtt_us for f in fl]))
+
+
+def _name(e: tuple) -> str:
+    return f"{e[0]} {e[1]}" if len(e) == 2 else f"link {e[1]}>{e[2]}"
+
+
+def where(verdicts: list[FlowVerdict], params: TcpParams = TcpParams()) -> list[tuple[str, int, int, float, dict]]:
+    """(kind, src, dst, confidence, evidence) for the slow element behind the bottleneck flows: 'source' (a
+    sender's egress), 'destination' (a receiver's ingress) or 'link'. Empty without a bottleneck, or where no
+    one element explains them.
+
+    A candidate must lie on every slow flow's path, its data's or its acknowledgements' (TCP couples the two
+    directions: a slow egress slows what its rank sends and, through the acknowledgements it sends, what its
+    rank receives), and on no healthy flow's data path. Of those, the one that slows the most on the data
+    path, the stronger effect, is the answer. A rank's egress and ingress slow the same flows, one through
+    the data and the other through the acknowledgements, and may tie: then the RTT of what the rank sends
+    decides (a slow ingress queues its acknowledgements in the network; a slow egress queues data at home,
+    where TCP keeps the queue short). A ring sends from each rank to one peer: nothing tells a sender's NIC
+    from its one link, and its NIC is named with the link as the alternative, at half the confidence.
+    """
+    slow = [v for v in verdicts if v.status == "slow"]
+    if not slow:
+        return []
+    fl = [v.flow for v in verdicts]
+    cleared = set().union(*(_data_path(v.flow) for v in verdicts if v.status == "ok"))
+    pool = set().union(*(_data_path(v.flow) | _ack_path(v.flow) for v in slow))
+    cands = [e for e in pool if e not in cleared
+             and all(e in _data_path(v.flow) or e in _ack_path(v.flow) for v in slow)]
+    primary = max(slow, key=lambda v: v.ratio)
+    strength = float(1 - math.exp(-max(primary.ratio - 1, 0.0) / 2))
+    evidence = {"bottleneck": [v.flow.evidence() for v in sorted(slow, key=lambda v: -v.ratio)],
+                "cleared_by": sorted(f"{v.flow.src}>{v.flow.dst}" for v in verdicts if v.status == "ok")[:50],
+                "candidates": sorted(_name(c) for c in cands)}
+    if not cands:
+        return []  # several faults, or one the flows cannot place: the collectives' evidence may
+
+    def on_data(e: tuple) -> float:
+        return sum(math.log(max(v.ratio, 1.0)) for v in slow if e in _data_path(v.flow))
+    top = max(on_data(e) for e in cands)
+    if top <= 0:
+        return []
+    best = [e for e in cands if on_data(e) >= params.data_tie * top]
+    conf = strength
+    if len(best) > 1:
+        ranks = {e[1] for e in best if len(e) == 2}
+        if len(ranks) == 1 and {e[0] for e in best} == {"egress", "ingress"} and len(best) == 2:
+            (r,) = ranks
+            outs = [g.rtt_us for g in fl if g.src == r]
+            ref = _ref_rtt(fl, {r} | {g.dst for g in fl if g.src == r})
+            sends_x = max(outs) / ref if outs and ref > 0 else math.nan
+            evidence["rtt"] = {"reference_ms": round(ref / 1e3, 3), "rank_sends_x": round(sends_x, 2)}
+            best = [("ingress", r) if sends_x >= params.rtt_queue else ("egress", r)]
+            conf *= 0.8
+    if len(best) > 1:
+        best, conf = _sender_side(primary.flow, best, fl, params, evidence, conf)
+    if len(best) != 1:
+        return []
+    (e,) = best
+    kind = {"egress": "source", "ingress": "destination", "link": "link"}[e[0]]
+    src = e[1] if e[0] != "ingress" else -1
+    dst = e[2] if e[0] == "link" else (e[1] if e[0] == "ingress" else -1)
+    return [(kind, src, dst, conf, evidence)]
+
+
+def _sender_side(f: Flow, best: list[tuple], fl: list[Flow], params: TcpParams, evidence: dict,
+                 conf: float) -> tuple[list[tuple], float]:
+    """The bottleneck's own three elements left: the receiver's ingress where its data queued in the network
+    (its RTT, and the RTT of what the receiver sends), else the sender's side: its NIC, or its link."""
+    ref = _ref_rtt(fl, {f.src, f.dst})
+    out_of_dst = [g.rtt_us for g in fl if g.src == f.dst]
+    queued = f.rtt_us / ref if ref > 0 else math.nan
+    dst_acks = max(out_of_dst) / ref if out_of_dst and ref > 0 else math.nan
+    evidence["rtt"] = {"reference_ms": round(ref / 1e3, 3), "bottleneck_x": round(queued, 2),
+                       "receiver_sends_x": round(dst_acks, 2) if dst_acks == dst_acks else None}
+    if ("ingress", f.dst) in best and queued >= params.rtt_queue and (not out_of_dst or dst_acks >= params.rtt_queue):
+        return [("ingress", f.dst)], conf * 0.8
+    side = [e for e in (("egress", f.src), ("link", f.src, f.dst)) if e in best]
+    if len(side) == 2:
+        evidence["alternative"] = f"link {f.src}>{f.dst}: the sender has no other transfer to tell them apart"
+        return [("egress", f.src)], conf * 0.5
+    return side, conf * 0.7

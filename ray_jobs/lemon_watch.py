@@ -1,0 +1,139 @@
+"""Lemon hosts across the fleet: the one analysis that needs every job at once, so the driver runs it.
+
+A shard owns some jobs; a lemon is a host that several jobs implicate, so the
+scoring reads the store, not the stream. Every ``lemons.every_s`` the driver
+(``stragglerscope run``) calls ``LemonWatch.score``: it gathers each
+implication of a host over the last ``lemons.period_days`` (the slowest worker
+of a window whose main verdict is a slow worker, a hang's or a node loss's
+suspect hosts, a worker over its own best), mapped to machines by the ranks'
+heartbeats (RANK_HOST) and the rank that reported each worker's spans
+(WINDOW_PROFILE), weighs each host by the GPU-hours it ran in any job
+(``analyzers.lemons``), stores the pass (LEMON_HOST rows) and raises one
+``lemon_host`` alert per host that became a lemon since the pass before.
+A failing pass is logged and tried again; it never stops the pipeline.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import logging
+import re
+import time
+from collections import defaultdict
+
+from analyzers.lemons import Incident, LemonParams, lemon_hosts
+from core import codec
+from core import schema as S
+
+log = logging.getLogger(__name__)
+
+_WORKER = re.compile(r"dp(\d+)/pp(\d+)")
+
+
+def read_topology(path: str) -> dict[str, str]:
+    """``host,label`` lines (a rack or switch per host; '#' comments): what groups hosts in the console."""
+    if not path:
+        return {}
+    out = {}
+    with open(path, newline="") as f:
+        for row in csv.reader(line for line in f if line.strip() and not line.lstrip().startswith("#")):
+            if len(row) >= 2:
+                out[row[0].strip()] = row[1].strip()
+    return out
+
+
+@dataclasses.dataclass
+class LemonWatch:
+    """One scoring pass at a time over a store (``run_named``/``insert``); see the module docstring."""
+
+    store: object
+    params: LemonParams = LemonParams()
+    period_s: float = 7 * 86400.0
+    labels: dict = dataclasses.field(default_factory=dict)
+    lemons: set = dataclasses.field(default_factory=set)  # hosts that were lemons in the last pass
+
+    def _rows(self, name: str, since: int, until: int) -> list[dict]:
+        return self.store.run_named(name, {"since": since, "until": until}).to_pylist()
+
+    def incidents(self, since: int, until: int) -> tuple[list[Incident], dict[str, float]]:
+        """Every implication of a host in [since, until), and each host's GPU-hours in that period."""
+        hosts = defaultdict(set)  # (job, attempt, rank) -> hosts
+        per_job_host = defaultdict(lambda: defaultdict(int))  # (job, attempt) -> host -> ranks
+        for r in self._rows("lemon_rank_hosts", since, until):
+            hosts[(r["job_id"], r["attempt"], r["rank"])].add(r["host"])
+            per_job_host[(r["job_id"], r["attempt"])][r["host"]] += 1
+        exposure: dict[str, float] = defaultdict(float)
+        for r in self._rows("lemon_job_hours", since, until):
+            on = per_job_host.get((r["job_id"], r["attempt"]))
+            if on:
+                ranks = sum(on.values())
+                for host, n in on.items():
+                    exposure[host] += r["gpu_hours"] * n / ranks
+        rank_of = {(r["job_id"], r["attempt"], r["dp_rank"], r["pp_rank"]): r["worker_rank"]
+                   for r in self._rows("lemon_worker_ranks", since, until)}
+
+        def worker_hosts(job, attempt, dp, pp):
+            rank = rank_of.get((job, attempt, dp, pp))
+            return hosts.get((job, attempt, rank), ()) if rank is not None else ()
+
+        out = []
+        for r in self._rows("lemon_slow_workers", since, until):
+            for host in worker_hosts(r["job_id"], r["attempt"], r["top_dp"], r["top_pp"]):
+                out.append(Incident(host, r["job_id"], r["attempt"], r["at_ns"], "worker",
+                                    f"window {r['window_id']}: worker dp{r['top_dp']}/pp{r['top_pp']} "
+                                    f"S_w {r['top_s_w']:.2f}"))
+        for r in self._rows("lemon_hangs", since, until):
+            for host in filter(None, r["suspect_hosts"].split(",")):
+                out.append(Incident(host, r["job_id"], r["attempt"], r["hang_id"], r["kind"],
+                                    f"{r['kind'].replace('_', ' ')} for {r['duration_s']:.0f} s"))
+        for r in self._rows("lemon_degraded_workers", since, until):
+            m = _WORKER.fullmatch(r["scope"])
+            if m:
+                for host in worker_hosts(r["job_id"], r["attempt"], int(m[1]), int(m[2])):
+                    out.append(Incident(host, r["job_id"], r["attempt"], r["found_ns"], "degraded_worker",
+                                        f"window {r['window_id']}: {r['scope']} {r['change']:+.0%} over its "
+                                        "own best"))
+        return out, dict(exposure)
+
+    def score(self, now_ns: int | None = None) -> list:
+        """One pass: score, store the pass, alert the new lemons; returns the host scores (lemons first)."""
+        now_ns = time.time_ns() if now_ns is None else now_ns
+        since = now_ns - int(self.period_s * 1e9)
+        incidents, exposure = self.incidents(since, now_ns)
+        scores = lemon_hosts(incidents, exposure, self.params)
+        if not scores:
+            return scores
+        self.store.insert("lemon_host", codec.from_rows(S.LEMON_HOST, [dict(
+            host=s.host, scored_ns=now_ns, period_s=self.period_s, label=self.labels.get(s.host, ""),
+            jobs=s.jobs, incidents=s.incidents, gpu_hours=s.gpu_hours, expected_jobs=s.expected_jobs,
+            p_value=s.p_value, lemon=s.lemon, evidence_json=json.dumps(s.evidence)) for s in scores]))
+        new = [s for s in scores if s.lemon and s.host not in self.lemons]
+        self.lemons = {s.host for s in scores if s.lemon}
+        if new:
+            self.store.insert("alert", codec.from_rows(S.ALERT, [_alert(s, now_ns, self.labels) for s in new]))
+        return scores
+
+
+def _alert(s, now_ns: int, labels: dict) -> dict:
+    last = s.evidence[-1]
+    jobs = sorted({e["job_id"] for e in s.evidence})
+    where = f" ({labels[s.host]})" if labels.get(s.host) else ""
+    return dict(
+        alert_id=f"host/{s.host}/lemon_host/{now_ns}", job_id=last["job_id"], attempt=last["attempt"], ts_ns=now_ns,
+        rule="lemon_host", severity="critical",
+        summary=(f"host {s.host}{where} is a lemon: {s.jobs} jobs implicated it ({s.incidents} findings) where "
+                 f"{s.expected_jobs:.2f} were expected for its {s.gpu_hours:.1f} GPU-hours; jobs "
+                 f"{', '.join(jobs[:5])}{' and more' if len(jobs) > 5 else ''}; latest: {last['what']}"),
+        details_json=json.dumps({"host": s.host, "jobs": s.jobs, "incidents": s.incidents, "gpu_hours": s.gpu_hours,
+                                 "expected_jobs": s.expected_jobs, "p_value": s.p_value}),
+    )
+
+
+def restore_lemons(store) -> set:
+    """The hosts the latest stored pass called lemons, so a restarted driver does not page them again."""
+    try:
+        return {r["host"] for r in store.run_named("lemon_hosts", {"lemons_only": 1}).to_pylist()}
+    except Exception as e:  # an empty or older store: every lemon is news
+        log.info("no earlier lemon pass read: %s", e)
+        return set()

@@ -1,0 +1,94 @@
+"""A real traced job that gets slower on every rank: alerted as a regression against its own past (issue 41).
+
+S stays near 1 when every rank slows together, so no straggler alert can
+fire; the job's history can. ``tests/training/foreign_pipe.py`` (a DP x PP
+``torch.distributed.pipelining`` job, gloo, 4 processes) runs under an
+unchanged ``stragglerscope trace`` into the real broker and a real
+``stragglerscope run``; from step ``ONSET`` either every rank's accelerator
+time grows (a throttled rack) or each step's gradient all-reduce carries more
+data (a slower fabric). The regression must be stored and alerted within 3
+windows of its onset, with what moved: compute in the one, the DP
+communication in the other.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.autotrace.test_trace_frameworks import torchrun
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "training" / "foreign_pipe.py"
+SAMPLE, EVERY = "4/4", 4          # every step profiled, a window per 4 steps
+STEPS, ONSET = 64, 36             # windows 0..60; the change begins with window 36
+CASES = {
+    "compute": (["--slower-compute", "1.4"], "compute", ("forward-compute", "backward-compute")),
+    "communication": (["--slower-allreduce-mb", "24"], "communication", ("grads-reduce-scatter",)),
+}
+
+
+@pytest.fixture(scope="module")
+def fleet(broker, tmp_path_factory):
+    from tests.fleet import fleet_config, start_fleet, stop_fleet
+
+    d = tmp_path_factory.mktemp("regression-fleet")
+    cfg = fleet_config(d, broker.bootstrap)
+    proc, store = start_fleet(cfg, d / "run.log")
+    yield cfg, store
+    stop_fleet(proc, store)
+
+
+def wait_rows(store, sql: str, timeout: float = 120.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = store.query(sql).to_pylist()
+        if rows or time.monotonic() > deadline:
+            return rows
+        time.sleep(1.0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_job_slower_on_every_rank_is_alerted_with_what_moved(case, fleet, tmp_path, artifacts):
+    pytest.importorskip("torch")
+    cfg, store = fleet
+    extra, category, optypes = CASES[case]
+    job = f"regress-{case}-{uuid.uuid4().hex[:6]}"
+    cmd = [sys.executable, "-m", "stragglerscope", "trace", "--config", str(cfg), "--sample", SAMPLE,
+           "--job-id", job, "--", *torchrun(4), str(SCRIPT), "--gpu-ms", "10", "--steps", str(STEPS),
+           "--slower-from", str(ONSET), *extra, "--out", str(tmp_path)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    times = json.loads((tmp_path / "rank0.json").read_text())["step_times"]
+    before, after = sorted(times[8:ONSET])[(ONSET - 8) // 2], sorted(times[ONSET:])[(STEPS - ONSET) // 2]
+    measured = after / before - 1
+
+    found = wait_rows(store, f"SELECT * FROM regressions WHERE job_id = '{job}' AND kind = 'regression'")
+    alerts = wait_rows(store, f"SELECT * FROM alerts WHERE job_id = '{job}' AND rule = 'regression'", 30)
+    report = (f"{case}: measured {measured:+.1%} from step {ONSET}; "
+              + ("; ".join(f"window {f['window_id']} (began {f['began_window']}): {f['summary']}" for f in found)
+                 or "no regression found"))
+    with open(artifacts / "trace_regression.txt", "a") as f:
+        f.write(report + "\n")
+    print(report)
+    assert measured >= 0.12, f"the job did not slow enough to judge: {report}"
+    assert len(found) == 1, report
+    (reg,) = found
+    assert ONSET - EVERY <= reg["began_window"] <= ONSET + EVERY, report
+    assert reg["window_id"] <= reg["began_window"] + 2 * EVERY, f"not within 3 windows: {report}"
+    assert abs(reg["change"] - measured) <= 0.5 * measured, report
+    shares = json.loads(reg["optypes_json"])
+    assert max(shares, key=shares.get) in optypes, report
+    assert f": {category}" in reg["summary"] and reg["scope"] == "every worker", report
+    assert alerts and alerts[0]["summary"] == reg["summary"], alerts
+    # nobody straggled: the what-if alone could not have said it (S near 1 after the onset as before)
+    (s_after,) = store.query(f"SELECT median(slowdown) AS s FROM windows WHERE job_id = '{job}' "
+                             f"AND window_id >= {ONSET} AND isFinite(slowdown)").to_pylist()
+    assert s_after["s"] < 1.1, (s_after, report)

@@ -1,0 +1,144 @@
+"""Per-connection TCP evidence: flows paired across ranks, the bottleneck found, its slow end named."""
+from __future__ import annotations
+
+import pytest
+
+from analyzers.links import diagnose_window, to_tables
+from analyzers.links.tcp import Flow, FlowVerdict, flows, judge_flows, where
+from core import codec
+from core import schema as S
+
+
+def _rec(rank, local, remote, step=0, sent=0, received=0, busy_ms=0.0, rtt_ms=1.0, notsent=0, elapsed_ms=100.0):
+    return dict(job_id="j", attempt=0, rank=rank, window_id=0, step=step, local=local, remote=remote,
+                elapsed_ns=int(elapsed_ms * 1e6), bytes_acked=sent, bytes_received=received,
+                busy_us=int(busy_ms * 1e3), rwnd_limited_us=0, sndbuf_limited_us=0, rtt_us=int(rtt_ms * 1e3),
+                min_rtt_us=10, retrans=0, notsent_bytes=notsent)
+
+
+def test_both_ends_of_a_connection_name_the_ranks_without_an_address_table():
+    """Rank 0's end 10.0.0.1:5000 talks to 10.0.0.2:6000, which rank 1 reports as its own end: 0 > 1. A
+    connection to the broker (no rank has its other end) and one a rank makes to itself are left out."""
+    mb = 1 << 20
+    rows = [_rec(0, "10.0.0.1:5000", "10.0.0.2:6000", sent=4 * mb, busy_ms=50),
+            _rec(1, "10.0.0.2:6000", "10.0.0.1:5000", received=4 * mb),
+            _rec(1, "10.0.0.2:6001", "10.0.0.3:7000", sent=2 * mb, busy_ms=20, rtt_ms=3),
+            _rec(1, "10.0.0.2:6001", "10.0.0.3:7000", step=1, sent=2 * mb, busy_ms=40, rtt_ms=5),
+            _rec(2, "10.0.0.3:7000", "10.0.0.2:6001", received=4 * mb),
+            _rec(2, "127.0.0.1:40000", "127.0.0.1:9092", sent=8 * mb, busy_ms=5),   # Kafka
+            _rec(0, "127.0.0.1:41000", "127.0.0.1:41001", sent=8 * mb, busy_ms=5),  # itself
+            _rec(0, "127.0.0.1:41001", "127.0.0.1:41000", received=8 * mb)]
+    got = {(f.src, f.dst): f for f in flows(codec.from_rows(S.TCP_FLOW, rows))}
+    assert set(got) == {(0, 1), (1, 2)}
+    f = got[(1, 2)]
+    assert f.bytes == 4 * mb and f.steps == 2 and f.busy_s == pytest.approx(0.06) and f.elapsed_s == pytest.approx(0.2)
+    assert f.rate == pytest.approx(4 * mb / 0.06) and f.busy_fraction == pytest.approx(0.3)
+    assert f.rtt_us == 3000  # byte-weighted median of the steps' RTTs (equal bytes: the lower middle)
+
+
+def _flow(src, dst, busy, mb_per_s, rtt_ms, mb=70.0):
+    busy_s = mb / mb_per_s
+    return Flow(src, dst, int(mb * 1e6), busy_s, busy_s / busy, rtt_ms * 1e3, 10.0, 0, 0.0, 0.0, 0, 5)
+
+
+# 8-rank gloo rings as measured (tests/netfaults, 40mbit on one element of rank 3; BENCHMARKS.md): each rank
+# sends to the one before it; the flow through the slow element is busy all the time, the others wait.
+HEALTHY = [_flow(r, (r - 1) % 8, 0.43, 29.0, 1.5) for r in range(8)]
+EGRESS_3 = [_flow(0, 7, 0.09, 54, 0.46), _flow(1, 0, 0.08, 55, 0.38), _flow(2, 1, 0.1, 44, 0.37),
+            _flow(3, 2, 0.985, 4.7, 1.23), _flow(4, 3, 0.34, 13.8, 1.65), _flow(5, 4, 0.38, 12.3, 3.62),
+            _flow(6, 5, 0.32, 14.5, 2.47), _flow(7, 6, 0.09, 52.6, 0.32)]
+INGRESS_3 = [_flow(0, 7, 0.09, 53, 0.17), _flow(1, 0, 0.1, 47, 0.74), _flow(2, 1, 0.09, 54, 0.54),
+             _flow(3, 2, 0.42, 11.0, 5.25), _flow(4, 3, 0.99, 4.6, 4.45), _flow(5, 4, 0.37, 12.4, 1.1),
+             _flow(6, 5, 0.38, 12.3, 1.39), _flow(7, 6, 0.32, 14.8, 2.64)]
+
+
+def _judge(fl):
+    return where(judge_flows(fl))
+
+
+def test_a_healthy_ring_has_no_bottleneck():
+    assert [v.status for v in judge_flows(HEALTHY)] == ["ok"] * 8 and _judge(HEALTHY) == []
+
+
+def test_the_bottleneck_of_a_flat_ring_is_found_and_its_slow_end_named():
+    """In a ring each rank sends to one peer only: nothing clears the sender's NIC, the receiver's or the link.
+    Where the bottleneck's data queued decides: in the network (its RTT, and the RTT of what the receiver
+    sends, whose acknowledgements come in through the same slow ingress) or at the sender."""
+    (kind, src, dst, conf, ev), = _judge(INGRESS_3)
+    assert (kind, dst) == ("destination", 3) and ev["bottleneck"][0]["flow"] == "4>3" and 0.3 < conf < 1
+    (kind, src, dst, conf, ev), = _judge(EGRESS_3)
+    # Rank 3 sends to rank 2 only: its NIC and that one link look alike (its NIC is named, at half the
+    # confidence, the link given as the alternative).
+    assert (kind, src) == ("source", 3) and "link 3>2" in ev["alternative"] and conf < 0.5
+
+
+def test_a_second_flow_of_the_sender_tells_its_nic_from_one_link():
+    """A bidirectional ring: rank 3 sends to 2 and to 4. Both slow: its egress. One slow and the other healthy:
+    the link (the healthy one clears the NIC; the receiver's other inflow clears its ingress)."""
+    ring = [_flow(r, (r + d) % 8, 0.3, 40, 1.0) for r in range(8) for d in (1, -1)]
+    egress = [f if f.src != 3 else _flow(f.src, f.dst, 0.97, 4.5, 1.2) for f in ring]
+    (kind, src, dst, _, _), = _judge(egress)
+    assert (kind, src) == ("source", 3)
+    link = [f if (f.src, f.dst) != (3, 4) else _flow(3, 4, 0.97, 4.5, 1.2) for f in ring]
+    (kind, src, dst, conf, _), = _judge(link)
+    assert (kind, src, dst) == ("link", 3, 4) and conf > 0.5
+
+
+def test_two_unrelated_bottlenecks_are_not_forced_into_one_element():
+    ring = [_flow(r, (r + d) % 8, 0.3, 40, 1.0) for r in range(8) for d in (1, -1)]
+    two = [f if (f.src, f.dst) not in ((3, 4), (6, 5)) else _flow(f.src, f.dst, 0.97, 4.5, 1.2) for f in ring]
+    assert _judge(two) == []
+
+
+def test_flows_reach_the_link_faults_and_the_window_matrix():
+    mb = 1 << 20
+    rows = []
+    for r in range(4):  # a 4-rank ring, 3 > 2 the bottleneck
+        slow = r == 3
+        rows.append(_rec(r, f"10.0.0.{r}:1", f"10.0.0.{(r - 1) % 4}:2", sent=8 * mb,
+                         busy_ms=95 if slow else 10, rtt_ms=1.2 if slow else 0.4))
+        rows.append(_rec(r, f"10.0.0.{r}:2", f"10.0.0.{(r + 1) % 4}:1", received=8 * mb,
+                         rtt_ms=1.7 if r == 3 else 0.4))
+    rows.append(_rec(2, "10.0.0.2:3", "10.0.0.1:4", sent=0))  # idle connections carry no evidence
+    d = diagnose_window(codec.empty(S.CCL_RECORD), tcp=codec.from_rows(S.TCP_FLOW, rows))
+    assert [(f.group, f.kind) for f in d.faults][:1] in ([("tcp", "source")], [("tcp", "link")])
+    t = to_tables(d, ("j", 0, 0))
+    cells = t["link_cell"].to_pylist()
+    assert {(c["src"], c["dst"], c["status"]) for c in cells if c["group"] == "tcp"} >= {(3, 2, "slow")}
+    assert all(isinstance(v, FlowVerdict) for v in d.flows)
+
+
+def _measured():
+    import json
+    from pathlib import Path
+
+    data = json.loads((Path(__file__).parent / "data" / "tcp_flows_measured.json").read_text())
+    return {name: [Flow(*row) for row in rows] for name, rows in data["runs"].items()}
+
+
+# run name -> the element that was slowed (kind, rank); "" for healthy and late-sender runs
+TRUTH = {"egress3": ("source", 3), "ingress3": ("destination", 3), "link32": ("link", 3, 2), "link34": ("link", 3, 4),
+         "egress1": ("source", 1), "ingress2": ("destination", 2), "link02": ("link", 0, 2)}
+
+
+def test_the_measured_runs():
+    """Thirty real runs (tests/netfaults, recorded in data/): every slow receiver, slow NIC and slow link of the
+    pipeline and the bidirectional ring is named, the healthy and late-sender runs get nothing; in the flat ring
+    a slow link is named as its sender's NIC, at half the confidence, the link given as the alternative."""
+    right = wrong = 0
+    for name, fl in _measured().items():
+        job, fault, _ = name.split("_")
+        found = _judge(fl)
+        want = TRUTH.get(fault)
+        if want is None:
+            assert found == [], (name, found)
+            continue
+        kind, src, dst, conf, ev = found[0]
+        got = (kind, src if kind != "destination" else dst) if kind != "link" else (kind, src, dst)
+        if job == "ar8" and want[0] == "link":
+            assert got == ("source", 3) and conf < 0.5 and "link 3>2" in ev["alternative"], (name, found)
+            wrong += 1
+            continue
+        assert got == want, (name, found)
+        right += 1
+    assert (right, wrong) == (16, 2)
