@@ -305,8 +305,13 @@ def explain_window(row: Mapping) -> list[Explanation]:
     if S is None:
         return [Explanation("none", "Not analysed", "This window has no slowdown: " + (_reason(note) or
                                                                                     "no reason stored") + ".")]
-    return [Explanation("none", title("none"), f"The job runs {_slower(S)}: below {MIN_SLOWDOWN:.2f}, where a "
-                                               "cause would be named, the shares of the slowdown are noise.")]
+    if S < MIN_SLOWDOWN:
+        return [Explanation("none", title("none"), f"The job runs {_slower(S)}: below {MIN_SLOWDOWN:.2f}, where a "
+                                                   "cause would be named, the shares of the slowdown are noise.")]
+    # Slow, yet no cause passed its threshold: a warm-up window, or a slowdown spread over many causes.
+    return [Explanation("none", "No single cause", f"The job runs {_slower(S)}, but no worker, stage, op type or "
+                                                   "imbalance explains enough of it to be named: a warm-up window, or "
+                                                   "a slowdown spread thin over many causes.")]
 
 
 # -- hangs ----------------------------------------------------------------------------------------

@@ -332,7 +332,7 @@ _QUERIES = [
         "summary, optypes_json, found_ns FROM regressions "
         "WHERE found_ns >= {since:Int64} AND found_ns < {until:Int64} "
         "AND ({job_id:String} = '' OR job_id = {job_id:String}) AND ({kind:String} = '' OR kind = {kind:String}) "
-        "ORDER BY found_ns DESC LIMIT {limit:UInt64}",
+        "ORDER BY found_ns DESC, job_id, kind, scope LIMIT {limit:UInt64}",
         (SINCE, UNTIL, JOB, ParamSpec("kind", "String", "", "regression, recovered or degraded_worker (empty: all)"),
          _limit(1000)),
         "jobs slower (or back) against their own past: when it began, by how much, what moved, newest first",
@@ -342,7 +342,7 @@ _QUERIES = [
         "SELECT attempt, window_id, first_step, end_ns, optype, seconds FROM window_profiles "
         "WHERE job_id = {job_id:String} AND dp_rank = -1 "
         "AND ({optype:String} = '' OR optype = {optype:String}) "
-        "ORDER BY end_ns, optype LIMIT {limit:UInt64}",
+        "ORDER BY end_ns, attempt, window_id, optype LIMIT {limit:UInt64}",
         (_job_required(), ParamSpec("optype", "String", "", "only this op type; 'step' is the step time (empty: "
                                                              "all)"), _limit(100_000)),
         "a job's history per window: its step time and each op type's time per step, oldest first",
@@ -351,7 +351,7 @@ _QUERIES = [
         "lemon_hosts",
         "SELECT host, label, lemon, jobs, incidents, gpu_hours, expected_jobs, p_value, evidence_json, scored_ns, "
         "period_s FROM lemon_hosts WHERE scored_ns = (SELECT max(scored_ns) FROM lemon_hosts) "
-        "AND ({lemons_only:Int8} = 0 OR lemon) ORDER BY lemon DESC, p_value, jobs DESC LIMIT {limit:UInt64}",
+        "AND ({lemons_only:Int8} = 0 OR lemon) ORDER BY lemon DESC, p_value, jobs DESC, host LIMIT {limit:UInt64}",
         (ParamSpec("lemons_only", "Int8", 0, "1: only the hosts called lemons"), _limit(1000)),
         "hosts implicated across jobs, lemons first, from the latest scoring pass (lemons.every_s)",
     ),
@@ -360,7 +360,7 @@ _QUERIES = [
         "lemon_job_hours",
         "SELECT job_id, attempt, sum(gpu_hours) AS gpu_hours FROM windows "
         "WHERE analyzed_ns >= {since:Int64} AND analyzed_ns < {until:Int64} AND isFinite(slowdown) "
-        "GROUP BY job_id, attempt LIMIT {limit:UInt64}",
+        "GROUP BY job_id, attempt ORDER BY job_id, attempt LIMIT {limit:UInt64}",
         (SINCE, UNTIL, _limit(10_000_000)),
         "GPU-hours per job attempt analysed in a period (a host's exposure is its ranks' share)",
     ),
@@ -370,7 +370,7 @@ _QUERIES = [
         "max(s_w) AS top_s_w, max(analyzed_ns) AS at_ns FROM worker_slowdown ALL INNER JOIN ("
         "SELECT job_id, attempt, window_id, analyzed_ns FROM windows WHERE analyzed_ns >= {since:Int64} "
         "AND analyzed_ns < {until:Int64} AND verdict = 'worker') AS w USING (job_id, attempt, window_id) "
-        "WHERE step = -1 GROUP BY job_id, attempt, window_id LIMIT {limit:UInt64}",
+        "WHERE step = -1 GROUP BY job_id, attempt, window_id ORDER BY job_id, attempt, window_id LIMIT {limit:UInt64}",
         (SINCE, UNTIL, _limit(10_000_000)),
         "the slowest worker of each window whose main verdict is a slow worker, in a period",
     ),
@@ -379,7 +379,7 @@ _QUERIES = [
         "SELECT job_id, attempt, dp_rank, pp_rank, min(rank) AS worker_rank FROM window_profiles "
         "WHERE dp_rank >= 0 AND rank >= 0 AND (job_id, attempt) IN (SELECT job_id, attempt FROM windows "
         "WHERE analyzed_ns >= {since:Int64} AND analyzed_ns < {until:Int64}) "
-        "GROUP BY job_id, attempt, dp_rank, pp_rank LIMIT {limit:UInt64}",
+        "GROUP BY job_id, attempt, dp_rank, pp_rank ORDER BY job_id, attempt, dp_rank, pp_rank LIMIT {limit:UInt64}",
         (SINCE, UNTIL, _limit(10_000_000)),
         "the rank that reported each worker's spans, for the jobs analysed in a period",
     ),
@@ -388,14 +388,15 @@ _QUERIES = [
         "SELECT job_id, attempt, rank, host FROM rank_hosts WHERE (job_id, attempt) IN (SELECT job_id, attempt "
         "FROM windows WHERE analyzed_ns >= {since:Int64} AND analyzed_ns < {until:Int64}) "
         "OR (job_id, attempt) IN (SELECT job_id, attempt FROM hangs WHERE hang_id >= {since:Int64} "
-        "AND hang_id < {until:Int64}) LIMIT {limit:UInt64}",
+        "AND hang_id < {until:Int64}) ORDER BY job_id, attempt, rank, host LIMIT {limit:UInt64}",
         (SINCE, UNTIL, _limit(10_000_000)),
         "where each rank of the jobs analysed (or hung) in a period ran",
     ),
     NamedQuery(
         "lemon_hangs",
         "SELECT job_id, attempt, hang_id, kind, suspect_hosts, duration_s FROM hangs "
-        "WHERE hang_id >= {since:Int64} AND hang_id < {until:Int64} AND suspect_hosts != '' LIMIT {limit:UInt64}",
+        "WHERE hang_id >= {since:Int64} AND hang_id < {until:Int64} AND suspect_hosts != '' "
+        "ORDER BY hang_id, job_id LIMIT {limit:UInt64}",
         (SINCE, UNTIL, _limit(1_000_000)),
         "hangs and node losses with the hosts they suspect, in a period",
     ),
@@ -403,7 +404,7 @@ _QUERIES = [
         "lemon_degraded_workers",
         "SELECT job_id, attempt, window_id, scope, change, found_ns FROM regressions "
         "WHERE kind = 'degraded_worker' AND found_ns >= {since:Int64} AND found_ns < {until:Int64} "
-        "LIMIT {limit:UInt64}",
+        "ORDER BY found_ns, job_id, scope LIMIT {limit:UInt64}",
         (SINCE, UNTIL, _limit(1_000_000)),
         "workers found over their own best, in a period",
     ),

@@ -34,7 +34,8 @@ def test_trace_prints_the_verdict_of_a_slowed_pipeline(tmp_path):
     assert "== stragglerscope: job pipe-slow (attempt 0) ==" in r.stdout
     assert "4 ranks, layout dp=2 pp=2" in r.stdout
     window8 = r.stdout.split("window 8 ")[1]
-    assert "verdict  worker" in window8 and "top workers  dp 0 pp 0" in window8, r.stdout
+    assert "verdict  Slow worker: Worker dp0/pp0 is the straggler" in window8, r.stdout
+    assert "top workers  dp 0 pp 0" in window8, r.stdout
     assert "stragglerscope console --store" in r.stderr
     # The store keeps what was printed.
     q = subprocess.run([sys.executable, "-m", "stragglerscope", "sql", "job_windows", "--param", "job_id=pipe-slow",

@@ -62,18 +62,6 @@ def step_time(out: Path) -> float:
     return statistics.median(json.loads((out / "rank0.json").read_text())["step_times"][WINDOW:WINDOW + 6])
 
 
-@pytest.fixture(scope="module")
-def fleet(broker, tmp_path_factory):
-    """A real `stragglerscope run` on the session broker, its chDB store behind the daemon."""
-    from tests.fleet import fleet_config, start_fleet, stop_fleet
-
-    d = tmp_path_factory.mktemp("foreign-fleet")
-    cfg = fleet_config(d, broker.bootstrap)
-    proc, store = start_fleet(cfg, d / "run.log")
-    yield cfg, store
-    stop_fleet(proc, store)
-
-
 def registration(store, job: str) -> dict:
     (row,) = store.query(f"SELECT dp_size, pp_size, tp_size, layout_source, layout_problem, tokens_per_step, "
                          f"flops_per_token, params FROM jobs WHERE job_id = '{job}'").to_pylist()

@@ -76,18 +76,6 @@ def step_time(out: Path) -> float:
     return statistics.median(json.loads((out / "rank0.json").read_text())["step_times"][WINDOW:WINDOW + 6])
 
 
-@pytest.fixture(scope="module")
-def fleet(broker, tmp_path_factory):
-    """A real `stragglerscope run` on the session broker, its chDB store behind the daemon."""
-    from tests.fleet import fleet_config, start_fleet, stop_fleet
-
-    d = tmp_path_factory.mktemp("trace-fleet")
-    cfg = fleet_config(d, broker.bootstrap)
-    proc, store = start_fleet(cfg, d / "run.log")
-    yield cfg, store
-    stop_fleet(proc, store)
-
-
 def wait_window(store, job: str, timeout=120) -> dict:
     deadline = time.monotonic() + timeout
     while not store.window_stored((job, 0, WINDOW)):

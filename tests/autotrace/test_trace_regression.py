@@ -35,17 +35,6 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def fleet(broker, tmp_path_factory):
-    from tests.fleet import fleet_config, start_fleet, stop_fleet
-
-    d = tmp_path_factory.mktemp("regression-fleet")
-    cfg = fleet_config(d, broker.bootstrap)
-    proc, store = start_fleet(cfg, d / "run.log")
-    yield cfg, store
-    stop_fleet(proc, store)
-
-
 def wait_rows(store, sql: str, timeout: float = 120.0) -> list[dict]:
     deadline = time.monotonic() + timeout
     while True:

@@ -341,7 +341,7 @@ LEGIT = [
      "greatest(slowdown, 1.3) AS g, coalesce(NULL, slowdown) AS c FROM windows WHERE job_id NOT IN ('zz', 'yy') "
      "AND job_id LIKE '%' ORDER BY job_id LIMIT 2", None, 2, None),
     ("SHOW TABLES", None, None, None),
-    ("SHOW TABLES LIKE 'win%'", None, 2, None),
+    ("SHOW TABLES LIKE 'windows%'", None, 2, None),
     ("DESCRIBE TABLE windows", None, None, None),
     ("EXISTS TABLE windows", None, 1, None),
     ("SHOW CREATE TABLE windows", None, 1, None),

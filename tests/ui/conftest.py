@@ -73,7 +73,7 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
         [row] = hangs.to_pylist()
         by_kind["alert"].append(codec.from_rows(S.ALERT, rules.evaluate_hang(row, 0.0, now)))
     # ui-003 got slower against its own past from its last window: a regression as the pipeline stores it.
-    (w0, *_, w1) = sorted(t["window_id"][0].as_py() for t in by_kind["window"] if t["job_id"][0].as_py() == "ui-003")
+    w1 = max(t["window_id"][0].as_py() for t in by_kind["window"] if t["job_id"][0].as_py() == "ui-003")
     by_kind["regression"] = [codec.from_rows(S.REGRESSION, [dict(
         job_id="ui-003", kind="regression", attempt=0, window_id=w1, began_window=w1, began_step=w1, change=0.18,
         before_s=1.0, after_s=1.18, optypes_json='{"grads-reduce-scatter": 0.85}', scope="every worker",

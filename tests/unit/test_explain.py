@@ -102,6 +102,8 @@ def test_windows_without_a_verdict_say_why():
     none = X.explain_window({"verdict": "", "verdicts_json": "[]", "slowdown": 1.012})[0]
     assert none.title == "No straggling"
     assert none.sentence.startswith("The job runs 1.2% slower than its ideal (S = 1.012): below 1.05")
+    slow = X.explain_window({"verdict": "", "verdicts_json": "[]", "slowdown": 1.871})[0]
+    assert slow.title == "No single cause" and "below" not in slow.sentence, slow  # never "S = 1.87: below 1.05"
     assert X.explain_window({"verdict": "", "slowdown": float("nan"), "note": "n"})[0].title == "Not analysed"
 
 
