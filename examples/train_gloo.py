@@ -14,6 +14,9 @@ inside every forward and backward compute of rank R; ``--control`` spreads the
 same total delay evenly (D / W on every worker), which is what the what-if
 ideal executes (WHATIF.md section 7). ``--stop-rank R --stop-at-step N``
 makes rank R SIGSTOP itself (a hung rank, for the hang detector).
+``--checkpoint-at-step N --checkpoint-s S`` has every rank save a checkpoint
+that takes S seconds before step N (told to the exporter with
+``checkpointing``): a long stall that is not a hang.
 
 On 2 cores: each DP replica is pinned to one core, one thread per process,
 automatic GC off during measured steps (all as the issue asks for stable timings).
@@ -200,6 +203,9 @@ def worker(rank: int, args: argparse.Namespace) -> None:
     for step in range(args.steps):
         if args.stop_rank == rank and step == args.stop_at_step:
             os.kill(os.getpid(), signal.SIGSTOP)
+        if step == args.checkpoint_at_step:
+            with exp.checkpointing(step - 1):
+                time.sleep(args.checkpoint_s)  # a save of a large model to slow storage
         t0 = time.perf_counter()
         with exp.step(step):
             run_step(True, step)
@@ -248,6 +254,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--control", action="store_true", help="spread the delay over all workers (delay / W each)")
     p.add_argument("--stop-rank", type=int, default=-1, help="rank that SIGSTOPs itself")
     p.add_argument("--stop-at-step", type=int, default=-1)
+    p.add_argument("--checkpoint-at-step", type=int, default=-1, help="every rank saves a checkpoint here")
+    p.add_argument("--checkpoint-s", type=float, default=0.0, help="how long the checkpoint save takes")
     p.add_argument("--heartbeat-s", type=float, default=1.0)
     p.add_argument("--hang-dump-s", type=float, default=5.0)
     p.add_argument("--dist-timeout", type=float, default=120.0)
