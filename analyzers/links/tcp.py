@@ -149,6 +149,9 @@ class TcpParams:
     coupled_rate: float = 2.0
     """Of the slow flows, those over this many times the slowest one's rate ...
     (measured: the slowest run at the fault's rate, the ones waiting for them in the same ring 2.4-3x it)"""
+    receiver_bound: float = 0.5
+    """A flow busy this share of its time or more limited by the receiver's window waited for the receiving
+    process to read, not for the network (a healthy pipeline's p2p flows while the next stage computes)."""
     coupled_busy: float = 0.3
     """... or busy under this share of the busiest one's time are held back by the bottleneck, not through it."""
     data_tie: float = 0.85
@@ -176,7 +179,11 @@ def judge_flows(fl: list[Flow], params: TcpParams = TcpParams()) -> list[FlowVer
     for i, f in enumerate(fl):
         others = float(np.nanmedian(np.delete(rate, i)))
         ratio = others / f.rate if f.rate > 0 else math.nan
-        if (f.busy_fraction >= params.bottleneck_busy and f.busy_fraction >= params.busy_over_median * med_busy
+        if f.busy_s > 0 and f.rwnd_s >= params.receiver_bound * f.busy_s:
+            # Busy because the receiving process did not read (its compute; a pipeline stage sends
+            # activations ahead of the next stage's recv): the receiver's window, not the network.
+            status = "unknown"
+        elif (f.busy_fraction >= params.bottleneck_busy and f.busy_fraction >= params.busy_over_median * med_busy
                 and f.rate <= params.slow_rate * others):
             status = "slow"
         elif f.rate >= params.healthy_rate * med_rate:
