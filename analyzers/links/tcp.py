@@ -149,6 +149,9 @@ class TcpParams:
     coupled_rate: float = 2.0
     """Of the slow flows, those over this many times the slowest one's rate ...
     (measured: the slowest run at the fault's rate, the ones waiting for them in the same ring 2.4-3x it)"""
+    bottleneck_most: float = 0.5
+    """... and the busiest of the slow flows busy at least this share of the time: a throttled path is busy
+    nearly always (0.66-0.99 in every measured fault of tests/diagnosis/data), a healthy one waits."""
     receiver_bound: float = 0.5
     """A flow busy this share of its time or more limited by the receiver's window waited for the receiving
     process to read, not for the network (a healthy pipeline's p2p flows while the next stage computes)."""
@@ -191,9 +194,14 @@ def judge_flows(fl: list[Flow], params: TcpParams = TcpParams()) -> list[FlowVer
         else:
             status = "unknown"
         out.append(FlowVerdict(f, status, ratio))
+    slow = [v.flow for v in out if v.status == "slow"]
+    if slow and max(f.busy_fraction for f in slow) < params.bottleneck_most:
+        # No flow was busy most of the time: nothing throttles the window's traffic (a healthy pipeline's
+        # p2p flow, busy a third of the step while the next stage computes, named "link 0>2" at 0.99).
+        out = [dataclasses.replace(v, status="unknown") if v.status == "slow" else v for v in out]
+        slow = []
     # A synchronous job's flows wait for one another: those behind the bottleneck slow down too (busy less,
     # at a few times its rate). They are neither the fault nor healthy.
-    slow = [v.flow for v in out if v.status == "slow"]
     if len(slow) > 1:
         slowest = min(f.rate for f in slow)
         busiest = max(f.busy_fraction for f in slow)
