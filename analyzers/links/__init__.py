@@ -92,7 +92,10 @@ def _weigh_by_flows(measured: list[LinkFault], verdicts: list[FlowVerdict], tcp_
         ends = {r for f in tcp_network for r in (f.src, f.dst) if r >= 0}
         return [f for f in measured if f.kind == "noncomm_slow" and f.src not in ends]
     judged = [v for v in verdicts if v.status != "unknown"]
-    if judged and all(v.status == "ok" for v in judged):
+    # A flow busy like a bottleneck that the flows could not confirm (tcp.TcpParams.bottleneck_most) leaves
+    # the times' own finding as it is: the kernel's account neither names nor clears it.
+    undecided = any(v.status == "unknown" and v.flow.busy_fraction >= TcpParams().bottleneck_busy for v in verdicts)
+    if judged and all(v.status == "ok" for v in judged) and not undecided:
         return [f if f.kind == "noncomm_slow" else dataclasses.replace(
             f, confidence=min(f.confidence, CCL_ONLY_CAP),
             evidence={**f.evidence, "tcp": "every transfer between the ranks was healthy in the kernel's counters"})
