@@ -22,7 +22,7 @@ import pyarrow as pa
 from analyzers.hang import hang_summary
 from core import codec, jsonutil
 from core import schema as S
-from analyzers.explain import title
+from analyzers.explain import title, verdicts_of
 from core.config import AlertConfig
 from ray_jobs.checkpoint import Clock, Unit
 
@@ -57,10 +57,9 @@ class AlertRules:
             if self._fire(job, "slowdown", now):
                 sev = "critical" if s >= 1.5 else "warning"
                 why = f" ({title(row['verdict']).lower()})" if row["verdict"] else ""
-                if '"hardware"' in row.get("verdicts_json", ""):  # what the slow worker's GPU says (NVML)
-                    hw = next((v["hardware"]["sentence"] for v in json.loads(row["verdicts_json"])
-                               if v.get("hardware")), "")
-                    why = f" ({title(row['verdict']).lower()}; its GPU: {hw})" if hw else why
+                hw = next((v["hardware"]["sentence"] for v in verdicts_of(row) if v.get("hardware")), "")
+                if hw:  # what the slow worker's GPU says against its peers' (NVML)
+                    why = f" ({title(row['verdict']).lower()}; its GPU: {hw})"
                 alerts.append(dict(
                     base, alert_id=f"{job}/{row['attempt']}/slowdown/{row['window_id']}", rule="slowdown",
                     severity=sev,

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import logging
 import re
 import time
 from collections import defaultdict
 
 from analyzers.lemons import Incident, LemonParams, lemon_hosts
-from core import codec
+from core import codec, jsonutil
 from core import schema as S
 
 log = logging.getLogger(__name__)
@@ -107,7 +106,7 @@ class LemonWatch:
         self.store.insert("lemon_host", codec.from_rows(S.LEMON_HOST, [dict(
             host=s.host, scored_ns=now_ns, period_s=self.period_s, label=self.labels.get(s.host, ""),
             jobs=s.jobs, incidents=s.incidents, gpu_hours=s.gpu_hours, expected_jobs=s.expected_jobs,
-            p_value=s.p_value, lemon=s.lemon, evidence_json=json.dumps(s.evidence)) for s in scores]))
+            p_value=s.p_value, lemon=s.lemon, evidence_json=jsonutil.dumps(s.evidence)) for s in scores]))
         new = [s for s in scores if s.lemon and s.host not in self.lemons]
         self.lemons = {s.host for s in scores if s.lemon}
         if new:
@@ -125,7 +124,7 @@ def _alert(s, now_ns: int, labels: dict) -> dict:
         summary=(f"host {s.host}{where} is a lemon: {s.jobs} jobs implicated it ({s.incidents} findings) where "
                  f"{s.expected_jobs:.2f} were expected for its {s.gpu_hours:.1f} GPU-hours; jobs "
                  f"{', '.join(jobs[:5])}{' and more' if len(jobs) > 5 else ''}; latest: {last['what']}"),
-        details_json=json.dumps({"host": s.host, "jobs": s.jobs, "incidents": s.incidents, "gpu_hours": s.gpu_hours,
+        details_json=jsonutil.dumps({"host": s.host, "jobs": s.jobs, "incidents": s.incidents, "gpu_hours": s.gpu_hours,
                                  "expected_jobs": s.expected_jobs, "p_value": s.p_value}),
     )
 

@@ -64,7 +64,7 @@ def diagnose_window(ccl: pa.Table, params: LinkParams = LinkParams(),
         observations = p2p_observations(rest) + collective_observations(rest, measured)
         judge(observations, measured)
         faults += _weigh_by_flows(comm_faults(observations, measured) + late_senders(observations, measured),
-                                  verdicts, faults)
+                                  verdicts, faults, tcp_params)
     faults.sort(key=lambda f: (-f.confidence, -f.slowdown))
     return LinkDiagnosis(faults, edges, observations, verdicts)
 
@@ -75,8 +75,8 @@ CCL_ONLY_CAP = 0.3
 """Most confidence a finding from enter and exit times keeps where the kernel saw every transfer healthy."""
 
 
-def _weigh_by_flows(measured: list[LinkFault], verdicts: list[FlowVerdict], tcp_faults: list[LinkFault]
-                    ) -> list[LinkFault]:
+def _weigh_by_flows(measured: list[LinkFault], verdicts: list[FlowVerdict], tcp_faults: list[LinkFault],
+                    tcp_params: TcpParams = TcpParams()) -> list[LinkFault]:
     """Findings from enter and exit times, weighed against the kernel's account of the same transfers.
 
     Enter and exit times see a transfer slow when either end was late to it (a CPU hiccup on a shared host
@@ -94,7 +94,7 @@ def _weigh_by_flows(measured: list[LinkFault], verdicts: list[FlowVerdict], tcp_
     judged = [v for v in verdicts if v.status != "unknown"]
     # A flow busy like a bottleneck that the flows could not confirm (tcp.TcpParams.bottleneck_most) leaves
     # the times' own finding as it is: the kernel's account neither names nor clears it.
-    undecided = any(v.status == "unknown" and v.flow.busy_fraction >= TcpParams().bottleneck_busy for v in verdicts)
+    undecided = any(v.status == "unknown" and v.flow.busy_fraction >= tcp_params.bottleneck_busy for v in verdicts)
     if judged and all(v.status == "ok" for v in judged) and not undecided:
         return [f if f.kind == "noncomm_slow" else dataclasses.replace(
             f, confidence=min(f.confidence, CCL_ONLY_CAP),
