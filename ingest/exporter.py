@@ -60,6 +60,16 @@ _CHAIN_MAX_NS = 10 * 10**9
 and the host's clocks drift apart by some parts per million."""
 
 
+class _GpuCall:
+    """A collective's record waiting for its GPU events: ``start`` where the GPU reached the call, ``end``
+    where the collective was done."""
+
+    __slots__ = ("start", "end", "ref", "row")
+
+    def __init__(self, start, end, ref, row: dict):
+        self.start, self.end, self.ref, self.row = start, end, ref, row
+
+
 class _StepAnchor:
     """Where a sampled step's reference event sits on the host clock; the step's CUDA spans are placed by it.
 
@@ -340,12 +350,25 @@ class RankExporter:
         self._inflight = (op, group, seq, self.now_ns())
         return self.now_ns()
 
+    def gpu_mark(self):
+        """An event recorded on the current stream now, for a collective on device tensors (None outside
+        sampled steps or without CUDA). NCCL returns from a call at once, so the host's enter and exit say
+        nothing of the collective; this event completes when the GPU reached the call, and ``ccl_exit``'s
+        when the collective was done (after the call, or ``wait()``, the current stream waits on NCCL's)."""
+        if self._cuda is None or self._window is None:
+            return None
+        ev = self._event()
+        ev.record()
+        return ev
+
     def ccl_exit(self, op: str, group: str, group_ranks: list[int], seq: int, enter_ns: int, nbytes: int,
                  peers: list[int], algorithm: str = "", peer_transfer_ns: list[int] | None = None,
-                 peer_bytes: list[int] | None = None, recv_wait_ns: int = -1) -> None:
+                 peer_bytes: list[int] | None = None, recv_wait_ns: int = -1, gpu_enter=None) -> None:
         """Record one call's exit. ``peer_transfer_ns`` and ``peer_bytes`` (one per peer) and
         ``recv_wait_ns`` only where the collective library timed each peer itself (a profiler plugin):
-        the link diagnosis then reads its matrix directly (analyzers/links/reported.py)."""
+        the link diagnosis then reads its matrix directly (analyzers/links/reported.py). ``gpu_enter``
+        (``gpu_mark`` at the call): the record's enter and exit are the GPU's, placed on the host clock by
+        the resolver thread as op spans are."""
         if peer_transfer_ns is not None and len(peer_transfer_ns) != len(peers):
             raise ValueError(f"{len(peer_transfer_ns)} per-peer transfer times for {len(peers)} peers")
         exit_ns = self.now_ns()
@@ -361,6 +384,11 @@ class RankExporter:
             enter_ns=enter_ns, exit_ns=exit_ns, peers=list(peers), peer_transfer_ns=list(peer_transfer_ns or []),
             peer_bytes=list(peer_bytes or []), recv_wait_ns=recv_wait_ns,
         )
+        if gpu_enter is not None and self._cuda is not None:
+            end = self._event()
+            end.record()
+            self._pending_cuda.put(_GpuCall(gpu_enter, end, self._step_ref, row))
+            return
         with self._lock:
             self._ccl.append(row)
 
@@ -450,7 +478,8 @@ class RankExporter:
     @staticmethod
     def _ready_before(item: tuple, due: float) -> bool:
         """Whether the item's last event completes before ``due`` (polled: ``synchronize`` cannot time out)."""
-        last = item.ev if isinstance(item, _StepAnchor) else item[0] if isinstance(item[1], int) else item[1]
+        last = item.ev if isinstance(item, _StepAnchor) else item.end if isinstance(item, _GpuCall) \
+            else item[0] if isinstance(item[1], int) else item[1]
         try:
             while not last.query():
                 if time.monotonic() >= due:
@@ -481,6 +510,9 @@ class RankExporter:
             log.warning("CUDA step anchor failed: %s", e)
 
     def _resolve(self, item: tuple, batch: list[tuple]) -> None:
+        if isinstance(item, _GpuCall):
+            self._resolve_call(item)
+            return
         start, end, ref, meta = item
         try:
             if isinstance(end, int):  # a host-timed op placed on the stream: ``end`` is its duration
@@ -494,6 +526,20 @@ class RankExporter:
         except Exception as e:
             self.stats.errors += 1
             log.warning("CUDA event resolution failed: %s", e)
+
+    def _resolve_call(self, item: "_GpuCall") -> None:
+        """A collective's GPU enter and exit, on the host clock: sent with the ops resolved with it."""
+        try:
+            item.end.synchronize()
+            ref = item.ref
+            t0 = ref.perf_ns + int(ref.ev.elapsed_time(item.start) * 1e6)
+            t1 = t0 + max(0, int(item.start.elapsed_time(item.end) * 1e6))
+            row = dict(item.row, enter_ns=self._to_job_clock(t0), exit_ns=self._to_job_clock(t1))
+            with self._lock:
+                self._ccl.append(row)
+        except Exception as e:
+            self.stats.errors += 1
+            log.warning("CUDA event resolution of a collective failed: %s", e)
 
     # -- checkpoints --------------------------------------------------------
     def checkpoint(self, step: int, kind: str = "save", *, start_ns: int | None = None,

@@ -9,6 +9,10 @@ the hang detector see who never entered collective n), counts the bytes, tells
 the exporter the op is in flight, calls the original and records the exit.
 Async calls (``isend``, ``irecv``, ``batch_isend_irecv``, ``async_op=True``)
 record their exit when the returned work is waited on (or found completed).
+On CUDA tensors (NCCL), where every call returns at once, the record's enter
+and exit are GPU events on the calling stream: before the call (the GPU
+reached it) and at its exit or ``wait()`` (the stream then waits for the
+collective), resolved off the training thread (``RankExporter.gpu_mark``).
 The functional collectives (``torch.distributed._functional_collectives``,
 what DTensor and tensor parallelism call) are wrapped too; their exit is the
 first wait on the ``AsyncCollectiveTensor`` they return.
@@ -81,6 +85,7 @@ class Call:
     is_async: bool = False
     note: Any = None         # the observer's own state for this call
     via: list[int] | None = None  # a P2P call's process group (its ranks), None for the default group
+    gpu_enter: Any = None    # on device tensors: the event where the GPU reached the call (exporter.gpu_mark)
 
 
 def _nbytes(x: Any) -> int:
@@ -90,6 +95,13 @@ def _nbytes(x: Any) -> int:
         return int(x.numel() * x.element_size())
     except (AttributeError, TypeError, RuntimeError):
         return 0
+
+
+def _on_device(x: Any) -> bool:
+    """A CUDA tensor (or a list of them): NCCL's, whose calls return before the collective runs."""
+    if isinstance(x, (list, tuple)):
+        return bool(x) and _on_device(x[0])
+    return getattr(getattr(x, "device", None), "type", None) == "cuda"
 
 
 def _on_cpu(x: Any) -> bool:
@@ -234,6 +246,8 @@ def instrument_distributed(exporter: RankExporter, observer: Any = None) -> Call
 
     def enter(call: Call) -> Call:
         exporter.ccl_enter(call.op, call.group, call.ranks, call.seq)
+        if _on_device(call.tensor):
+            call.gpu_enter = exporter.gpu_mark()
         if observer is not None:
             observer.on_enter(call)
         return call
@@ -247,7 +261,8 @@ def instrument_distributed(exporter: RankExporter, observer: Any = None) -> Call
     def make_done(call: Call) -> Callable[[], None]:
         def done():
             try:
-                exporter.ccl_exit(call.op, call.group, call.ranks, call.seq, call.enter_ns, call.nbytes, call.peers)
+                exporter.ccl_exit(call.op, call.group, call.ranks, call.seq, call.enter_ns, call.nbytes, call.peers,
+                                  gpu_enter=call.gpu_enter)
                 if observer is not None:
                     observer.on_exit(call)
             except Exception as e:

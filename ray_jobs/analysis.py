@@ -120,7 +120,7 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
                                               [times["actual"][s] for s in steps],
                                               [times["ideal"].get(s, float("nan")) for s in steps])
     out = to_tables(result, key)
-    out["window_profile"] = window_profile(ops, row)
+    out["window_profile"] = window_profile(ops, row, typical_step_s(times["actual"]))
     if verdicts or links["link_fault"].num_rows:
         remedies = _remedies(ops, info, result, links["link_fault"], key)
         if remedies is not None:
@@ -128,15 +128,25 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
     return _tables(row, links, out)
 
 
-def window_profile(ops: pa.Table, row: dict) -> pa.Table:
-    """Where the window's time went (WINDOW_PROFILE): the job's step time, each op type's time per step
+def typical_step_s(actual: dict[int, float]) -> float:
+    """A window's step time in the job's history: the median of its steps. The first steps after a change
+    carry one-off costs (a bigger all-reduce's buffers allocated, a warm-up, a checkpoint): in their mean,
+    one 2.5x step in a window of four made a +25% regression read +60% (tests/autotrace/test_trace_regression)."""
+    v = [t for t in actual.values() if t == t and t > 0]
+    return float(np.median(v)) if v else float("nan")
+
+
+def window_profile(ops: pa.Table, row: dict, step_s: float | None = None) -> pa.Table:
+    """Where the window's time went (WINDOW_PROFILE): the job's step time (``step_s``, else the window's mean
+    actual step time), each op type's time per step
     (summed over a worker's ops, averaged over workers and steps) and each worker's ops' time per step.
 
     The history a job's regressions are found in (``ray_jobs.regressions``): a step that got slower says
     which op types and which workers took the extra time. Only for an analysed window (its step time is
     the what-if's actual one).
     """
-    step_s = row["step_time_actual"]
+    if step_s is None or not step_s == step_s:
+        step_s = row["step_time_actual"]
     if ops.num_rows == 0 or not step_s == step_s:
         return codec.empty(S.WINDOW_PROFILE)
     dp = ops["dp_rank"].to_numpy().astype(np.int64)

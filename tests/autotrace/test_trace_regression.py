@@ -19,6 +19,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.autotrace.test_trace_frameworks import torchrun
@@ -31,7 +32,7 @@ SAMPLE, EVERY = "4/4", 4          # every step profiled, a window per 4 steps
 STEPS, ONSET = 64, 36             # windows 0..60; the change begins with window 36
 CASES = {
     "compute": (["--slower-compute", "1.4"], "compute", ("forward-compute", "backward-compute")),
-    "communication": (["--slower-allreduce-mb", "24"], "communication", ("grads-reduce-scatter",)),
+    "communication": (["--slower-allreduce-mb", "32"], "communication", ("grads-reduce-scatter",)),
 }
 
 
@@ -72,7 +73,15 @@ def test_a_job_slower_on_every_rank_is_alerted_with_what_moved(case, fleet, tmp_
     (reg,) = found
     assert ONSET - EVERY <= reg["began_window"] <= ONSET + EVERY, report
     assert reg["window_id"] <= reg["began_window"] + 2 * EVERY, f"not within 3 windows: {report}"
-    assert abs(reg["change"] - measured) <= 0.5 * measured, report
+    # The change it reports is the level of the windows it had seen wholly after the onset, against the
+    # baseline: measured the same way on rank 0's own clock. (Not the rest of the run: right after the
+    # all-reduce grew, gloo's steps ran at +55-70% for a dozen steps, then settled at +25-35%.)
+    def level(lo, hi):
+        return float(np.median(times[lo:hi]))
+
+    settled_from = reg["began_step"] + (EVERY if reg["window_id"] > reg["began_window"] else 0)
+    seen = level(settled_from, reg["window_id"] + EVERY) / level(8, ONSET) - 1
+    assert abs(reg["change"] - seen) <= 0.5 * seen, f"{report}; rank 0 over the same steps: {seen:+.1%}"
     shares = json.loads(reg["optypes_json"])
     assert max(shares, key=shares.get) in optypes, report
     assert f": {category}" in reg["summary"] and reg["scope"] == "every worker", report

@@ -9,7 +9,7 @@ from core import codec
 from core import schema as S
 from core.config import AlertConfig, Config
 from ray_jobs.alerts import AlertReducer, AlertRules
-from ray_jobs.analysis import window_profile
+from ray_jobs.analysis import typical_step_s, window_profile
 from ray_jobs.regressions import RegressionReducer, params_of
 from ray_jobs.state import decode, encode
 from tests.fakes import ManualClock
@@ -47,6 +47,26 @@ def test_the_profile_holds_the_step_each_op_type_and_each_worker():
     assert abs(job["backward-compute"] - 0.020) < 0.001 and abs(job["step"] - sum(OPS.values())) < 0.002
     workers = {(r["dp_rank"], r["pp_rank"]) for r in rows if r["dp_rank"] >= 0}
     assert workers == {(0, 0), (1, 0), (0, 1), (1, 1)}
+
+
+def test_a_one_off_slow_step_does_not_set_the_level_of_a_change():
+    """The first step after a change pays one-off costs (seen: 434 ms, then 306 ms, then 220 ms steps after an
+    all-reduce grew): the window's level is its median step, so the change is the lasting one (+25%), not
+    the first window's mean (+60%)."""
+    rng = np.random.default_rng(2)
+    clock = ManualClock()
+    reducer = RegressionReducer(clock, params_of(Config().regression))
+    for i in range(16):
+        steps = {i * 4 + k: 0.175 * (1.25 if i >= 9 else 1.0) * float(np.exp(rng.normal(0, 0.01))) for k in range(4)}
+        if i == 9:
+            steps[36], steps[37] = 0.45, 0.31
+        ops = ops_of("j", i * 4, rng)
+        row = dict(job_id="j", attempt=0, window_id=i * 4, first_step=i * 4, end_ns=(i * 4 + 4) * 10**9,
+                   step_time_actual=float(np.mean(list(steps.values()))))
+        reducer.add("window_profile", window_profile(ops, row, typical_step_s(steps)))
+    rows = [r for u in reducer.due(0.0) for r in u.tables["regression"].to_pylist() if r["kind"] == "regression"]
+    (reg,) = rows
+    assert reg["began_window"] == 36 and abs(reg["change"] - 0.25) < 0.05, reg
 
 
 def test_a_communication_regression_is_stored_alerted_and_survives_a_restart():

@@ -1,0 +1,82 @@
+"""Collectives on GPUs, where NCCL returns from every call at once: the records' times are the GPU's.
+
+Four real processes on the fake NCCL device (``tests/nccl_fake.py``: streams in order, events, calls that
+return at once, collectives that complete when every member's stream reached them, through real gloo),
+with the real exporter and ``ingest.torch_ccl``. Host-timed, every record of such a job is empty (enter and
+exit microseconds apart, whoever was late): the link diagnosis sees nothing. GPU-timed, a late rank and a
+slow link are named as on gloo, and the control stays silent. (Grouped p2p, ``batch_isend_irecv``, is one
+NCCL kernel: every op of a group ends with the group, so a ring's slow link couples its neighbours'
+records; per-peer times there need the collective library's own timing, ``analyzers/links/reported.py``.)
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from analyzers.links import diagnose_window
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("nccl_fake_worker.py")
+
+
+def run_job(tmp_path, scenario: str, timing: str = "gpu", world: int = 4) -> pa.Table:
+    pytest.importorskip("torch")
+    from services.ports import free_fixed_port
+
+    port = free_fixed_port()
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), str(tmp_path), scenario,
+                               timing], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=120))
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return pa.concat_tables([pa.ipc.open_file(tmp_path / f"rank{r}.arrow").read_all() for r in range(world)])
+
+
+def durations_ms(ccl: pa.Table, op: str) -> np.ndarray:
+    t = ccl.filter(pa.compute.equal(ccl["op"], op))
+    return (t["exit_ns"].to_numpy() - t["enter_ns"].to_numpy()) / 1e6
+
+
+def test_host_timed_records_of_nccl_calls_are_empty(tmp_path):
+    """The failure as reported: the calls return at once, so every record is empty and nothing is named."""
+    ccl = run_job(tmp_path, "late", timing="host")
+    assert np.median(durations_ms(ccl, "all_reduce")) < 1.0
+    assert not [f for f in diagnose_window(ccl).faults if f.confidence >= 0.3]
+
+
+def test_a_late_rank_is_named_from_the_gpu_times(tmp_path):
+    ccl = run_job(tmp_path, "late")
+    assert ccl.num_rows == 4 * 8 and len(set(ccl["rank"].to_pylist())) == 4
+    d = durations_ms(ccl, "all_reduce")
+    on_time = d[np.asarray(ccl["rank"].to_pylist())[np.asarray(ccl["op"].to_pylist()) == "all_reduce"] != 2]
+    assert np.median(on_time) >= 30.0, d  # they waited for rank 2's 40 ms on the GPU
+    faults = diagnose_window(ccl).faults
+    top = faults[0] if faults else None
+    assert top is not None and (top.kind, top.src) == ("noncomm_slow", 2) and top.confidence >= 0.5, faults
+
+
+def test_a_slow_link_is_named_and_the_control_stays_silent(tmp_path):
+    """A 4-stage chain, transfers 1 -> 2 30 ms slower. Rank 1 sends only to 2 and rank 2 receives only from 1:
+    egress 1, ingress 2 and link 1>2 are one observation, so the finding names the link with all three as
+    candidates, at the confidence such an ambiguity gets (as on gloo)."""
+    (tmp_path / "link").mkdir()
+    faults = diagnose_window(run_job(tmp_path / "link", "link")).faults
+    assert faults and (faults[0].kind, faults[0].src, faults[0].dst) == ("link", 1, 2), faults
+    assert faults[0].confidence >= 0.3 and "link 1>2" in faults[0].evidence["candidates"], faults[0]
+    (tmp_path / "control").mkdir()
+    control = diagnose_window(run_job(tmp_path / "control", "control")).faults
+    assert not [f for f in control if f.confidence >= 0.3], control
