@@ -43,6 +43,7 @@ converts hangs to HANG rows, as every analyzer's ``to_tables`` does.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -55,6 +56,8 @@ from core import schema as S
 from core.layout import fold_ranks
 
 _NS = 1_000_000_000
+MAX_RECORDERS = 64
+"""Ranks whose Flight Recorder summary a hang's evidence keeps (a few hundred bytes each)."""
 
 
 def group_members(name: str, job_ranks) -> set[int]:
@@ -137,6 +140,7 @@ class _Rank:
     inflight_since_ns: int = -1
     stack: str = ""
     last_op: str = ""
+    flight_recorder: str = ""
 
 
 class HangTracker:
@@ -173,6 +177,8 @@ class HangTracker:
             r.last_op = row.get("last_op") or r.last_op
             if row["stack"]:
                 r.stack = row["stack"]
+            if row.get("flight_recorder"):
+                r.flight_recorder = row["flight_recorder"]
             if r.inflight_group and r.inflight_seq >= 0:
                 # Heartbeats are the live view: being inside collective n means having entered it.
                 ent = self.entered.setdefault(r.inflight_group, {})
@@ -321,7 +327,21 @@ class HangTracker:
         merged = merge_stacks(stacks, all_ranks=sorted(self.ranks)) if stacks else None
         return {"threshold_s": self.threshold_s(), "wait_chain": chain,
                 "stacks_folded": merged.folded() if merged else "", "stacks_svg": merged.svg() if merged else "",
-                "ranks_with_stacks": fold_ranks(stacks)}
+                "ranks_with_stacks": fold_ranks(stacks), "flight_recorder": self._recorders(missing)}
+
+    def _recorders(self, missing: list[int]) -> dict[str, Any]:
+        """What PyTorch's Flight Recorder said on each rank that dumped it (the collective library's own
+        account: per group the last collective enqueued, started, completed; what is not done): the missing
+        ranks first, at most ``MAX_RECORDERS``."""
+        have = [r for r, st in self.ranks.items() if st.flight_recorder]
+        have.sort(key=lambda r: (r not in missing, r))
+        out = {}
+        for r in have[:MAX_RECORDERS]:
+            try:
+                out[str(r)] = json.loads(self.ranks[r].flight_recorder)
+            except ValueError:
+                continue  # a malformed dump is no evidence
+        return out
 
     def wait_chain(self, missing: list[int], group: str, seq: int, now_ns: int | None = None) -> dict[str, Any]:
         """For each rank: the op it waits on and the ranks it waits for; the root of the chain. With

@@ -30,7 +30,7 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """Bump on any change of a schema below; add a forward migration in storage/ where a table changes.
 
 2: CHECKPOINT records, DOWNTIME and REMEDY results; JOB ``params``,
@@ -46,6 +46,7 @@ duration for every peer).
 5: JOB ``layout_source`` and ``layout_problem`` (where the layout was read, and
 what contradicts it); TCP_FLOW records (per-connection TCP counters of profiled steps); HEARTBEAT ``gpu_*``
 (the rank's GPU as NVML reports it) and GPU_SAMPLE results (those samples, stored per rank).
+6: HEARTBEAT ``flight_recorder`` (PyTorch's Flight Recorder, summarised, with a stack dump). No table changed.
 """
 MIN_READ_VERSION = 1
 """The oldest version ``decode`` still reads (fields added since get their defaults)."""
@@ -196,6 +197,8 @@ HEARTBEAT = _schema(
         _f("gpu_ecc_uncorrected", pa.int64(), "", "uncorrected ECC errors since the driver loaded; -1 unknown",
            since=5, default=-1),
         _f("gpu_pcie_replays", pa.int64(), "", "PCIe replays; -1 unknown", since=5, default=-1),
+        _f("flight_recorder", pa.string(), "", "PyTorch's Flight Recorder summarised (JSON; ingest.flight_recorder), "
+           "with a stack dump only", since=6, default=""),
     ],
 )
 

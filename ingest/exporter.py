@@ -23,7 +23,11 @@ Contract with the training loop: nothing here blocks it or raises into it.
   process that exits is exact. When an op has been in flight longer than
   ``hang_dump_s`` (or ``request_stacks()`` was called) it attaches the
   Python stacks of every thread, folded, so a hang can be localised even
-  when the main thread sits inside a C call.
+  when the main thread sits inside a C call, and what PyTorch's Flight
+  Recorder holds of the process groups' last collectives
+  (``ingest.flight_recorder``). On a GPU the op in flight is also the
+  collective the GPU reached and has not finished (NCCL's calls return at
+  once, the host is elsewhere).
 
 Times are int64 ns on the job clock: this process's wall clock plus
 ``clock_offset_ns``, which ``estimate_clock_offset`` measures against rank 0
@@ -31,6 +35,7 @@ at start and again every ``offset_every_s``.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -48,6 +53,7 @@ import pyarrow as pa
 from core import codec
 from core import schema as S
 from core.layout import fold_ranks  # noqa: F401  (re-exported: exporters name groups with it)
+from ingest import flight_recorder
 from ingest.nvml import NO_SAMPLE
 
 log = logging.getLogger(__name__)
@@ -58,6 +64,18 @@ _STEP_END = object()
 _CHAIN_MAX_NS = 10 * 10**9
 """Anchors are carried from one step to the next by GPU time only across gaps shorter than this: the GPU's
 and the host's clocks drift apart by some parts per million."""
+
+
+class _GpuMark:
+    """A collective on device tensors as the stream meets it: ``enter`` completes when the GPU reached the
+    call, ``exit`` (once the host left it) when the collective was done."""
+
+    __slots__ = ("op", "group", "seq", "enter", "exit", "timed", "seen_ns")
+
+    def __init__(self, op: str, group: str, seq: int, enter, timed: bool):
+        self.op, self.group, self.seq, self.enter, self.timed = op, group, seq, enter, timed
+        self.exit = None
+        self.seen_ns = -1
 
 
 class _GpuCall:
@@ -177,6 +195,9 @@ class RankExporter:
         self._ccl: list[dict] = []
         self._lock = threading.Lock()
         self._inflight: tuple[str, str, int, int] | None = None  # op, group, seq, since_ns
+        # Collectives on device tensors in the order the stream meets them, until the GPU is past them
+        # (``gpu_mark``, ``_gpu_inflight``): what a rank's GPU is inside while its host has moved on.
+        self._gpu_calls: collections.deque[_GpuMark] = collections.deque(maxlen=4096)
         self._last_op = ("", -1)
         self._stacks_requested = threading.Event()
         self._dumped_for: tuple | None = None
@@ -350,16 +371,45 @@ class RankExporter:
         self._inflight = (op, group, seq, self.now_ns())
         return self.now_ns()
 
-    def gpu_mark(self):
-        """An event recorded on the current stream now, for a collective on device tensors (None outside
-        sampled steps or without CUDA). NCCL returns from a call at once, so the host's enter and exit say
-        nothing of the collective; this event completes when the GPU reached the call, and ``ccl_exit``'s
-        when the collective was done (after the call, or ``wait()``, the current stream waits on NCCL's)."""
-        if self._cuda is None or self._window is None:
+    def gpu_mark(self, op: str, group: str, seq: int) -> "_GpuMark | None":
+        """An event recorded on the current stream now, for a collective on device tensors (None without
+        CUDA). NCCL returns from a call at once, so the host's enter and exit say nothing of the collective;
+        this event completes when the GPU reached the call, and ``ccl_exit``'s when the collective was done
+        (after the call, or ``wait()``, the current stream waits on NCCL's). In sampled steps the two time
+        the record; in every step they tell the heartbeats which collective the GPU is inside."""
+        if self._cuda is None:
             return None
-        ev = self._event()
+        timed = self._window is not None
+        ev = self._event() if timed else self._cuda.Event()  # an untimed event costs less to record
         ev.record()
-        return ev
+        mark = _GpuMark(op, group, seq, ev, timed)
+        self._gpu_calls.append(mark)
+        return mark
+
+    def _gpu_inflight(self) -> tuple[str, str, int, int] | None:
+        """The oldest collective this rank's GPU reached and has not finished: (op, group, seq, since_ns),
+        since when a heartbeat first saw it entered. None when the GPU is inside none (a GPU stuck in a
+        kernel before collective n has not entered it: the hang detector names it as missing)."""
+        calls = self._gpu_calls
+        try:
+            while calls:
+                m = calls[0]
+                if m.exit is not None and m.exit.query():
+                    calls.popleft()
+                elif m.exit is None and len(calls) > 1 and calls[1].enter.query():
+                    calls.popleft()  # async and never waited on: the stream went past it, its end is unknown
+                else:
+                    break
+            if not calls or not calls[0].enter.query():
+                return None
+        except Exception as e:  # a broken event: the host's view stands
+            self.stats.errors += 1
+            log.warning("reading the GPU's collectives failed: %s", e)
+            return None
+        m = calls[0]
+        if m.seen_ns < 0:
+            m.seen_ns = self.now_ns()
+        return m.op, m.group, m.seq, m.seen_ns
 
     def ccl_exit(self, op: str, group: str, group_ranks: list[int], seq: int, enter_ns: int, nbytes: int,
                  peers: list[int], algorithm: str = "", peer_transfer_ns: list[int] | None = None,
@@ -374,6 +424,11 @@ class RankExporter:
         exit_ns = self.now_ns()
         self._inflight = None
         self._last_op = (op, exit_ns)
+        end = None
+        if gpu_enter is not None:
+            end = self._event() if gpu_enter.timed else self._cuda.Event()
+            end.record()
+            gpu_enter.exit = end
         if self._window is None:
             return
         row = dict(
@@ -384,10 +439,8 @@ class RankExporter:
             enter_ns=enter_ns, exit_ns=exit_ns, peers=list(peers), peer_transfer_ns=list(peer_transfer_ns or []),
             peer_bytes=list(peer_bytes or []), recv_wait_ns=recv_wait_ns,
         )
-        if gpu_enter is not None and self._cuda is not None:
-            end = self._event()
-            end.record()
-            self._pending_cuda.put(_GpuCall(gpu_enter, end, self._step_ref, row))
+        if end is not None and gpu_enter.timed:
+            self._pending_cuda.put(_GpuCall(gpu_enter.enter, end, self._step_ref, row))
             return
         with self._lock:
             self._ccl.append(row)
@@ -602,11 +655,16 @@ class RankExporter:
 
     def heartbeat(self) -> pa.Table:
         inflight = self._inflight
+        if inflight is None or not inflight[1]:
+            # Not blocked in a collective on the host (NCCL's calls return at once): the one the GPU is
+            # inside, if any, is what this rank waits on.
+            inflight = self._gpu_inflight() or inflight
         now = self.now_ns()
-        stack = ""
+        stack = recorder = ""
         stuck = inflight is not None and now - inflight[3] > self.hang_dump_s * 1e9
         if self._stacks_requested.is_set() or (stuck and self._dumped_for != inflight):
             stack = folded_stacks(skip_thread=threading.get_ident())
+            recorder = flight_recorder.summary()
             self._stacks_requested.clear()
             self._dumped_for = inflight
         op, group, seq, since = inflight or ("", "", -1, -1)
@@ -617,6 +675,7 @@ class RankExporter:
             step=self._step, last_op=self._last_op[0], last_op_end_ns=self._last_op[1], inflight_op=op,
             inflight_group=group, inflight_seq=seq, inflight_since_ns=since, clock_offset_ns=self.clock_offset_ns,
             stack=stack, step_done=step_done, step_done_ns=step_done_ns, **(gpu.fields() if gpu else NO_SAMPLE),
+            flight_recorder=recorder,
         )])
 
     def _tcp_loop(self) -> None:
@@ -672,21 +731,23 @@ class RankExporter:
         self._send(self.heartbeat())
 
 
-def estimate_clock_offset(exporter: RankExporter, rounds: int = 5) -> int:
+def estimate_clock_offset(exporter: RankExporter, rounds: int = 5, group=None) -> int:
     """Offset of this rank's clock to rank 0's, via torch.distributed (all ranks must call it).
 
     Each round: a barrier, then every rank reads its clock and all-gathers it;
     the barrier's exit skew bounds the error. The median over rounds is kept.
+    ``group``: a CPU (gloo) group of every rank, rank 0 first, where the job's own backend is NCCL (whose
+    collectives would touch a device the script may not have chosen yet).
     """
     import torch
     import torch.distributed as dist
 
     offsets = []
     for _ in range(rounds):
-        dist.barrier()
+        dist.barrier(group=group)
         t = torch.tensor([time.perf_counter_ns() + exporter._anchor_ns], dtype=torch.int64)
-        out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-        dist.all_gather(out, t)
+        out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, t, group=group)
         offsets.append(int(out[0].item() - t.item()))
     offsets.sort()
     exporter.clock_offset_ns = offsets[len(offsets) // 2]

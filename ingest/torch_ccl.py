@@ -85,7 +85,7 @@ class Call:
     is_async: bool = False
     note: Any = None         # the observer's own state for this call
     via: list[int] | None = None  # a P2P call's process group (its ranks), None for the default group
-    gpu_enter: Any = None    # on device tensors: the event where the GPU reached the call (exporter.gpu_mark)
+    gpu_enter: Any = None    # on device tensors: where the GPU reached the call (exporter.gpu_mark)
 
 
 def _nbytes(x: Any) -> int:
@@ -247,7 +247,7 @@ def instrument_distributed(exporter: RankExporter, observer: Any = None) -> Call
     def enter(call: Call) -> Call:
         exporter.ccl_enter(call.op, call.group, call.ranks, call.seq)
         if _on_device(call.tensor):
-            call.gpu_enter = exporter.gpu_mark()
+            call.gpu_enter = exporter.gpu_mark(call.op, call.group, call.seq)
         if observer is not None:
             observer.on_enter(call)
         return call

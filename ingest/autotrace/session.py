@@ -289,11 +289,17 @@ class TraceSession:
                                      attempt=settings.attempt, sampling=settings.sampling,
                                      heartbeat_s=settings.heartbeat_s, hang_dump_s=settings.hang_dump_s)
         self.exporter.worker_spans = speaks
-        if dist.get_backend() == "gloo":
-            # Every rank is inside init_process_group now, so a collective here cannot deadlock. With a GPU
-            # backend this would touch a device the script may not have chosen yet: clocks stay as they are.
-            estimate_clock_offset(self.exporter)
         self.side_group = self._side_group(dist)
+        # Every rank is inside init_process_group now, so a collective here cannot deadlock. With a GPU
+        # backend the default group's would touch a device the script may not have chosen yet: the clocks
+        # are compared over our own gloo group instead (ranks on other hosts are off by their NTP error).
+        if dist.get_backend() == "gloo":
+            estimate_clock_offset(self.exporter)
+        elif self.side_group is not None:
+            try:
+                estimate_clock_offset(self.exporter, group=self.side_group)
+            except Exception as e:
+                self.warn(f"clock offsets not measured ({e!r}): ranks on other hosts keep their NTP error")
         self.tracer = Tracer(self)
         self.undo_ccl = instrument_distributed(self.exporter, observer=self.tracer)
         self.tracer.install()

@@ -4,7 +4,8 @@ Four real processes on the fake NCCL device (``tests/nccl_fake.py``: streams in 
 return at once, collectives that complete when every member's stream reached them, through real gloo),
 with the real exporter and ``ingest.torch_ccl``. Host-timed, every record of such a job is empty (enter and
 exit microseconds apart, whoever was late): the link diagnosis sees nothing. GPU-timed, a late rank and a
-slow link are named as on gloo, and the control stays silent. (Grouped p2p, ``batch_isend_irecv``, is one
+slow link are named as on gloo, the control stays silent, and a rank stuck in a kernel is named by the
+hang detector from the collective its peers' GPUs are inside. (Grouped p2p, ``batch_isend_irecv``, is one
 NCCL kernel: every op of a group ends with the group, so a ring's slow link couples its neighbours'
 records; per-peer times there need the collective library's own timing, ``analyzers/links/reported.py``.)
 """
@@ -43,6 +44,8 @@ def run_job(tmp_path, scenario: str, timing: str = "gpu", world: int = 4) -> pa.
             p.kill()
     for p, (_out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
+    if scenario == "clock":
+        return pa.table({"offset": [int((tmp_path / f"rank{r}.offset").read_text()) for r in range(world)]})
     return pa.concat_tables([pa.ipc.open_file(tmp_path / f"rank{r}.arrow").read_all() for r in range(world)])
 
 
@@ -69,6 +72,22 @@ def test_a_late_rank_is_named_from_the_gpu_times(tmp_path):
     assert top is not None and (top.kind, top.src) == ("noncomm_slow", 2) and top.confidence >= 0.5, faults
 
 
+def test_a_rank_stuck_in_a_kernel_is_named_missing_from_the_collective_its_peers_wait_in(tmp_path):
+    """Rank 1's GPU never ends a kernel in step 6 (outside the sampled steps). Every host has long returned
+    from all_reduce #6; its peers' GPUs are inside it. Their heartbeats say so, rank 1's does not: the hang
+    detector names rank 1 missing from world #6."""
+    from analyzers.hang import HangParams, HangTracker
+
+    ccl = run_job(tmp_path, "stuck")
+    hb = pa.concat_tables([pa.ipc.open_file(tmp_path / f"rank{r}.hb.arrow").read_all() for r in range(4)])
+    tracker = HangTracker("fake-nccl", params=HangParams(floor_s=1.0, heartbeat_timeout_s=30.0))
+    tracker.add_ccl(ccl)
+    tracker.add_heartbeats(hb.sort_by("ts_ns"))
+    hang = tracker.evaluate(int(pa.compute.max(hb["ts_ns"]).as_py()))
+    assert hang is not None and hang.kind == "comm_hang", hang
+    assert (hang.group, hang.seq, hang.missing_ranks, hang.stuck_ranks) == ("world", 6, [1], [0, 2, 3]), hang
+
+
 def test_a_slow_link_is_named_and_the_control_stays_silent(tmp_path):
     """A 4-stage chain, transfers 1 -> 2 30 ms slower. Rank 1 sends only to 2 and rank 2 receives only from 1:
     egress 1, ingress 2 and link 1>2 are one observation, so the finding names the link with all three as
@@ -80,3 +99,10 @@ def test_a_slow_link_is_named_and_the_control_stays_silent(tmp_path):
     (tmp_path / "control").mkdir()
     control = diagnose_window(run_job(tmp_path / "control", "control")).faults
     assert not [f for f in control if f.confidence >= 0.3], control
+
+
+def test_clocks_are_compared_over_a_gloo_group_of_our_own(tmp_path):
+    """Under NCCL the default group's collectives would touch a device the script has not chosen yet; the
+    trace session measures the offsets over its side gloo group instead (rank 1's clock 5 s ahead)."""
+    offsets = run_job(tmp_path, "clock", world=2)["offset"].to_pylist()
+    assert offsets[0] == 0 and abs(offsets[1] + 5_000_000_000) < 50_000_000, offsets

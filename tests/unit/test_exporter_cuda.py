@@ -237,3 +237,35 @@ def test_spans_of_a_loop_running_ahead_of_the_gpu_are_placed_when_the_gpu_ran_th
         expected = exp._to_job_clock(ref.done_ns + int((t_ms - ref.t) * 1e6))
         assert abs(r["start_ns"] - expected) < 8_000_000, (r["step"], r["optype"], (r["start_ns"] - expected) / 1e6)
         assert r["duration_ns"] == 15_000_000
+
+
+def test_heartbeats_say_which_collective_the_gpu_is_inside(monkeypatch):
+    """NCCL's calls return at once: the host is in no collective while its GPU waits in one. The heartbeat
+    names the collective the GPU reached and has not finished, in unsampled steps too."""
+    gpu = FakeGpu(auto=False)
+    monkeypatch.setattr(RankExporter, "_cuda_module", staticmethod(lambda use_cuda: gpu.module))
+    exp = RankExporter("job", 0, 0, 0, [].append, sampling=Sampling(1, 10), heartbeat_s=3600, nvml=False,
+                       tcp_flows=False)
+
+    def inflight():
+        (hb,) = exp.heartbeat().to_pylist()
+        return hb["inflight_op"], hb["inflight_group"], hb["inflight_seq"]
+
+    exp.start_step(5)  # not sampled: untimed events, no record, still followed
+    gpu.run(10.0)
+    m = exp.gpu_mark("all_reduce", "world", 0)
+    exp.ccl_exit("all_reduce", "world", [0, 1], 0, exp.now_ns(), 4, [1], gpu_enter=m)
+    assert inflight() == ("", "", -1)  # the GPU has not reached it (still in the work before)
+    gpu.complete(upto=m.enter.idx)
+    assert inflight() == ("all_reduce", "world", 0)  # reached, not finished: what this rank waits in
+    gpu.complete()
+    assert inflight() == ("", "", -1)
+    waited_never = exp.gpu_mark("all_reduce", "world", 1)  # async, never waited on: its end is unknown
+    m2 = exp.gpu_mark("all_gather", "world", 2)
+    exp.ccl_exit("all_gather", "world", [0, 1], 2, exp.now_ns(), 4, [1], gpu_enter=m2)
+    gpu.complete(upto=m2.enter.idx)
+    assert waited_never.exit is None and inflight() == ("all_gather", "world", 2)
+    gpu.complete()
+    exp.finish_step()
+    exp.close()
+    assert exp.stats.errors == 0
