@@ -410,3 +410,25 @@ def flame_svg(folded: str, width: int = 640, row_h: int = 18) -> str:
     h = int(y)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" class="flame" width="{width}" height="{h}" '
             f'viewBox="0 0 {width} {h}" role="img" aria-label="merged stacks">{"".join(rects)}</svg>')
+
+
+def recorder_rows(evidence: Mapping) -> list[dict]:
+    """PyTorch's Flight Recorder of each rank that dumped it (``analyzers.hang``'s evidence), a row per rank
+    and process group: the last collective the library enqueued, started and completed there, and what it
+    had not completed. Its numbers are the library's own (they count from 1; ours from 0)."""
+    out = []
+    recorders = evidence.get("flight_recorder") if isinstance(evidence, Mapping) else None
+    for rank, fr in sorted((recorders or {}).items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else -1):
+        if not isinstance(fr, Mapping):
+            continue
+        pending = [p for p in fr.get("pending") or [] if isinstance(p, Mapping)]
+        for group, status in sorted((fr.get("groups") or {}).items()):
+            if not isinstance(status, Mapping):
+                continue
+            mine = [p for p in pending if p.get("group") == group or len(fr.get("groups") or {}) == 1]
+            out.append({"rank": str(rank), "group": str(group) or "default",
+                        "enqueued": status.get("enqueued", -1), "started": status.get("started", -1),
+                        "completed": status.get("completed", -1),
+                        "not completed": ", ".join(f"{p.get('op', '')} #{p.get('seq', -1)} ({p.get('state', '')})"
+                                                   for p in mine)})
+    return out

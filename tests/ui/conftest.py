@@ -66,7 +66,14 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
         inc = hang_incident(kind, worlds[job_id]["n_gpus"], 1, job_id=job_id)
         tr = hang.HangTracker(job_id, params=hang.HangParams(floor_s=60))
         tr.add_ccl(inc.ccl)
-        tr.add_heartbeats(inc.heartbeats)
+        hb = inc.heartbeats
+        if kind == "comm_hang":  # rank 0 dumped PyTorch's Flight Recorder with its stacks
+            fr = json.dumps({"version": "2.10", "groups": {"default_pg": {"enqueued": 8, "started": 8, "completed": 7}},
+                             "pending": [{"group": "default_pg", "seq": 8, "p2p_seq": 0, "op": "nccl:all_reduce",
+                                          "state": "started", "sizes": [[1024]]}]})
+            hb = hb.set_column(hb.schema.get_field_index("flight_recorder"), "flight_recorder",
+                               pa.array([fr if r == 0 else "" for r in hb["rank"].to_pylist()], pa.string()))
+        tr.add_heartbeats(hb)
         found = tr.evaluate(inc.now_ns, input_alive=True)
         hangs = hang.to_tables([found], now)["hang"]
         by_kind.setdefault("hang", []).append(hangs)

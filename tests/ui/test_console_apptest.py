@@ -178,6 +178,8 @@ def test_job_page_shows_heatmap_verdicts_links_and_hangs(app):
     assert "**Communication hang**, detected " in text
     assert re.search(r"63 ranks have waited in all\\_reduce \\#\d+ of group world for 5 min; rank \d+ \(dp \d+, "
                      r"pp \d+, tp \d+\) on node-\d+ never entered it\\: it is the culprit\.", text), text
+    recorded = [d.value for d in at.dataframe if "not completed" in d.value.columns]
+    assert recorded and recorded[0]["not completed"].tolist() == ["nccl:all_reduce #8 (started)"], recorded
     # The node loss of another job: its lost ranks named with their host.
     at.selectbox(key="job").set_value("ui-007").run()
     assert "**Node loss**, detected " in _text(at)

@@ -118,3 +118,13 @@ def test_a_huge_data_parallel_job_keeps_its_picture_small():
     svg = H.grid_svg(pic, row["op"])
     assert len(pic.cells) == 8192 and len(svg) < 1_200_000
     assert f'data-ranks="{truth["missing"][0]}" data-state="never_entered"' in svg
+
+
+def test_the_flight_recorder_reads_as_a_row_per_rank_and_group():
+    ev = {"flight_recorder": {"1": {"groups": {"default_pg": {"enqueued": 3, "started": -1, "completed": 2}},
+                                    "pending": [{"group": "default_pg", "seq": 3, "op": "nccl:all_reduce",
+                                                 "state": "scheduled"}]},
+                              "0": "not a dump"}}
+    assert H.recorder_rows(ev) == [{"rank": "1", "group": "default_pg", "enqueued": 3, "started": -1, "completed": 2,
+                                    "not completed": "nccl:all_reduce #3 (scheduled)"}]
+    assert H.recorder_rows({}) == [] and H.recorder_rows({"flight_recorder": None}) == []

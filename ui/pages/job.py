@@ -14,7 +14,7 @@ import streamlit as st
 from analyzers.explain import duration, explain_hang, explain_window, title, verdicts_of
 from core.schema import STORED_INF
 from ui.data import advise_window, job_choices, named, named_live, now_ns, viewer_tz, window_timeline
-from ui.hang_view import flame_svg, grid_svg, picture
+from ui.hang_view import flame_svg, grid_svg, picture, recorder_rows
 from ui.readable import ago, alert_text, md_escape, when
 from ui.widgets import alert_list, heatmap, svg
 
@@ -127,6 +127,11 @@ def show_hangs() -> None:
                              width="stretch")
             if ev.get("stacks_folded"):
                 st.code(ev["stacks_folded"], language=None)
+            recorded = recorder_rows(ev)
+            if recorded:
+                st.markdown("**PyTorch's Flight Recorder** (the collective library's own account, per rank and "
+                            "process group; its numbers count from 1)")
+                st.dataframe(pd.DataFrame(recorded).astype(str), hide_index=True, width="stretch")
             d1, d2 = st.columns(2)
             if ev.get("stacks_folded"):
                 d1.download_button("Folded stacks", ev["stacks_folded"], file_name=f"{job}-{hid}.folded",
