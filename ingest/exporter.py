@@ -291,6 +291,18 @@ class RankExporter:
         """True inside a sampled step: what is timed now is recorded."""
         return self._window is not None
 
+    @property
+    def window(self) -> int | None:
+        """The sampled window the current step belongs to (its first step), None outside sampled steps."""
+        return self._window
+
+    def relabel_buffered(self, mc: int, gmc: int) -> None:
+        """Give the step's buffered spans this model chunk, learned after some of them began (a first stage's
+        first forward comes before its first transfer says which stage it is). CPU-timed spans only:
+        CUDA-timed ones are in the resolver's queue already, and keep what they began with."""
+        with self._lock:
+            self._ops = [op[:4] + (mc, gmc) + op[6:] for op in self._ops]
+
     def next_seq(self, optype: str) -> int:
         seq = self._seq.get(optype, 0)
         self._seq[optype] = seq + 1
@@ -411,6 +423,10 @@ class RankExporter:
             m.seen_ns = self.now_ns()
         return m.op, m.group, m.seq, m.seen_ns
 
+    def ccl_failed(self) -> None:
+        """The call raised: it is not in flight (nor recorded as done)."""
+        self._inflight = None
+
     def ccl_exit(self, op: str, group: str, group_ranks: list[int], seq: int, enter_ns: int, nbytes: int,
                  peers: list[int], algorithm: str = "", peer_transfer_ns: list[int] | None = None,
                  peer_bytes: list[int] | None = None, recv_wait_ns: int = -1, gpu_enter=None) -> None:
@@ -476,16 +492,17 @@ class RankExporter:
             "gmc": pa.array(cols[5], pa.int16()), "mb_id": pa.array(cols[6], pa.int32()),
         }, schema=S.OP_SPAN)
         self.stats.ops += n
-        self._send(table)
+        self.send(table)
 
     def _emit_ccl(self) -> None:
         with self._lock:
             rows, self._ccl = self._ccl, []
         if rows:
             self.stats.ccl += len(rows)
-            self._send(codec.from_rows(S.CCL_RECORD, rows))
+            self.send(codec.from_rows(S.CCL_RECORD, rows))
 
-    def _send(self, table: pa.Table) -> None:
+    def send(self, table: pa.Table) -> None:
+        """Hand ``table`` to the sink; a failing sink is counted and logged, never raised (training goes on)."""
         try:
             self.sink(table)
             self.stats.batches += 1
@@ -622,7 +639,7 @@ class RankExporter:
             log.warning("checkpoint record dropped: %s", e)
             return
         self.stats.checkpoints += 1
-        self._send(table)
+        self.send(table)
 
     @contextlib.contextmanager
     def checkpointing(self, step: int, kind: str = "save"):
@@ -704,7 +721,7 @@ class RankExporter:
                     ident = dict(job_id=self.job_id, attempt=self.attempt, rank=self.rank, window_id=window,
                                  step=step)
                     self.stats.tcp_flows += len(rows)
-                    self._send(codec.from_rows(S.TCP_FLOW, [dict(ident, **r) for r in rows]))
+                    self.send(codec.from_rows(S.TCP_FLOW, [dict(ident, **r) for r in rows]))
             except Exception as e:  # telemetry must never take training down
                 self.stats.errors += 1
                 log.warning("reading TCP connections failed: %s", e)
@@ -712,7 +729,7 @@ class RankExporter:
     def _heartbeat_loop(self) -> None:
         while not self._closed.wait(self.heartbeat_s):
             self.stats.heartbeats += 1
-            self._send(self.heartbeat())
+            self.send(self.heartbeat())
 
     def close(self, timeout: float = 10.0) -> None:
         """Flush what is buffered (waiting up to ``timeout`` s for pending CUDA events) and send a last
@@ -728,7 +745,7 @@ class RankExporter:
             self._tcp_thread.join(min(timeout, 5.0))
         self._emit_buffered()
         self.stats.heartbeats += 1
-        self._send(self.heartbeat())
+        self.send(self.heartbeat())
 
 
 def estimate_clock_offset(exporter: RankExporter, rounds: int = 5, group=None) -> int:

@@ -298,7 +298,7 @@ def instrument_distributed(exporter: RankExporter, observer: Any = None) -> Call
         try:
             return orig(*args, **kwargs)
         except BaseException:
-            exporter._inflight = None  # torch raised: the call is not in flight (nor recorded as done)
+            exporter.ccl_failed()  # torch raised: the call is not in flight (nor recorded as done)
             raise
         finally:
             local.depth -= 1

@@ -65,10 +65,6 @@ class Split:
     def reason(self) -> str:
         return "; ".join(f"{n} {why}" for n, why in self.refused)
 
-    @property
-    def n_refused(self) -> int:
-        return sum(n for n, _ in self.refused)
-
 
 def _apply(table: pa.Table, kind: str, rules: list[tuple[Any, str]]) -> Split:
     """Keep the rows no rule flags; each refused row is counted under the first rule that flags it."""

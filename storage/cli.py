@@ -9,7 +9,6 @@ refused SQL, unreachable store).
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import datetime as dt
 import io
@@ -118,17 +117,3 @@ def run_sql(store_url: str, name: str | None = None, query: str | None = None, p
     finally:
         store.close()
     return format_result(table, fmt)
-
-
-def sql_main(args: argparse.Namespace) -> str | bytes:
-    """``stragglerscope sql`` from parsed arguments (name, query, param, format, list, store)."""
-    if getattr(args, "list", False):
-        return list_queries()
-    url = getattr(args, "store", None)
-    if not url:
-        from storage import DEFAULT_URL
-
-        url = DEFAULT_URL
-    return run_sql(url, name=getattr(args, "name", None), query=getattr(args, "query", None),
-                   params=getattr(args, "param", None), fmt=getattr(args, "format", "table"),
-                   limits=getattr(args, "sql_limits", None))

@@ -79,11 +79,6 @@ class Capabilities:
         return {"optimize_on_insert": 0} if self.skip_insert_merge else {}
 
     @property
-    def query_parameters(self) -> bool:
-        """``{name:Type}`` placeholders bound by the engine itself (chDB passes them in-process)."""
-        return self.embedded and self.version >= (22, 1)
-
-    @property
     def label(self) -> str:
         return ("chDB " if self.embedded else "server ") + ".".join(map(str, self.version))
 

@@ -79,12 +79,6 @@ def estimate_layer_costs(stage_s: np.ndarray, partition: tuple[int, ...]) -> Lay
     return LayerCosts(layer_s=w, extra_s=tuple(float(x) for x in extra), stage_s=tuple(float(x) for x in stage_s))
 
 
-def balanced_partition(n_layers: int, costs: LayerCosts, current: tuple[int, ...] | None = None,
-                       min_layers: int = 1) -> tuple[int, ...]:
-    """Layer counts per stage minimising the slowest stage; ties: fewest layers moved from ``current``."""
-    return candidate_partitions(n_layers, costs, current, min_layers)[0]
-
-
 def candidate_partitions(n_layers: int, costs: LayerCosts, current: tuple[int, ...] | None = None,
                          min_layers: int = 1) -> list[tuple[int, ...]]:
     """Distinct partitions that all reach the smallest slowest stage, the fewest-moves one first.

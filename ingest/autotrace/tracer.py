@@ -151,7 +151,7 @@ class Tracer:
             self.gc_pause, self.after_backward, self.gc_done = None, False, False
             self.exp.start_step(self.step)
             if self.exp.profiling:
-                self.windows.add(self.exp._window)
+                self.windows.add(self.exp.window)
 
     def _close_step(self) -> None:
         if not self.open:
@@ -294,7 +294,7 @@ class Tracer:
                    gpu_type=gpu, peak_flops=float(peak), flops_per_token=flops / tokens if tokens else 0.0,
                    tokens_per_step=int(tokens), params=int(params), seq_len=0, num_layers=0,
                    layout_source=source, layout_problem="; ".join(problems)[:4000])
-        self.exp._send(codec.from_rows(S.JOB, [row]))  # fields it does not name get their defaults
+        self.exp.send(codec.from_rows(S.JOB, [row]))  # fields it does not name get their defaults
 
     # -- install --------------------------------------------------------------
     def install(self) -> None:
@@ -1096,7 +1096,7 @@ class Tracer:
         exp.dp_rank, exp.pp_rank, exp.worker_spans = int(dp_rank), int(pp_rank), bool(speaks)
         if self.stage_info is None and exp.gmc != pp_rank:
             exp.mc, exp.gmc = 0, int(pp_rank)
-            _relabel_buffered(exp, 0, int(pp_rank))
+            exp.relabel_buffered(0, int(pp_rank))
 
     def _dp_group_of_step0(self, pipe, inner) -> list[int] | None:
         """The largest group a reduction ran over outside compute in step 0 that crosses the pipeline
@@ -1221,14 +1221,6 @@ def _megatron_state() -> dict | None:
     except Exception as e:
         log.warning("stragglerscope: reading megatron.core.parallel_state failed: %r", e)
         return None
-
-
-def _relabel_buffered(exp, mc: int, gmc: int) -> None:
-    """Give the step's buffered spans this rank's model chunk, learned after some of them began (a first
-    stage's first forward comes before its first transfer says which stage it is). CPU-timed spans only:
-    CUDA-timed ones are in the resolver's queue already, and keep what they began with."""
-    with exp._lock:
-        exp._ops = [op[:4] + (mc, gmc) + op[6:] for op in exp._ops]
 
 
 def _folded(ranks) -> str:

@@ -51,7 +51,7 @@ def test_the_flight_recorder_of_a_stuck_rank_is_in_the_hang_evidence(tmp_path):
 
     # The hang as the detector sees it mid-wait: rank 0 inside world #2, rank 1 missing; the evidence has it.
     upto = dumped[0]["ts_ns"]
-    tracker = HangTracker("fr-job", params=HangParams(floor_s=1.0))
+    tracker = HangTracker("fr-job", params=HangParams(floor_s=1.0, k_steps=1.0))  # steps of ms, heartbeats 0.3 s apart
     tracker.add_heartbeats(hb.filter(pa.compute.less_equal(hb["ts_ns"], upto)).sort_by("ts_ns"))
     hang = tracker.evaluate(upto)
     assert hang is not None and (hang.kind, hang.group, hang.missing_ranks) == ("comm_hang", "world", [1]), hang

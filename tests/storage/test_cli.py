@@ -1,7 +1,6 @@
 """`stragglerscope sql` helpers: formats, named queries and free SQL through run_sql."""
 from __future__ import annotations
 
-import argparse
 import io
 import json
 
@@ -10,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from storage import StoreError, open_store
-from storage.cli import format_result, list_queries, run_sql, sql_main
+from storage.cli import format_result, list_queries, run_sql
 from tests.storage.conftest import window_rows
 
 TABLE = pa.table({"name": ["a", "b"], "x": [1.5, float("nan")], "n": [1, None]})
@@ -53,9 +52,7 @@ def test_run_sql(tmp_path):
     assert len(out.splitlines()) == 3
     out = run_sql(url, query="SELECT job_id FROM windows WHERE window_id > {w:Int64}", params=["w=5"], fmt="csv")
     assert out == "job_id\nj\nj\n"
-    args = argparse.Namespace(name="fleet_summary", query=None, param=["team=llm"], format="table", list=False,
-                              store=url)
-    assert "(1 row)" in sql_main(args)
+    assert "(1 row)" in run_sql(url, name="fleet_summary", params=["team=llm"], fmt="table")
     for kw, msg in ((dict(name="nope"), "unknown query 'nope'; known: alert_history"),
                     (dict(name="fleet_summary", params=["tema=x"]), "unknown parameter 'tema'"),
                     (dict(name="fleet_summary", params=["min_gpus=lots"]), "expected an integer"),
