@@ -2,7 +2,7 @@
 
 Any Kafka-protocol broker: the embedded one (``services/broker.py``) or a
 fleet's own. Consumers assign partitions manually and keep their offsets
-beside their results (no consumer groups: ARCHITECTURE.md), so what is
+beside their results (no consumer groups: docs/architecture.md, "Windows and delivery"), so what is
 checked here is what that needs: the topics exist with enough partitions,
 and no stored offset is beyond the end of its partition.
 """

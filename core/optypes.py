@@ -1,4 +1,4 @@
-"""Op types: the Megatron-LM names every layer speaks (WHATIF.md section 1).
+"""Op types: the Megatron-LM names every layer speaks (docs/whatif.md, section 1).
 
 The what-if model's integer codes for them are in ``analyzers/whatif/opcodes.py``.
 """

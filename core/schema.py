@@ -10,7 +10,7 @@ Conventions
 - Timestamps are int64 nanoseconds on the job-wide clock (each rank's exporter
   estimates its clock offset and reports aligned times).
 - Durations are int64 nanoseconds.
-- Worker coordinates follow ../shared/design/WHATIF.md: ``dp_rank``,
+- Worker coordinates follow docs/whatif.md: ``dp_rank``,
   ``pp_rank``; TP and CP ranks are folded into the worker. ``rank`` is the
   global rank of the process that reported the record.
 - Op types are Megatron-LM names (``core.optypes.OPTYPES``), as in the golden traces.

@@ -12,7 +12,7 @@ by ``instrument_distributed``; records go to Kafka through the real producer.
 Fault injection for tests and demos: ``--slow-rank R --delay-ms D`` sleeps D
 inside every forward and backward compute of rank R; ``--control`` spreads the
 same total delay evenly (D / W on every worker), which is what the what-if
-ideal executes (WHATIF.md section 7). ``--stop-rank R --stop-at-step N``
+ideal executes (docs/whatif.md, section 7). ``--stop-rank R --stop-at-step N``
 makes rank R SIGSTOP itself (a hung rank, for the hang detector).
 ``--checkpoint-at-step N --checkpoint-s S`` has every rank save a checkpoint
 that takes S seconds before step N (told to the exporter with

@@ -310,7 +310,7 @@ class RankExporter:
 
     @contextlib.contextmanager
     def op(self, optype: str, mb_id: int = -1, mc: int | None = None, gmc: int | None = None):
-        """Times one op of the what-if model (WHATIF.md op types) in the current step."""
+        """Times one op of the what-if model (docs/whatif.md, section 1) in the current step."""
         if self._window is None:
             with self._track(optype):
                 yield

@@ -1,7 +1,7 @@
 """The pipeline on Ray: shard actors, windows, dispatch, alerts, metrics.
 
 Ray reads this variable when it is imported: without it, Ray binds its ports on
-every interface even when told 127.0.0.1 (ARCHITECTURE.md, "Loopback only").
+every interface even when told 127.0.0.1 (docs/architecture.md, "Loopback only").
 Every path to Ray in this project goes through this package first.
 
 The GCS keeps a record of every finished task, up to 100,000 by default, at about

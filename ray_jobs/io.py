@@ -1,11 +1,11 @@
 """The shard's adapters at the edges: the Kafka source and the result writer.
 
-Both follow one small lifecycle (STYLE.md, 4): clients are created in
+Both follow one small lifecycle (docs/architecture.md, "Conventions" 4): clients are created in
 ``setup()`` (never in ``__init__``: Ray pickles the shard before it runs),
 then poll/write, then flush/commit, then close.
 
 ``KafkaSource`` assigns its partitions by hand and never uses a consumer
-group: Tansu's group joins take seconds and can wedge (ARCHITECTURE.md), and
+group: Tansu's group joins take seconds and can wedge (docs/architecture.md, "The real components"), and
 our offsets live in the store beside the results they cover, which is what
 makes a crash replay exactly the records whose results were not stored.
 

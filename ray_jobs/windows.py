@@ -7,7 +7,7 @@ tells, per Kafka partition, the offset below which every record is covered by
 stored results; only that offset may be committed, so a crash replays what
 was not yet stored and nothing is lost.
 
-Close policy (ARCHITECTURE.md, "Windows and delivery"): a window is ready when
+Close policy (docs/architecture.md, "Windows and delivery"): a window is ready when
 every worker (dp, pp) of the registered layout has reported the end of every
 profiled step of the window (its ``optimizer`` op), or after ``idle_timeout_s``
 without new records (then it is analysed as incomplete and says what is

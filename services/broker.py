@@ -6,7 +6,7 @@ stores in memory only: a restarted broker starts empty, so anything that keeps
 Kafka offsets across runs must key them by ``cluster_id`` (each LocalBroker
 gets a fresh one).
 
-Known Tansu quirks (ARCHITECTURE.md): consumer-group joins take ~5 s and can
+Known Tansu quirks (docs/architecture.md, "The real components"): consumer-group joins take ~5 s and can
 wedge, so we never use consumer groups; consumers assign partitions manually
 and keep their offsets beside their results.
 """

@@ -2,7 +2,7 @@
 
 ``ray start --address`` cannot make one here: Ray listens on every interface
 unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, and with that setting it
-refuses a second raylet (ARCHITECTURE.md, "Loopback only"). Ray's own test
+refuses a second raylet (docs/architecture.md, "Loopback only"). Ray's own test
 cluster (``ray.cluster_utils.Cluster``) starts nodes directly, without that
 check: with the setting kept at 0, each node's GCS, raylet and agents bind
 127.0.0.1 and register as 127.0.0.1.

@@ -1,6 +1,6 @@
 """Session fixtures for the real services: the Tansu broker, a local Ray on 127.0.0.1.
 
-Integration tests start real components (ARCHITECTURE.md): a mock of a
+Integration tests start real components (docs/architecture.md, "The real components"): a mock of a
 service we integrate with is not a test of that integration. Each fixture is
 session-scoped, listens on 127.0.0.1 only and is stopped at the end.
 """
@@ -50,7 +50,7 @@ def artifacts() -> Path:
 
 
 class UnitTierViolation(AssertionError):
-    """A unit test did what only an integration test may (STYLE.md 8)."""
+    """A unit test did what only an integration test may (docs/architecture.md, "Conventions" 8)."""
 
 
 def sleep_guard(real_sleep, test_thread, root: Path):

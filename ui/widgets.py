@@ -1,6 +1,6 @@
 """Shared pieces of the console's pages: filters, number formats, charts, the rows of alerts, drawn SVGs.
 
-Charts live here and in the pages, never in the analyzers (STYLE.md, 1).
+Charts live here and in the pages, never in the analyzers (docs/architecture.md, "Conventions" 1).
 """
 from __future__ import annotations
 

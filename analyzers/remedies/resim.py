@@ -4,7 +4,7 @@ Every remedy predicts its gain the same way: take the dependency graphs the
 analysis built (``WhatIfResult.model``), change the no-delay durations
 of the ops the fix touches (compute: the traced duration; communication: the
 transfer time), simulate, and compare the mean step time with that of the
-unchanged durations. Both sides are the simulator's no-delay T of WHATIF.md
+unchanged durations. Both sides are the simulator's no-delay T of docs/whatif.md
 section 5, so a fix is judged by the same model that found the straggler.
 
 ``TraceCells`` exposes, per graph, the op attributes as ``[n, B]`` arrays

@@ -1,4 +1,4 @@
-"""What-if straggler analysis (WHATIF.md): how much faster would a job run without stragglers, and why not.
+"""What-if straggler analysis (docs/whatif.md): how much faster would a job run without stragglers, and why not.
 
 Public API
 - ``analyze(ops, layout, *, allow_incomplete=True, gpu_hours=None) -> WhatIfResult``

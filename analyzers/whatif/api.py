@@ -119,7 +119,7 @@ def analyze(ops: pa.Table, layout: JobLayout, *, allow_incomplete: bool = True,
 
 
 def summarise(model: WhatIfModel, gpu_hours: float | None = None) -> WhatIfResult:
-    """The metrics, verdicts and data-quality notes of an analysed window (WHATIF.md section 5)."""
+    """The metrics, verdicts and data-quality notes of an analysed window (docs/whatif.md, section 5)."""
     p, r = model.prepared, model.run
     try:
         m = _metrics(p, r, gpu_hours)

@@ -1,4 +1,4 @@
-"""The dependency model of one chunk of steps (WHATIF.md section 2), as arrays.
+"""The dependency model of one chunk of steps (docs/whatif.md, section 2), as arrays.
 
 ``build_graph`` takes a contiguous range of steps of ``PreparedOps`` and
 returns a ``Graph``: the ops in *level order* (every op comes after all ops it

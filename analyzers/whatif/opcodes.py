@@ -1,4 +1,4 @@
-"""Op-type tables of the dependency model (WHATIF.md sections 1 to 3).
+"""Op-type tables of the dependency model (docs/whatif.md, sections 1 to 3).
 
 Every op type of ``core.optypes.OPTYPES`` gets a small integer code (its
 index there), a stream, whether it is idealised as communication (median of

@@ -30,7 +30,7 @@ class WhatIfModel:
 
 @dataclasses.dataclass(frozen=True)
 class WhatIfResult:
-    """Metrics of one window (WHATIF.md section 5), verdicts and data-quality notes."""
+    """Metrics of one window (docs/whatif.md, section 5), verdicts and data-quality notes."""
 
     job_id: str
     layout: dict[str, int]

@@ -1,4 +1,4 @@
-"""The what-if scenarios of WHATIF.md section 5 and the metrics built from them.
+"""The what-if scenarios of docs/whatif.md, section 5 and the metrics built from them.
 
 ``run_scenarios`` builds the graph of every chunk of steps, derives the ideal
 durations (compute: mean per op type; communication: median transfer per op

@@ -1,4 +1,4 @@
-"""Many what-if scenarios in one pass over a ``Graph`` (WHATIF.md section 4).
+"""Many what-if scenarios in one pass over a ``Graph`` (docs/whatif.md, section 4).
 
 A scenario is a column: every op takes its original duration where the
 column's selector matches it and its ideal duration elsewhere, and launch

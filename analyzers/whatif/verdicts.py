@@ -1,4 +1,4 @@
-"""Root-cause verdicts of WHATIF.md section 6, each with the numbers behind it.
+"""Root-cause verdicts of docs/whatif.md, section 6, each with the numbers behind it.
 
 ``verdicts`` reads the metrics of a finished analysis and returns a list of
 dicts ``{"kind", "score", "summary", "evidence"}``, most important first

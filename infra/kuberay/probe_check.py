@@ -77,8 +77,8 @@ def main() -> int:
     if busy:
         print(f"ports {busy} are in use: KubeRay's probes name them, so the head needs them")
         return 1
-    # Loopback only on this machine (ARCHITECTURE.md); in the image it is 1, which changes where Ray listens,
-    # not what the probes ask.
+    # Loopback only on this machine (docs/architecture.md, "Loopback only"); in the image it is 1, which
+    # changes where Ray listens, not what the probes ask.
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     worker_agent_port = next(p for p in range(52400, 52500) if port_free(p))
     cluster = Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args=dict(

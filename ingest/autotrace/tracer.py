@@ -1,6 +1,6 @@
 """Framework hooks that turn an unchanged PyTorch training process into what-if op spans.
 
-What is recorded, and where it comes from (op types of WHATIF.md):
+What is recorded, and where it comes from (op types of docs/whatif.md):
 - **steps**: a step opens at the first forward (or pipeline ``schedule.step``)
   after the previous one closed, and closes at the end of ``optimizer.step()``
   (PyTorch's global optimizer step hooks). A pipeline with no optimizer closes

@@ -1,4 +1,4 @@
-"""The what-if analyzer reproduces the published golden results (WHATIF.md section 7).
+"""The what-if analyzer reproduces the published golden results (docs/whatif.md, section 7).
 
 Every number of result-*.json, mw-*.json and ms-*.json must match within 0.5%
 relative; ``test_golden_max_error_report`` also records the worst error per

@@ -1,4 +1,4 @@
-"""Root-cause verdicts (WHATIF.md section 6) on fleetgen jobs with a known injected cause."""
+"""Root-cause verdicts (docs/whatif.md, section 6) on fleetgen jobs with a known injected cause."""
 from __future__ import annotations
 
 import pytest

@@ -3,7 +3,7 @@
 Seven real runs of ``examples.train_gloo`` (4 processes each): normal; rank 0
 slowed by a delay d inside every forward and backward compute at three levels;
 and for each level a control where every one of the W = 4 workers carries d/W,
-which is what the what-if ideal executes (WHATIF.md section 7). Op spans reach
+which is what the what-if ideal executes (docs/whatif.md, section 7). Op spans reach
 the analyzer through the real producer and broker. Checks (issue 10):
 - S of each slowed run is within 8% of (slowed step time / control step time) (5%: the benchmark);
 - re-simulating the original durations with launch delays kept reproduces the
