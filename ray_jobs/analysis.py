@@ -95,7 +95,7 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
                        f"{skew.threshold_s:.1f} s): window not analysed, left out of fleet statistics")
         return _tables(row, links)
     try:
-        result = analyze(ops, info.layout, allow_incomplete=True)
+        result = analyze(ops, info.layout, allow_incomplete=True, n_gpus=row["n_gpus"])
     except Exception as e:  # analyzer input errors and bugs alike: store, flag, move on
         log.warning("analysis of %s failed: %s", key, e)
         row["verdict"] = "analysis_failed"
@@ -106,11 +106,8 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
     what = window_fields(result)
     verdicts, warnings = what.pop("verdicts"), what.pop("warnings")
     what["complete"] = row["complete"] and what["complete"]
-    wall_s = (row["end_ns"] - row["start_ns"]) / 1e9
-    gpu_hours = row["n_gpus"] * wall_s / 3600.0
-    waste = what["waste_fraction"]
     row.update(
-        what, gpu_hours=gpu_hours, wasted_gpu_hours=gpu_hours * waste if waste == waste else 0.0,
+        what, gpu_hours=result.gpu_hours, wasted_gpu_hours=result.wasted_gpu_hours,  # one definition: the what-if's
         verdict=_main_verdict(verdicts), verdicts_json=jsonutil.dumps(verdicts),
         note="; ".join([x for x in [note] + warnings if x])[:4000],
     )

@@ -1,7 +1,7 @@
 """What-if straggler analysis (docs/whatif.md): how much faster would a job run without stragglers, and why not.
 
 Public API
-- ``analyze(ops, layout, *, allow_incomplete=True, gpu_hours=None) -> WhatIfResult``
+- ``analyze(ops, layout, *, allow_incomplete=True, n_gpus=None) -> WhatIfResult``
 - ``analyze_model(ops, layout) -> WhatIfModel`` (prepared ops and the simulator's run), and
   ``summarise(model) -> WhatIfResult``: for what re-simulates (remedies, the timeline)
 - ``to_tables(result, key) -> {kind: table}``: the window's per-step, per-op-type and per-worker rows

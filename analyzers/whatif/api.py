@@ -33,7 +33,17 @@ def _share(t: float, t_fix: float, t_ideal: float) -> float:
     return (t - t_fix) / den if den != 0 else float("nan")
 
 
-def _metrics(p: PreparedOps, r: Run, gpu_hours: float | None) -> dict[str, Any]:
+def window_gpu_hours(n_gpus: int, actual_step_s) -> float:
+    """The GPU-hours a window's steps took: every GPU of the job for the sum of its steps' actual times.
+
+    The one definition, for the what-if's result, the stored window and the fleet's statistics. Not the
+    window's wall span: a trace may put each step on a clock of its own (the golden traces start every step
+    at 0, so their span is one step and the stored figure was 30 times the what-if's, smaller), and the
+    host time between steps is no step's."""
+    return int(n_gpus) * float(np.nansum(np.asarray(actual_step_s, dtype=np.float64))) / 3600.0
+
+
+def _metrics(p: PreparedOps, r: Run, n_gpus: int | None) -> dict[str, Any]:
     steps = [int(s) for s in r.steps]
     mean_ideal = float(np.mean(r.ideal))
     S = Run.ratio(r.sim, r.ideal)
@@ -56,8 +66,7 @@ def _metrics(p: PreparedOps, r: Run, gpu_hours: float | None) -> dict[str, Any]:
     trem_s, tadd_s = float(np.mean(r.ms_rem)), float(np.mean(r.ms_add))
     M_W = _share(tori, trem_w, tid)
     M_S = _share(tori, trem_s, tid)
-    if gpu_hours is None:
-        gpu_hours = lay.world_size * float(np.sum(r.actual)) / 3600.0
+    gpu_hours = window_gpu_hours(lay.world_size if n_gpus is None else n_gpus, r.actual)
     return {
         "slowdown": S, "launch_slowdown": Run.ratio(r.actual, r.sim), "waste_fraction": waste,
         "step_time": {"actual": dict(zip(steps, r.actual.tolist())), "simulated": dict(zip(steps, r.sim.tolist())),
@@ -113,16 +122,17 @@ def _model(p: PreparedOps, chunk_ops: int | None = None) -> WhatIfModel:
 
 
 def analyze(ops: pa.Table, layout: JobLayout, *, allow_incomplete: bool = True,
-            gpu_hours: float | None = None, chunk_ops: int | None = None) -> WhatIfResult:
-    """What-if analysis of one window of op spans (``core.schema.OP_SPAN``): ``summarise(analyze_model(...))``."""
-    return summarise(analyze_model(ops, layout, allow_incomplete=allow_incomplete, chunk_ops=chunk_ops), gpu_hours)
+            n_gpus: int | None = None, chunk_ops: int | None = None) -> WhatIfResult:
+    """What-if analysis of one window of op spans (``core.schema.OP_SPAN``): ``summarise(analyze_model(...))``.
+    ``n_gpus``: the job's GPUs, for its GPU-hours (default: the layout's world size)."""
+    return summarise(analyze_model(ops, layout, allow_incomplete=allow_incomplete, chunk_ops=chunk_ops), n_gpus)
 
 
-def summarise(model: WhatIfModel, gpu_hours: float | None = None) -> WhatIfResult:
+def summarise(model: WhatIfModel, n_gpus: int | None = None) -> WhatIfResult:
     """The metrics, verdicts and data-quality notes of an analysed window (docs/whatif.md, section 5)."""
     p, r = model.prepared, model.run
     try:
-        m = _metrics(p, r, gpu_hours)
+        m = _metrics(p, r, n_gpus)
         m["verdicts"] = make_verdicts(p, m)
     except WhatIfInputError:
         raise
