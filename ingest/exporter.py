@@ -79,13 +79,12 @@ class _GpuMark:
 
 
 class _GpuCall:
-    """A collective's record waiting for its GPU events: ``start`` where the GPU reached the call, ``end``
-    where the collective was done."""
+    """A collective's record waiting for its mark's two events, placed by the step's anchor ``ref``."""
 
-    __slots__ = ("start", "end", "ref", "row")
+    __slots__ = ("mark", "ref", "row")
 
-    def __init__(self, start, end, ref, row: dict):
-        self.start, self.end, self.ref, self.row = start, end, ref, row
+    def __init__(self, mark: _GpuMark, ref, row: dict):
+        self.mark, self.ref, self.row = mark, ref, row
 
 
 class _StepAnchor:
@@ -456,7 +455,7 @@ class RankExporter:
             peer_bytes=list(peer_bytes or []), recv_wait_ns=recv_wait_ns,
         )
         if end is not None and gpu_enter.timed:
-            self._pending_cuda.put(_GpuCall(gpu_enter.enter, end, self._step_ref, row))
+            self._pending_cuda.put(_GpuCall(gpu_enter, self._step_ref, row))
             return
         with self._lock:
             self._ccl.append(row)
@@ -548,7 +547,7 @@ class RankExporter:
     @staticmethod
     def _ready_before(item: tuple, due: float) -> bool:
         """Whether the item's last event completes before ``due`` (polled: ``synchronize`` cannot time out)."""
-        last = item.ev if isinstance(item, _StepAnchor) else item.end if isinstance(item, _GpuCall) \
+        last = item.ev if isinstance(item, _StepAnchor) else item.mark.exit if isinstance(item, _GpuCall) \
             else item[0] if isinstance(item[1], int) else item[1]
         try:
             while not last.query():
@@ -585,14 +584,8 @@ class RankExporter:
             return
         start, end, ref, meta = item
         try:
-            if isinstance(end, int):  # a host-timed op placed on the stream: ``end`` is its duration
-                start.synchronize()
-                dur = end
-            else:
-                end.synchronize()
-                dur = int(start.elapsed_time(end) * 1e6)
-            t0 = ref.perf_ns + int(ref.ev.elapsed_time(start) * 1e6)
-            batch.append((self._to_job_clock(t0), dur) + meta)
+            t0, dur = self._place(start, end, ref)
+            batch.append((t0, dur) + meta)
         except Exception as e:
             self.stats.errors += 1
             log.warning("CUDA event resolution failed: %s", e)
@@ -600,16 +593,25 @@ class RankExporter:
     def _resolve_call(self, item: "_GpuCall") -> None:
         """A collective's GPU enter and exit, on the host clock: sent with the ops resolved with it."""
         try:
-            item.end.synchronize()
-            ref = item.ref
-            t0 = ref.perf_ns + int(ref.ev.elapsed_time(item.start) * 1e6)
-            t1 = t0 + max(0, int(item.start.elapsed_time(item.end) * 1e6))
-            row = dict(item.row, enter_ns=self._to_job_clock(t0), exit_ns=self._to_job_clock(t1))
+            t0, dur = self._place(item.mark.enter, item.mark.exit, item.ref)
+            row = dict(item.row, enter_ns=t0, exit_ns=t0 + max(0, dur))
             with self._lock:
                 self._ccl.append(row)
         except Exception as e:
             self.stats.errors += 1
             log.warning("CUDA event resolution of a collective failed: %s", e)
+
+    def _place(self, start, end, ref: _StepAnchor) -> tuple[int, int]:
+        """(start on the job clock, duration ns) of an event pair, placed by its step's anchor; ``end`` an
+        int is a host-timed op's duration (placed where the stream was when it was recorded). Waits for the
+        last event: the resolver thread only."""
+        if isinstance(end, int):
+            start.synchronize()
+            dur = end
+        else:
+            end.synchronize()
+            dur = int(start.elapsed_time(end) * 1e6)
+        return self._to_job_clock(ref.perf_ns + int(ref.ev.elapsed_time(start) * 1e6)), dur
 
     # -- checkpoints --------------------------------------------------------
     def checkpoint(self, step: int, kind: str = "save", *, start_ns: int | None = None,

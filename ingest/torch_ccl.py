@@ -97,17 +97,20 @@ def _nbytes(x: Any) -> int:
         return 0
 
 
-def _on_device(x: Any) -> bool:
-    """A CUDA tensor (or a list of them): NCCL's, whose calls return before the collective runs."""
+def _device_type(x: Any) -> str | None:
+    """The device type of a tensor (or of a list's first): "cpu", "cuda" (NCCL's: its calls return before
+    the collective runs), or None for anything else."""
     if isinstance(x, (list, tuple)):
-        return bool(x) and _on_device(x[0])
-    return getattr(getattr(x, "device", None), "type", None) == "cuda"
+        return _device_type(x[0]) if x else None
+    return getattr(getattr(x, "device", None), "type", None)
+
+
+def _on_device(x: Any) -> bool:
+    return _device_type(x) == "cuda"
 
 
 def _on_cpu(x: Any) -> bool:
-    if isinstance(x, (list, tuple)):
-        return bool(x) and _on_cpu(x[0])
-    return getattr(getattr(x, "device", None), "type", None) == "cpu"
+    return _device_type(x) == "cpu"
 
 
 class TracedFunction:
