@@ -33,10 +33,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 ZOO = ROOT / "tests" / "training" / "zoo.py"
 SAMPLE, STEPS, WINDOW = "6/8", 14, 8  # windows 0 (warm-up) and 8 (steps 8-13, the one checked)
-# S against slowed/control. The issue's target is 5%, which benchmarks/trace_accuracy.py measures on a quiet
-# machine (13 of 15 levels within it, at most +5.4%; BENCHMARKS.md). Inside the whole suite the same runs
-# came out at +5.1% and +5.8% twice in a row (the control's own S, collective noise on 2 shared cores, is the
-# bias): CI asserts 8% so that it fails on a wrong method, not on a busy machine.
+# S against slowed/control. Both runs are measured against the same ideal (the job with no straggler at all),
+# and on 2 shared cores the control is not that ideal: its own S is 1.00-1.04 (collective noise). So the model
+# predicts slowed/control as S(slowed) / S(control), and that ratio is what is checked (`s_error`). Compared
+# with S(slowed) alone, the same runs sat 1-7% high, the control's own S; CI failed once at +8.1% that way
+# (titan-tp, control S 1.044), +3.5% as checked now. The issue's target is 5%, which
+# benchmarks/trace_accuracy.py measures on a quiet machine (BENCHMARKS.md); CI asserts 8% so that it fails
+# on a wrong method, not on a busy machine.
 TOLERANCE = 0.08
 
 # framework -> (ranks, layout (dp, pp, vpp), zoo arguments, delay d in ms)
@@ -49,6 +52,13 @@ FRAMEWORKS = {
     # torch.compile (inductor) around DDP: the outermost module is the compile wrapper, not the DDP
     "ddp-compiled": (4, (4, 1, 1), ["--gpu-ms", "40", "--compile"], 32),
 }
+
+
+def s_error(slowed: dict, control: dict) -> tuple[float, float]:
+    """(predicted slowed/control, its relative error against the measured ratio) of two `analysed` results
+    with a `measured` step time each."""
+    predicted = slowed["row"]["slowdown"] / control["row"]["slowdown"]
+    return predicted, predicted / (slowed["measured"] / control["measured"]) - 1
 
 
 def torchrun(ranks: int) -> list[str]:
@@ -122,20 +132,20 @@ def test_unchanged_job_is_diagnosed_and_keeps_its_losses(framework, fleet, tmp_p
         assert losses(tmp_path / "slow") == losses(tmp_path / "plain")
         s, c = results["slow"], results["ctrl"]
         expected = s["measured"] / c["measured"]
-        S = s["row"]["slowdown"]
+        S, (predicted, err) = s["row"]["slowdown"], s_error(s, c)
         # Every wall-clock comparison below gets the second measurement, not only S's.
-        if abs(S / expected - 1) <= TOLERANCE and all(
+        if abs(err) <= TOLERANCE and all(
                 abs(r["row"]["step_time_actual"] / r["measured"] - 1) <= 0.05
                 and abs(r["row"]["launch_slowdown"] - 1) <= 0.1 for r in (s, c)):
             break
-    report = (f"{framework}: S={S:.3f} slowed/control={expected:.3f} ({S / expected - 1:+.1%}) "
+    report = (f"{framework}: S={S:.3f} S/control S={predicted:.3f} slowed/control={expected:.3f} ({err:+.1%}) "
               f"fidelity={s['row']['launch_slowdown']:.3f} top={s['top']} dp={s['top_dp']} pp={s['top_pp']} "
               f"control S={c['row']['slowdown']:.3f} verdict={s['row']['verdict']}")
     with open(artifacts / "trace_frameworks.txt", "a") as f:
         f.write(report + "\n")
     print(report)
     assert s["row"]["complete"] and s["row"]["dp_size"] == dp and s["row"]["pp_size"] == pp, report
-    assert abs(S / expected - 1) <= TOLERANCE, report
+    assert abs(err) <= TOLERANCE, report
     assert s["top"] == (0, 0) and s["top_dp"] == 0 and s["top_pp"] == 0, report
     assert s["row"]["verdict"] == "worker", report
     for r in (s, c):

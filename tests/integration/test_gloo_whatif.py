@@ -31,12 +31,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 BASE = ["--hidden", "128", "--mb-rows", "32", "--layers", "4", "--gpu-ms", "20", "--steps", "8", "--warmup", "2"]
 LEVELS_MS = (11, 28, 56)  # aimed at about 1.2x, 1.5x and 2x the normal step
-# S against slowed/control. The issue's target is 5%, met on a quieter machine (2.5-3.1%, BENCHMARKS.md). The
-# control is another run, whose 4 processes share 2 cores differently (every rank sleeps d/4 instead of rank 0
-# sleeping d), so how busy the machine is moves the ratio: on 2026-11-25 the same S (1.127, 1.283, 1.537)
-# met slowed/control 1.064, 1.235, 1.475 (+5.9%, +3.9%, +4.2%), every run about 6% slower than on the day of
-# the table, the sleeps not. CI asserts 8%, which a wrong method still misses: at 56 ms, S = 1 is 32% off
-# and S = slowed/normal 37%.
+# S against slowed/control, as S(slowed) / S(control): both runs are measured against the same ideal, and
+# the control is not that ideal (its own S is 1.01-1.03 here, collective noise on 2 shared cores). The
+# issue's target is 5%, met on a quieter machine (2.5-3.1%, BENCHMARKS.md). The control is another run, whose
+# 4 processes share 2 cores differently (every rank sleeps d/4 instead of rank 0 sleeping d), so how busy the
+# machine is moves the ratio: on 2026-11-25 the same S (1.127, 1.283, 1.537) met slowed/control 1.064,
+# 1.235, 1.475 (+5.9%, +3.9%, +4.2% against S alone), every run about 6% slower than on the day of the
+# table, the sleeps not. CI asserts 8%, which a wrong method still misses: at 56 ms, S = 1 is 32% off and
+# S = slowed/normal 37%.
 TOLERANCE = 0.08
 
 
@@ -48,6 +50,11 @@ def _run(broker, tmp_path, job, extra):
     rep = json.loads(report.read_text())
     assert rep["dropped"] == 0
     return statistics.median(rep["step_times"])
+
+
+def _error(slow: dict, ctrl: dict) -> float:
+    """How far the model's slowed/control, S(slowed) / S(control), is from the measured one."""
+    return (slow["S"] / ctrl["S"]) / (slow["measured_s"] / ctrl["measured_s"]) - 1
 
 
 def _ops_of(broker, jobs):
@@ -90,24 +97,24 @@ def test_real_gloo_job_slowdown_matches_its_controls(broker, tmp_path, artifacts
             got = {name: measure(name, ["--slow-rank", "0", "--delay-ms", str(d), *extra], attempt)
                    for name, extra in (runs[::-1] if attempt % 2 else runs)}
             slow, ctrl = got[f"slow{d}"], got[f"ctrl{d}"]
-            if abs(slow["S"] / (slow["measured_s"] / ctrl["measured_s"]) - 1) <= TOLERANCE:
+            if abs(_error(slow, ctrl)) <= TOLERANCE:
                 break
         rows += [slow, ctrl]
     measured = {r["run"]: r["measured_s"] for r in rows}
     table = {r["run"]: r for r in rows}
-    lines = [f"{'run':<8}{'measured s':>11}{'vs normal':>10}{'S':>7}{'slow/ctrl':>10}{'replay err':>11}"]
+    lines = [f"{'run':<8}{'measured s':>11}{'vs normal':>10}{'S':>7}{'slow/ctrl':>10}{'S/S ctrl':>9}{'replay err':>11}"]
     for r in rows:
         ctrl = table.get("ctrl" + r["run"][4:]) if r["run"].startswith("slow") else None
         ratio = r["measured_s"] / ctrl["measured_s"] if ctrl else float("nan")
+        predicted = r["S"] / ctrl["S"] if ctrl else float("nan")
         lines.append(f"{r['run']:<8}{r['measured_s']:>11.4f}{r['measured_s'] / measured['normal']:>10.3f}"
-                     f"{r['S']:>7.3f}{ratio:>10.3f}{r['replay_s'] / r['measured_s'] - 1:>+11.3%}")
+                     f"{r['S']:>7.3f}{ratio:>10.3f}{predicted:>9.3f}{r['replay_s'] / r['measured_s'] - 1:>+11.3%}")
     report = "\n".join(lines)
     (artifacts / "gloo_whatif.txt").write_text(report + "\n")
     print(report)
     for d in LEVELS_MS:
         slow, ctrl = table[f"slow{d}"], table[f"ctrl{d}"]
-        expected = slow["measured_s"] / ctrl["measured_s"]
-        assert abs(slow["S"] / expected - 1) <= TOLERANCE, report
+        assert abs(_error(slow, ctrl)) <= TOLERANCE, report
         assert (slow["top_dp"], slow["top_pp"]) == ("0", "0"), report
     for r in rows:
         assert abs(r["replay_s"] / r["measured_s"] - 1) <= 0.05, report
