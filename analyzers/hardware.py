@@ -7,7 +7,7 @@ power cap, heat), a hotter GPU, uncorrected ECC errors or PCIe replays its
 peers lack. It returns the differences with their figures and one sentence
 ("SM clock 1,140 MHz vs the peers' median 1,980; throttled: software power
 cap"), or nothing where the GPUs look alike or were not sampled. Pure: the
-samples come in (``ray_jobs.hang_monitor.HangMonitor.gpu_of``).
+samples come in (``ray_jobs.hang_monitor.HangReducer.gpu_of``).
 """
 from __future__ import annotations
 

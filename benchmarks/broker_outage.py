@@ -41,7 +41,7 @@ from core import (
 from core.kafka_admin import ensure_topics  # noqa: E402
 from ingest.exporter import RankExporter, Sampling  # noqa: E402
 from ingest.producer import TelemetryProducer  # noqa: E402
-from ray_jobs.io import KafkaSource  # noqa: E402
+from ray_jobs.kafka_source import KafkaSource  # noqa: E402
 from services.broker import LocalBroker
 
 MICROBATCHES = 4

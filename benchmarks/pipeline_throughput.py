@@ -30,7 +30,7 @@ from core.kafka_admin import ensure_topics  # noqa: E402
 from core.layout import JobLayout
 from generators.fleetgen import JobSpec, generate_window  # noqa: E402
 from ingest.producer import TelemetryProducer, split_for_wire  # noqa: E402
-from ray_jobs.io import KafkaSource  # noqa: E402
+from ray_jobs.kafka_source import KafkaSource  # noqa: E402
 from ray_jobs.windows import WindowTracker  # noqa: E402
 from services.broker import LocalBroker
 

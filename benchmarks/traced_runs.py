@@ -46,7 +46,7 @@ def read_ops(bootstrap: str, job_id: str, partitions: int = 4):
     import pyarrow.compute as pc
 
     from core import codec, topics
-    from ray_jobs.io import KafkaSource
+    from ray_jobs.kafka_source import KafkaSource
 
     src = KafkaSource(bootstrap, [topics.TOPIC_OPS], range(partitions))
     src.seek({})

@@ -23,7 +23,7 @@ from ray_jobs.boundary import worker_clock_skew
 log = logging.getLogger(__name__)
 
 
-def _window_row(info: Registration, key, ops: pa.Table, complete: bool, note: str) -> dict:
+def _window_row(job: Registration, key, ops: pa.Table, complete: bool, note: str) -> dict:
     if "start_ns" in ops.column_names:
         starts = ops["start_ns"].to_numpy()
         ends = starts + ops["duration_ns"].to_numpy()
@@ -36,8 +36,8 @@ def _window_row(info: Registration, key, ops: pa.Table, complete: bool, note: st
         job_id=key[0], attempt=key[1], window_id=key[2],
         first_step=int(steps.min()), last_step=int(steps.max()), n_steps=int(len(np.unique(steps))),
         start_ns=int(starts.min()), end_ns=int(ends.max()), analyzed_ns=time.time_ns(),
-        team=info.team, model=info.model, n_gpus=int(info.n_gpus or info.layout.world_size),
-        dp_size=info.layout.dp_size, pp_size=info.layout.pp_size,
+        team=job.team, model=job.model, n_gpus=int(job.n_gpus or job.layout.world_size),
+        dp_size=job.layout.dp_size, pp_size=job.layout.pp_size,
         slowdown=float("nan"), launch_slowdown=float("nan"), waste_fraction=float("nan"),
         step_time_actual=float("nan"), step_time_sim=float("nan"), step_time_ideal=float("nan"),
         gpu_hours=0.0, wasted_gpu_hours=0.0, m_w=float("nan"), m_s=float("nan"),
@@ -49,22 +49,22 @@ def _window_row(info: Registration, key, ops: pa.Table, complete: bool, note: st
 _FLOPS_FIELDS = ("flops_per_token", "params", "tokens_per_step", "peak_flops", "gpu_type")
 
 
-def _flops_info(info: Registration, n_gpus: int) -> dict:
-    """The registration's FLOPs fields: ``info.registration`` (a JOB row) or attributes of
-    ``info``; absent ones are 0, which makes the MFU NaN."""
-    reg = getattr(info, "registration", None)
-    src = reg if isinstance(reg, dict) else {k: getattr(info, k, 0) for k in _FLOPS_FIELDS}
+def _flops_info(job: Registration, n_gpus: int) -> dict:
+    """The registration's FLOPs fields: ``job.registration`` (a JOB row) or attributes of
+    ``job``; absent ones are 0, which makes the MFU NaN."""
+    reg = getattr(job, "registration", None)
+    src = reg if isinstance(reg, dict) else {k: getattr(job, k, 0) for k in _FLOPS_FIELDS}
     return {**{k: src.get(k, 0) for k in _FLOPS_FIELDS}, "n_gpus": n_gpus}
 
 
-def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int], complete: bool,
+def analyze_window(ops: pa.Table, job: Registration, key: tuple[str, int, int], complete: bool,
                    note: str, ccl: pa.Table | None = None, tcp: pa.Table | None = None) -> dict[str, pa.Table]:
     """What-if analysis and link diagnosis of one window; returns {result kind: table} for the sink.
 
     ``ccl``: the window's collective records; ``tcp``: its ranks' TCP connection counters (TCP_FLOW)."""
     links = _links(ccl, key, tcp)
     if ops.num_rows == 0:
-        row = _window_row(info, key, ccl if ccl is not None else ops, complete, note)
+        row = _window_row(job, key, ccl if ccl is not None else ops, complete, note)
         row["verdict"] = "no_op_spans"
         row["complete"] = False
         row["n_ops"] = 0
@@ -74,8 +74,8 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
     from analyzers.whatif import analyze
     from analyzers.whatif.tables import step_times, to_tables, window_fields
 
-    row = _window_row(info, key, ops, complete, note)
-    conflict = layout_conflict(info, ops)
+    row = _window_row(job, key, ops, complete, note)
+    conflict = layout_conflict(job, ops)
     if conflict:
         # The ranks' coordinates contradict each other (two ranks claiming one worker, ...): analysed, such
         # spans make a dependency cycle or a wrong answer. Flag the window with what is wrong, S NaN, out of
@@ -95,7 +95,7 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
                        f"{skew.threshold_s:.1f} s): window not analysed, left out of fleet statistics")
         return _tables(row, links)
     try:
-        result = analyze(ops, info.layout, allow_incomplete=True, n_gpus=row["n_gpus"])
+        result = analyze(ops, job.layout, allow_incomplete=True, n_gpus=row["n_gpus"])
     except Exception as e:  # analyzer input errors and bugs alike: store, flag, move on
         log.warning("analysis of %s failed: %s", key, e)
         row["verdict"] = "analysis_failed"
@@ -113,13 +113,13 @@ def analyze_window(ops: pa.Table, info: Registration, key: tuple[str, int, int],
     )
     times = step_times(result)
     steps = sorted(times["actual"])
-    row["mfu"], row["mfu_ideal"] = window_mfu(_flops_info(info, row["n_gpus"]), steps,
+    row["mfu"], row["mfu_ideal"] = window_mfu(_flops_info(job, row["n_gpus"]), steps,
                                               [times["actual"][s] for s in steps],
                                               [times["ideal"].get(s, float("nan")) for s in steps])
     out = to_tables(result, key)
     out["window_profile"] = window_profile(ops, row, typical_step_s(times["actual"]))
     if verdicts or links["link_fault"].num_rows:
-        remedies = _remedies(ops, info, result, links["link_fault"], key)
+        remedies = _remedies(ops, job, result, links["link_fault"], key)
         if remedies is not None:
             out["remedy"] = remedies
     return _tables(row, links, out)
@@ -172,11 +172,11 @@ def window_profile(ops: pa.Table, row: dict, step_s: float | None = None) -> pa.
     return codec.from_rows(S.WINDOW_PROFILE, rows)
 
 
-def layout_conflict(info: Registration, ops: pa.Table) -> str:
+def layout_conflict(job: Registration, ops: pa.Table) -> str:
     """What contradicts the job's layout, or "": the registration's ``layout_problem`` (what the traced ranks
     found when they compared their claims), else two ranks sending op spans as one worker in these ops (an
     exporter that registered none, or an older one)."""
-    reg = getattr(info, "registration", None)
+    reg = getattr(job, "registration", None)
     problem = str((reg or {}).get("layout_problem") or "") if isinstance(reg, dict) else ""
     if problem:
         return problem
@@ -199,22 +199,22 @@ def layout_conflict(info: Registration, ops: pa.Table) -> str:
     return f"ranks {', '.join(map(str, ranks))} all sent op spans as worker dp {w >> 32}, pp {w & 0xFFFFFFFF}{more}"
 
 
-def _remedies(ops: pa.Table, info: Registration, result, links: pa.Table, key) -> pa.Table | None:
+def _remedies(ops: pa.Table, job: Registration, result, links: pa.Table, key) -> pa.Table | None:
     """REMEDY rows of a window with a verdict or a link fault; never costs the window its result."""
     from analyzers.remedies import JobFacts, advise, to_tables
 
     try:
-        reg = info.registration or {}
-        facts = JobFacts(layout=info.layout, num_layers=int(reg.get("num_layers") or 0) or None)
+        reg = job.registration or {}
+        facts = JobFacts(layout=job.layout, num_layers=int(reg.get("num_layers") or 0) or None)
         return to_tables(advise(ops, facts, result, links.to_pylist()), key, time.time_ns())["remedy"]
     except Exception as e:
         log.warning("remedies of %s failed: %s", key, e)
         return None
 
 
-def failed_window(ops: pa.Table, info: Registration, key: tuple[str, int, int], reason: str) -> dict[str, pa.Table]:
+def failed_window(ops: pa.Table, job: Registration, key: tuple[str, int, int], reason: str) -> dict[str, pa.Table]:
     """The tables of a window whose analysis could not run at all."""
-    row = _window_row(info, key, ops, False, reason[:2000])
+    row = _window_row(job, key, ops, False, reason[:2000])
     row["verdict"] = "analysis_failed"
     return _tables(row)
 

@@ -35,13 +35,13 @@ UNSIZED_INFLIGHT = 2
 """In-flight limit when ``max_inflight`` is 0 (auto) and no pipeline sized it from Ray's CPUs (a bare shard)."""
 
 
-class WindowDispatch:
+class WindowReducer:
     consumes = frozenset({"job", "op_span", "ccl_record", "tcp_flow"})
 
     def __init__(self, cfg: PipelineConfig, clock: Clock, is_stored: Callable[[tuple], bool],
                  submit: Callable[..., Any] | None = None, max_world_size: int = 1 << 18, name: str = "shard",
                  gpu_of: Callable[[str, int], dict[int, dict]] | None = None):
-        """``gpu_of(job, attempt)``: the latest GPU sample of each of its ranks (``HangMonitor.gpu_of``), which a
+        """``gpu_of(job, attempt)``: the latest GPU sample of each of its ranks (``HangReducer.gpu_of``), which a
         slow worker's verdict is compared with (``analyzers.hardware``); None: no hardware evidence."""
         self.cfg = cfg
         self._gpu_of = gpu_of
@@ -55,7 +55,7 @@ class WindowDispatch:
         # (job, attempt) -> (start_ns, verdict) of the last window whose spans were kept.
         self._spans_kept: dict[tuple[str, int], tuple[int, str]] = {}
         self.stored = self.failed = self.spans_kept = 0
-        self.analyzer_seconds = self.latency_last_s = 0.0
+        self.dispatch_to_stored_seconds = self.latency_last_s = 0.0
 
     # -- input ----------------------------------------------------------------
     def add(self, kind: str, table: pa.Table, at: tuple[tuple[str, int], int] | None, now: float) -> None:
@@ -84,8 +84,6 @@ class WindowDispatch:
     # -- output ---------------------------------------------------------------
     def due(self, now: float) -> list[Unit]:
         """Dispatch the ready windows; the finished analyses as units (waiting up to 0.5 s when busy)."""
-        from ray_jobs.io import resolve_ready
-
         block = self.busy()
         for win in self.tracker.ready(now):
             self._dispatch(win)
@@ -110,7 +108,8 @@ class WindowDispatch:
         return dict(inflight=len(self.inflight), open_windows=len(self.tracker.open),
                     buffered_rows=self.tracker.buffered_rows(), windows_stored=self.stored,
                     windows_failed=self.failed, span_windows_kept=self.spans_kept,
-                    analyzer_seconds=self.analyzer_seconds, window_latency_s_last=self.latency_last_s,
+                    dispatch_to_stored_seconds=self.dispatch_to_stored_seconds,
+                    window_latency_s_last=self.latency_last_s,
                     records=c.records, late_records=c.late_records)
 
     def job(self, job_id: str, attempt: int) -> Registration | None:
@@ -172,7 +171,7 @@ class WindowDispatch:
             self.tracker.mark_stored(win.key)
             self.stored += 1
             took = self.clock.monotonic() - t0
-            self.analyzer_seconds += took
+            self.dispatch_to_stored_seconds += took
             self.latency_last_s = took
 
         def give_up(reason: str) -> Unit:
@@ -238,3 +237,39 @@ def unregistered(win: ReadyWindow, max_workers: int = 1 << 18) -> Registration:
     steps = len(set(win.ops["step"].to_pylist()))
     return Registration(job_id=win.key[0], attempt=win.key[1], layout=JobLayout(dp, pp), profiled_steps=steps,
                         registered=False)
+
+
+def resolve_ready(inflight: list[tuple[Any, Any, float]], timeout_s: float):
+    """Split in-flight analyses into (done, pending).
+
+    Each entry is (handle, window, t0). A handle is either a Ray ObjectRef or
+    an already computed result (the shard ran the analysis inline). Done
+    entries come back as ((tables, error), window, t0); ``tables`` is None when
+    the task failed for good.
+    """
+    refs = [h for h, _, _ in inflight if _is_ref(h)]
+    ready_ids: set = set()
+    if refs:
+        import ray
+
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ready_ids = {r.hex() for r in ready}
+    done, pending = [], []
+    for entry in inflight:
+        h, win, t0 = entry
+        if not _is_ref(h):
+            done.append(((h, None), win, t0))
+        elif h.hex() in ready_ids:
+            import ray
+
+            try:
+                done.append(((ray.get(h), None), win, t0))
+            except Exception as e:  # task died after its retries (killed worker, OOM)
+                done.append(((None, f"{type(e).__name__}: {str(e)[:300]}"), win, t0))
+        else:
+            pending.append(entry)
+    return done, pending
+
+
+def _is_ref(h: Any) -> bool:
+    return type(h).__name__ == "ObjectRef"

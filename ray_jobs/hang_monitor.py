@@ -25,7 +25,7 @@ GPU_FIELDS = ("gpu_sm_mhz", "gpu_mem_mhz", "gpu_power_w", "gpu_power_limit_w", "
 _NS = 1_000_000_000
 
 
-class HangMonitor:
+class HangReducer:
     consumes = frozenset({"heartbeat", "ccl_record", "job"})
 
     def __init__(self, params: HangParams = HangParams(), every_s: float = 1.0, forget_after_s: float = 3600.0,

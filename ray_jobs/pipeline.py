@@ -30,154 +30,30 @@ from the stored offsets). A driver stops the shards on exit only while it owns
 them: in a rolling update the new driver adopts first, and the old one's exit
 leaves the shards running, so there is never a second set reading the same
 partitions. Ownership goes to the driver that started last (``Owner``).
+
+What it checks lives beside it, one concern a module: the broker's topics and
+stored offsets (``broker_checks``), connecting to Ray (``ray_connect``), what the
+cluster's nodes can run and reach (``placement``), who owns the detached shards
+(``ownership``); ``errors.PipelineError`` is the one line any of them refuses with.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-import ipaddress
 import logging
 import math
 import os
-import socket
 import time
 from typing import Any, Callable
 
 from core.config import Config
+from ray_jobs.broker_checks import check_offsets, check_topics
+from ray_jobs.errors import PipelineError
+from ray_jobs.ownership import SHARD_NAMESPACE, Owner, Superseded, claim_verdict, shard_fingerprint, shard_name
+from ray_jobs.placement import check_store_reach
+from ray_jobs.ray_connect import first_line, init_ray
 from ray_jobs.shard import ShardWorker
 
 log = logging.getLogger(__name__)
-
-SHARD_NAMESPACE = "stragglerscope"
-"""Ray namespace of the detached shard actors (named ``ss-shard-SOURCE-INDEX``)."""
-
-RAY_CONNECT_CHECK_S = 5.0
-"""How long the TCP check of ``ray.address`` waits: ray.init() itself retries a dead address for minutes."""
-
-
-class PipelineError(RuntimeError):
-    """The pipeline cannot start or run: Ray unreachable, shard actors not ready. One line, for the CLI."""
-
-    def __init__(self, message: object = "pipeline error") -> None:
-        from core.redact import redact
-
-        super().__init__(redact(" ".join(str(message).split()))[:2000])
-
-
-def ray_endpoint(address: str) -> tuple[str, int] | None:
-    """(host, port) that ``ray.init(address=...)`` will connect to; None for 'auto' and the like."""
-    addr = address.strip()
-    default = 6379
-    if addr.startswith("ray://"):
-        addr, default = addr[len("ray://"):], 10001
-    elif "://" in addr or addr in ("auto", "local"):
-        return None
-    host, sep, port = addr.rstrip("/").rpartition(":")
-    if not sep:
-        host, port = addr.rstrip("/"), str(default)
-    try:
-        return host.strip("[]") or "127.0.0.1", int(port)
-    except ValueError:
-        raise PipelineError(f"bad ray.address {address!r}: write host:port (the head's GCS, e.g. "
-                            "ray-head:6379) or ray://host:10001") from None
-
-
-def check_ray_reachable(address: str, timeout_s: float = RAY_CONNECT_CHECK_S) -> None:
-    """PipelineError with one line when nothing accepts connections at ``address``.
-
-    ``ray.init`` to a closed port does not fail: it retries for minutes and
-    prints its C++ warnings on the terminal (measured with Ray 2.60: no
-    answer after 5 minutes). A plain TCP connect says in milliseconds.
-    """
-    import socket
-
-    endpoint = ray_endpoint(address)
-    if endpoint is None:
-        return
-    try:
-        with socket.create_connection(endpoint, timeout=timeout_s) as sock:
-            if speaks_grpc(sock, timeout_s):
-                return
-            reason = None
-    except OSError as e:
-        reason = e.strerror or type(e).__name__
-    if reason is None:
-        raise PipelineError(f"{address} accepts connections but is not a Ray head (no gRPC answer in "
-                            f"{timeout_s:.0f} s): use the head's GCS port (host:6379) or its Ray Client port "
-                            "(ray://host:10001)")
-    raise PipelineError(f"no Ray cluster reachable at {address} ({reason}); set ray.address to the head's "
-                        "address (host:6379, or ray://host:10001), or leave it empty for a local Ray")
-
-
-def speaks_grpc(sock: socket.socket, timeout_s: float) -> bool:
-    """Whether the server on ``sock`` answers HTTP/2's connection preface with its SETTINGS frame.
-
-    Ray's GCS and Ray Client servers are gRPC, which is HTTP/2: they send
-    SETTINGS at once. Anything else (a Kafka broker, a web server on that port)
-    stays silent or answers otherwise, where ``ray.init`` would retry for ever.
-    """
-    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))  # + empty SETTINGS
-    sock.settimeout(timeout_s)
-    head = b""
-    try:
-        while len(head) < 9:  # a frame header: length (3 bytes), type, flags, stream id
-            chunk = sock.recv(9 - len(head))
-            if not chunk:
-                break
-            head += chunk
-    except OSError:
-        return False
-    return len(head) == 9 and head[3] == 0x04
-
-
-def init_ray(cfg: Config) -> None:
-    """Connect to ``cfg.ray.address`` or start a local Ray that listens on 127.0.0.1 only."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if cfg.ray.address:
-        check_ray_reachable(cfg.ray.address)
-        try:
-            ray.init(address=cfg.ray.address, log_to_driver=False, configure_logging=True,
-                     logging_level=logging.WARNING)  # no "Connecting to ..." lines among run's own
-        except (ConnectionError, ValueError, RuntimeError, TimeoutError) as e:  # ray[client] missing, refused ...
-            raise PipelineError(f"cannot connect to Ray at {cfg.ray.address}: {_first_line(e)}{_token_hint()}"
-                                ) from None
-        return
-    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set by ray_jobs/__init__.py, before Ray is imported.
-    ray.init(
-        num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-        log_to_driver=False, configure_logging=True, logging_level=logging.WARNING,
-    )
-
-
-TOKEN_HELP = ("set RAY_AUTH_MODE=token and the cluster's token on this driver (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, "
-              "or the file ~/.ray/auth_token; `ray get-auth-token` on a node prints it): README, On a Ray cluster")
-
-
-def _token_hint() -> str:
-    """Why Ray refused the connection, where its native log says it was the token (``ray.init`` only says that it
-    could not connect, after 20 s of retries)."""
-    import os
-
-    from core.logs import NativeStderr
-
-    native = NativeStderr.current()
-    said = native.tail() if native is not None else ""
-    if "InvalidAuthToken" in said or "Unauthenticated" in said:
-        got = "a token" if os.environ.get("RAY_AUTH_MODE") == "token" else "no token (RAY_AUTH_MODE is not token)"
-        return f"; the cluster requires token authentication and this driver sent {got} or the wrong one: {TOKEN_HELP}"
-    if os.environ.get("RAY_AUTH_MODE") != "token":
-        return f"; if the cluster uses token authentication (Ray's default for every cluster from 2.61), {TOKEN_HELP}"
-    return ""
-
-
-def _first_line(e: BaseException) -> str:
-    for line in str(e).splitlines():
-        if line.strip():
-            return line.strip()[:300]
-    return type(e).__name__
 
 
 def shard_partitions(index: int, shards: int, partitions: int) -> list[int]:
@@ -202,238 +78,21 @@ def inflight_per_shard(max_inflight: int, shards: int, cluster_cpus: float, shar
     analysis_cpus = max(1.0, cluster_cpus - shards * shard_cpus)
     return max(1, math.ceil(2 * analysis_cpus / max(1, shards)))
 
-
-def local_addresses() -> set[str]:
-    """This machine's own addresses, on every interface (nothing is sent)."""
-    import psutil
-
-    out = {"127.0.0.1", "::1", "localhost"}
-    for addrs in psutil.net_if_addrs().values():
-        out.update(a.address.split("%")[0] for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6))
-    return out
-
-
-def store_only_here(store_url: str) -> bool:
-    """Whether only processes on this machine can reach the store: chDB files, or a loopback server."""
-    from urllib.parse import urlsplit
-
-    if store_url.startswith("chdb://"):
-        return True
-    host = urlsplit(store_url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def check_store_reach(store_url: str, node_addresses: list[str], here: set[str] | None = None) -> None:
-    """PipelineError when the shards on another machine could not reach the store.
-
-    The embedded chDB store is served by this driver on 127.0.0.1 (and a
-    ClickHouse on loopback is the same): a shard placed on another node would
-    connect to its own 127.0.0.1 and die at setup. Said before any actor starts.
-    """
-    if not store_only_here(store_url):
-        return
-    here = local_addresses() if here is None else here
-    elsewhere = sorted({a for a in node_addresses if a not in here})
-    if elsewhere:
-        from core.redact import redact_url
-
-        raise PipelineError(
-            f"store.url {redact_url(store_url)} is reachable only on this machine, but the Ray cluster has "
-            f"nodes at {', '.join(elsewhere[:3])}{' ...' if len(elsewhere) > 3 else ''}: give the shards a "
-            "ClickHouse server they can reach (store.url = clickhouse://user@host:9000/db)")
-
-
-def shard_name(source_id: str, index: int) -> str:
-    """A shard actor's Ray name: a driver finds its source's running shards by it."""
-    return f"ss-shard-{source_id}-{index}"
-
-
-def shard_fingerprint(cfg: Config, partitions: list[int]) -> str:
-    """What a running shard must share with a driver to be adopted: its whole configuration and partitions."""
-    import hashlib
-
-    return hashlib.sha256(repr((cfg, partitions)).encode()).hexdigest()[:16]
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class Owner:
-    """The driver that owns the detached shards: the one started last wins (rolling updates).
-
-    Ordered by start time, then name; the clocks of two driver pods need only
-    agree to within the seconds between their starts.
-    """
-    started_ns: int
-    driver: str
-
-    @classmethod
-    def this_process(cls) -> "Owner":
-        return cls(time.time_ns(), f"{socket.gethostname()}:{os.getpid()}")
-
-
-def claim_verdict(current: Owner | None, current_fingerprint: str, owner: Owner, fingerprint: str | None) -> str:
-    """What a running shard answers a driver that claims it.
-
-    'newer': a driver started after ``owner`` owns it (``owner`` steps back);
-    'replace': it runs another configuration (``fingerprint`` None: retire it);
-    'ours': ``owner`` already owns it; 'adopted': ``owner`` takes it over.
-    """
-    if current is not None and owner < current:
-        return "newer"
-    if fingerprint != current_fingerprint:
-        return "replace"
-    return "ours" if owner == current else "adopted"
-
-
-class Superseded(Exception):
-    """A driver started later owns the shards now: this one exits and leaves them running."""
-
-
-def check_topics(cfg: Config) -> int:
-    """Create the missing topics and return the input topics' partition count; BrokerError when it does not fit."""
-    from core.kafka_admin import prepare_topics
-
-    return prepare_topics(cfg.kafka.conn(), cfg.kafka.partitions, cfg.kafka.replication_factor,
-                          min_insync_replicas=cfg.kafka.min_insync_replicas)
-
-
-def stored_offsets(open_store: Callable[[str], Any], store_url: str, source_id: str) -> dict[tuple[str, int], int]:
-    """The offsets stored for ``source_id`` (every input topic and partition), as the shards load them."""
-    from core import topics
-    store = open_store(store_url)
-    try:
-        store.setup()
-        return store.load_offsets(source_id, topics.INPUT_TOPICS, None)
-    finally:
-        store.close()
-
-
-@dataclasses.dataclass(frozen=True)
-class OffsetCheck:
-    """Stored offsets of a source against the broker (``inspect_offsets``)."""
-    stored: dict[tuple[str, int], int]
-    logs: dict[tuple[str, int], str]
-    """The log each stored offset was read from ('' = stored before logs were kept)."""
-    ends: dict[tuple[str, int], int | None]
-    logs_now: dict[str, str]
-    ahead: dict[tuple[str, int], tuple[int, int]]
-    """Beyond their partition's end: (stored, end)."""
-    changed: dict[tuple[str, int], tuple[int, str, str]]
-    """Read from another log than the partition has now: (stored, that log, the log now)."""
-
-    @property
-    def lost(self) -> list[tuple[str, int]]:
-        return sorted(set(self.ahead) | set(self.changed))
-
-
-def inspect_offsets(cfg: Config, store, source_id: str) -> OffsetCheck:
-    """The offsets stored for ``source_id`` in ``store`` (open), each against its partition's end and log."""
-    from core import topics
-    from core.kafka_admin import end_offsets, logs_changed, offsets_ahead, topic_logs
-    from core.topics import past_generation
-
-    stored = store.load_offsets(source_id, topics.INPUT_TOPICS, None)
-    logs = store.load_offset_logs(source_id, topics.INPUT_TOPICS, None)
-    live = {tp: off for tp, off in stored.items() if off > 0}
-    ends = end_offsets(cfg.kafka.conn(), live) if live else {}
-    # A past generation that is gone was read to its end and retired (services.topic_generations).
-    gen_s, now = cfg.kafka.conn().topic_generation_s, time.time()
-    live = {tp: off for tp, off in live.items() if ends.get(tp) is not None or not past_generation(tp[0], gen_s, now)}
-    logs_now = topic_logs(cfg.kafka.conn(), {t for t, _ in live}) if live else {}
-    return OffsetCheck(stored, logs, ends, logs_now, offsets_ahead(live, ends), logs_changed(live, logs, logs_now))
-
-
-def check_offsets(cfg: Config, source_id: str, open_store: Callable[[str], Any]) -> list[dict]:
-    """Refuse to start on offsets that would skip records; with ``kafka.on_lost_log = rewind``, rewind them.
-
-    An offset stored for ``source_id`` beyond its partition's end, or read
-    from another log than the partition has now (its topic id changed), means
-    the broker lost records (restarted empty, topic deleted and re-created);
-    reading on from it would skip the records the broker gives those offsets
-    now, which nothing read. 'stop' (the default): LogChangedError or
-    OffsetsAheadError, one line naming the way out. 'rewind': those offsets
-    go to the start of the new logs, each with a row in ``offset_resets``;
-    returns those rows.
-    """
-    from core.kafka_admin import LogChangedError, OffsetsAheadError
-
-    store = open_store(cfg.store.url)
-    try:
-        store.setup()
-        check = inspect_offsets(cfg, store, source_id)
-        if not check.lost:
-            return []
-        if cfg.kafka.on_lost_log == "rewind":
-            return rewind_offsets(store, source_id, check, by="start")
-    finally:
-        store.close()
-    fix = ("Results of records read before are stored; the records the broker lost are gone. If the broker was "
-           "reset, run `stragglerscope offsets reset` (same --config) to read its topics from the beginning, or "
-           "set kafka.on_lost_log = \"rewind\"; `stragglerscope offsets show` lists them")
-    if check.changed and not check.ahead:  # beyond the end says it plainest where both hold
-        (topic, part), (off, was, now) = next(iter(check.changed.items()))
-        more = f" and {len(check.changed) - 1} more partitions" if len(check.changed) > 1 else ""
-        raise LogChangedError(
-            f"Kafka at {cfg.kafka.bootstrap} lost records: the offsets stored for source {source_id!r} were read "
-            f"from other logs than its topics have now: {topic}[{part}] stored {off} in log {was}, its log is "
-            f"{now} now (the topic was created again){more}. {fix}", check.changed)
-    (topic, part), (off, end) = next(iter(check.ahead.items()))
-    more = f" and {len(check.ahead) - 1} more partitions" if len(check.ahead) > 1 else ""
-    raise OffsetsAheadError(
-        f"Kafka at {cfg.kafka.bootstrap} lost records: the offsets stored for source {source_id!r} are beyond "
-        f"the end of {topic}[{part}] (stored {off}, end {end}){more}. {fix}", check.ahead)
-
-
-def rewind_offsets(store, source_id: str, check: OffsetCheck, by: str,
-                   partitions: list[tuple[str, int]] | None = None) -> list[dict]:
-    """Store offset 0 in the partitions' current logs for ``partitions`` (default: those lost), each with an
-    audit row; returns the rows."""
-    from core import codec
-    from core import schema as S
-
-    tps = check.lost if partitions is None else partitions
-    if not tps:
-        return []
-    now_ns = time.time_ns()
-    rows = []
-    for i, tp in enumerate(tps):
-        off = check.stored.get(tp, 0)
-        if tp in check.changed:
-            why = f"read from log {check.changed[tp][1]}, the partition's log is {check.changed[tp][2]} now"
-        elif tp in check.ahead:
-            why = f"beyond the partition's end ({check.ahead[tp][1]})"
-        else:
-            why = "reset by hand"
-        rows.append(dict(source_id=source_id, topic=tp[0], partition=tp[1], reset_ns=now_ns + i, from_offset=off,
-                         from_log_id=check.logs.get(tp, ""), to_offset=0, to_log_id=check.logs_now.get(tp[0], ""),
-                         by=by, reason=why))
-    store.insert("offset_reset", codec.from_rows(S.OFFSET_RESET, rows))
-    store.store_offsets(source_id, {tp: 0 for tp in tps}, {tp: check.logs_now.get(tp[0], "") for tp in tps})
-    for r in rows:
-        log.warning("%s[%d]: stored offset %d given up (%s); reading from the start (%s)", r["topic"],
-                    r["partition"], r["from_offset"], r["reason"], by)
-    return rows
-
-
 def _actor_error(e: BaseException) -> str:
     """The root cause's line of a Ray actor error (Ray puts the actor's traceback in the message)."""
     cause = getattr(e, "cause", None) or getattr(e, "error", None)
     if isinstance(cause, BaseException) and cause is not e:
-        return f"{type(cause).__name__}: {_first_line(cause)}"
+        return f"{type(cause).__name__}: {first_line(cause)}"
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
     for ln in reversed(lines):  # the last "SomeError: message" line is the actor's own exception
         if ": " in ln and not ln.startswith(("File ", "Traceback")):
             return ln[:300]
-    return _first_line(e)
+    return first_line(e)
 
 
 def result_sink(cfg: Config, open_store: Callable[[str], Any]) -> Callable[[], Any]:
     """A shard's ``sink_factory`` in production: a ``ResultWriter`` that opens ``cfg.store.url`` with ``open_store``."""
-    from ray_jobs.io import ResultWriter
+    from ray_jobs.result_writer import ResultWriter
 
     return functools.partial(ResultWriter, cfg.store.url, open_store)
 
@@ -623,7 +282,7 @@ class Pipeline:
         try:
             ray.get(actor.stop.remote(), timeout=40)
         except ray.exceptions.RayError as e:
-            log.warning("shard %s did not stop cleanly: %s", name, _first_line(e))
+            log.warning("shard %s did not stop cleanly: %s", name, first_line(e))
         ray.kill(actor, no_restart=True)
         while time.monotonic() < deadline:
             try:

@@ -15,10 +15,17 @@ driver refuses a configuration that can never run an analysis at start, and
 says so in its status and a metric while running (``Pipeline.placement``).
 It reasons on the nodes' total resources, not on what other work uses now:
 it finds what can never fit, not what is merely busy.
+
+``check_store_reach`` asks the same of the store: a store only this machine
+can reach (chDB, a loopback server) cannot serve shards on other nodes.
 """
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import socket
+
+from ray_jobs.errors import PipelineError
 
 ANALYSIS_CPUS = 1.0
 """CPUs one what-if analysis task asks for (``ray_jobs.pipeline``'s ``remote_analyze``)."""
@@ -91,3 +98,48 @@ def plan(nodes: list[Node], shards: int, shard_cpus: float, shard_memory_mb: flo
             f"spread over the {len(nodes)} nodes ({shard_cpus:g} CPUs each, ray.shard_cpus) the most a node has left "
             f"is {max(largest, 0.0):.2g} CPUs: lower ray.shard_cpus or give the nodes more CPUs")
     return Placement(len(nodes), shards, unplaced, slots, largest, tuple(problems))
+
+
+def local_addresses() -> set[str]:
+    """This machine's own addresses, on every interface (nothing is sent)."""
+    import psutil
+
+    out = {"127.0.0.1", "::1", "localhost"}
+    for addrs in psutil.net_if_addrs().values():
+        out.update(a.address.split("%")[0] for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6))
+    return out
+
+
+def store_only_here(store_url: str) -> bool:
+    """Whether only processes on this machine can reach the store: chDB files, or a loopback server."""
+    from urllib.parse import urlsplit
+
+    if store_url.startswith("chdb://"):
+        return True
+    host = urlsplit(store_url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_store_reach(store_url: str, node_addresses: list[str], here: set[str] | None = None) -> None:
+    """PipelineError when the shards on another machine could not reach the store.
+
+    The embedded chDB store is served by this driver on 127.0.0.1 (and a
+    ClickHouse on loopback is the same): a shard placed on another node would
+    connect to its own 127.0.0.1 and die at setup. Said before any actor starts.
+    """
+    if not store_only_here(store_url):
+        return
+    here = local_addresses() if here is None else here
+    elsewhere = sorted({a for a in node_addresses if a not in here})
+    if elsewhere:
+        from core.redact import redact_url
+
+        raise PipelineError(
+            f"store.url {redact_url(store_url)} is reachable only on this machine, but the Ray cluster has "
+            f"nodes at {', '.join(elsewhere[:3])}{' ...' if len(elsewhere) > 3 else ''}: give the shards a "
+            "ClickHouse server they can reach (store.url = clickhouse://user@host:9000/db)")

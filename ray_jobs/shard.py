@@ -4,10 +4,10 @@ One ``ShardWorker`` per Ray actor (``ShardActor``), never one per job. It is a
 host: its state lives in reducers (``ray_jobs.checkpoint.Reducer``), each with
 the same verbs (add a table, emit the units due at ``now``, snapshot):
 
-- ``WindowDispatch``: op spans into windows, ready windows to the analysis
+- ``WindowReducer``: op spans into windows, ready windows to the analysis
   (at most ``max_inflight`` at once: at the limit the shard stops polling,
   which is the backpressure), finished analyses out as result units;
-- ``HangMonitor``: heartbeats and CCL records in, hangs out;
+- ``HangReducer``: heartbeats and CCL records in, hangs out;
 - ``RegressionReducer``: window profiles in, regressions against each job's
   own past out;
 - ``AlertReducer``: window results, link faults, hangs and regressions in,
@@ -22,7 +22,8 @@ their kind, collects the due units, and ends in ``Checkpoint.commit``, the one
 place that stores results and then the offsets they cover. A restarted shard
 resumes from the stored offsets. One ``Clock`` is injected into all of them,
 and the transports (``consumer_factory``, ``sink_factory``, ``submit``) are
-arguments, so unit tests drive the whole loop without Kafka, Ray or sleeping.
+arguments, typed by ``ray_jobs.transports``' protocols, so unit tests drive the
+whole loop without Kafka, Ray or sleeping.
 """
 from __future__ import annotations
 
@@ -44,10 +45,11 @@ from ray_jobs import boundary as B
 from ray_jobs.alerts import AlertReducer, AlertRules, WebhookSender
 from ray_jobs.checkpoint import Checkpoint, Clock, RetryLater, Unit
 from ray_jobs.crashes import CrashJournal, default_path
-from ray_jobs.dispatch import WindowDispatch
+from ray_jobs.dispatch import WindowReducer
 from ray_jobs.downtime_reducer import DowntimeReducer
 from ray_jobs.regressions import RegressionReducer, params_of
-from ray_jobs.hang_monitor import HangMonitor
+from ray_jobs.hang_monitor import HangReducer
+from ray_jobs.transports import RecordSource, ResultSink
 from ray_jobs.state import StateKeeper, shard_key
 
 log = logging.getLogger(__name__)
@@ -87,7 +89,7 @@ class ShardStats:
     webhook_sent: int = 0
     webhook_failed: int = 0
     webhook_dropped: int = 0
-    analyzer_seconds: float = 0.0
+    dispatch_to_stored_seconds: float = 0.0
     window_latency_s_last: float = 0.0
     inflight: int = 0
     open_windows: int = 0
@@ -135,13 +137,14 @@ class ShardWorker:
     MAX_STORE_ATTEMPTS = 3
 
     def __init__(self, index: int, partitions: list[int], cfg: Config, source_id: str,
-                 sink_factory: Callable[[], Any],
-                 consumer_factory: Callable[[], Any] | None = None,
+                 sink_factory: Callable[[], ResultSink],
+                 consumer_factory: Callable[[], RecordSource] | None = None,
                  submit: Callable[..., Any] | None = None,
                  clock: Clock = Clock()):
-        """``sink_factory()`` gives the result sink, called in ``setup``: a ``ResultWriter`` over the store in
+        """``sink_factory()`` gives the ``ResultSink``, called in ``setup``: a ``ResultWriter`` over the store in
         production (the shard actor builds it from the pipeline's ``open_store``), a fake in tests.
-        ``consumer_factory()`` gives the record source; the default reads this shard's partitions from Kafka."""
+        ``consumer_factory()`` gives the ``RecordSource``; the default reads this shard's partitions from Kafka
+        (``KafkaSource``)."""
         self.index = index
         self.partitions = list(partitions)
         self.cfg = cfg
@@ -158,11 +161,17 @@ class ShardWorker:
         # shows a store outage while it lasts, not forever after (ShardStats.error joins them).
         self._errors = {"loop": "", "record": ""}
         self._loop_max = [0.0, 0.0, 0.0]  # [this minute, the previous minute, when this minute ends]
+        # Made in setup (clients do not pickle); None until then, which is what stop() looks at.
+        self.source: RecordSource | None = None
+        self.sink: ResultSink | None = None
+        self.checkpoint: Checkpoint | None = None
+        self.journal: CrashJournal | None = None
+        self.webhook: WebhookSender | None = None
 
     # -- lifecycle ----------------------------------------------------------
     def setup(self) -> None:
         """Create clients (here, not in __init__: Ray pickles the object), seek to stored offsets."""
-        from ray_jobs.io import KafkaSource
+        from ray_jobs.kafka_source import KafkaSource
 
         _pay_import_costs()
         cfg, clock = self.cfg, self.clock
@@ -173,9 +182,9 @@ class ShardWorker:
         self.limits = cfg.validation
         self.clocks = B.ClockGuard(self.limits)
         h = cfg.hang
-        self.hangs = HangMonitor(HangParams(h.floor_s, h.k_steps, h.heartbeat_timeout_s, h.startup_s, h.checkpoint_s),
+        self.hangs = HangReducer(HangParams(h.floor_s, h.k_steps, h.heartbeat_timeout_s, h.startup_s, h.checkpoint_s),
                                  clock=clock)
-        self.windows = WindowDispatch(cfg.pipeline, clock, self.sink.window_stored, self._submit,
+        self.windows = WindowReducer(cfg.pipeline, clock, self.sink.window_stored, self._submit,
                                       self.limits.max_world_size, name=f"shard {self.index}",
                                       gpu_of=self.hangs.gpu_of)
         self.regressions = RegressionReducer(clock, params_of(cfg.regression))
@@ -203,7 +212,7 @@ class ShardWorker:
                          by=f"shard {self.index}")
         self._audit_resets()
         self._load_jobs()
-        self.alerts_out = self.source.alert_producer() if hasattr(self.source, "alert_producer") else None
+        self.alerts_out = self.source.alert_producer()
         url = cfg.alerts.webhook_url
         self.webhook = WebhookSender(url) if url else None
 
@@ -233,14 +242,13 @@ class ShardWorker:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(30)
-        if (self._thread is None or not self._thread.is_alive()) and hasattr(self, "checkpoint"):
+        if (self._thread is None or not self._thread.is_alive()) and self.checkpoint is not None:
             try:
                 self.checkpoint.commit(self.clock.monotonic(), force=True)  # the interval may have held them
             except Exception as e:
                 log.warning("final offset store failed: %s", e)
-        for c in (getattr(self, "source", None), getattr(self, "sink", None), getattr(self, "webhook", None),
-                  getattr(self, "journal", None)):
-            if c is not None and hasattr(c, "close"):
+        for c in (self.source, self.sink, self.webhook, self.journal):
+            if c is not None:
                 try:
                     c.close()
                 except Exception as e:

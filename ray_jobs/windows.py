@@ -30,9 +30,9 @@ import pyarrow.compute as pc
 
 from core.registration import Registration
 from core.schema import OP_SPAN
+from ray_jobs.transports import TopicPartition
 
 WindowKey = tuple[str, int, int]  # (job_id, attempt, window_id)
-TopicPartition = tuple[str, int]
 
 
 @dataclasses.dataclass

@@ -47,7 +47,7 @@ def _v1_base_tables(store) -> None:
     for spec in ddl.TABLES:
         if spec.name in later:
             continue
-        store._execute(store.create_table_sql(spec, exclude=_added_later(spec.name, 1)))
+        store.run_ddl(store.create_table_sql(spec, exclude=_added_later(spec.name, 1)))
 
 
 def _add_columns(store, table: str, names: tuple[str, ...]) -> None:
@@ -58,7 +58,7 @@ def _add_columns(store, table: str, names: tuple[str, ...]) -> None:
         if name in have:
             continue
         try:
-            store._execute(f"ALTER TABLE {ddl.quote(spec.data)} ADD COLUMN {ddl.column_sql(fields[name], store.caps)}")
+            store.run_ddl(f"ALTER TABLE {ddl.quote(spec.data)} ADD COLUMN {ddl.column_sql(fields[name], store.caps)}")
         except StoreError:
             if name not in store.table_columns().get(spec.data, {}):  # not a concurrent setup() that won
                 raise
@@ -71,7 +71,7 @@ def _v2_attribution(store) -> None:
 def _v3_op_span_ttl(store) -> None:
     if store.caps.ttl:
         spec = ddl.TABLE_BY_NAME["op_spans"]
-        store._execute(f"ALTER TABLE {ddl.quote(spec.data)} MODIFY {ddl.ttl_clause(store.retention_days)}")
+        store.run_ddl(f"ALTER TABLE {ddl.quote(spec.data)} MODIFY {ddl.ttl_clause(store.retention_days)}")
     # Engines without TTL: Store.enforce_retention drops old day partitions.
 
 
@@ -79,7 +79,7 @@ def _create_tables(*names: str) -> Callable[[object], None]:
     """A step that creates tables added to ``ddl.TABLES`` after version 1 (a no-op where they exist)."""
     def apply(store) -> None:
         for name in names:
-            store._execute(store.create_table_sql(ddl.TABLE_BY_NAME[name]))
+            store.run_ddl(store.create_table_sql(ddl.TABLE_BY_NAME[name]))
     return apply
 
 
@@ -106,7 +106,7 @@ def migrate(store, target: int | None = None) -> list[int]:
     target = LATEST if target is None else int(target)
     if not 1 <= target <= LATEST:
         raise StoreError(f"schema version {target} is unknown (1..{LATEST})")
-    store._execute(ddl.schema_version_sql())
+    store.run_ddl(ddl.schema_version_sql())
     current = store.schema_version()
     if current > LATEST:
         raise StoreError(f"store schema version {current} is newer than this program ({LATEST}); upgrade it")
@@ -114,14 +114,14 @@ def migrate(store, target: int | None = None) -> list[int]:
     for m in MIGRATIONS:
         if current < m.version <= target:
             m.apply(store)
-            store._insert(ddl.SCHEMA_VERSION_TABLE, _version_row(m))
+            store.insert_bookkeeping(ddl.SCHEMA_VERSION_TABLE, _version_row(m))
             applied.append(m.version)
     changed = bool(applied)
     if target == LATEST:
         columns = store.table_columns()  # one catalogue read, not one per table (console start-up)
         absent = [spec for spec in ddl.TABLES if spec.data not in columns]
         for spec in absent:  # tables added to the schema module after this store's last step (link_cells was)
-            store._execute(store.create_table_sql(spec, retention_days=store.retention_days))
+            store.run_ddl(store.create_table_sql(spec, retention_days=store.retention_days))
         if absent:
             changed = True
             columns = store.table_columns()
@@ -158,5 +158,5 @@ def _ensure_views(store, rebuild: bool) -> None:
         present = pa.schema([f for f in spec.schema if f.name in have])
         view = dataclasses.replace(spec, schema=present)
         if view_exists:
-            store._execute(f"DROP TABLE IF EXISTS {ddl.quote(spec.name)}")
-        store._execute(ddl.view_sql(view, store._data(spec)))
+            store.run_ddl(f"DROP TABLE IF EXISTS {ddl.quote(spec.name)}")
+        store.run_ddl(ddl.view_sql(view, store.data_table(spec)))

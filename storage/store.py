@@ -218,6 +218,19 @@ class SQLStore(Store):
         """The DDL of a data table on this store's engine (``ddl.create_table_sql``)."""
         return ddl.create_table_sql(spec, self.caps, **kw)
 
+    # -- for storage.migrations: schema changes, below the rows' conforming and keys ----------------------
+    def run_ddl(self, sql: str) -> None:
+        """A statement that changes the schema (CREATE, ALTER, DROP); errors raise StoreError."""
+        self._execute(sql)
+
+    def insert_bookkeeping(self, table_name: str, rows: pa.Table) -> None:
+        """Rows of the store's own bookkeeping tables (the schema version), inserted as they are."""
+        self._insert(table_name, rows)
+
+    def data_table(self, spec: ddl.TableSpec | str) -> str:
+        """The table a kind's rows are written into (``_data``), for the views migrations define over it."""
+        return self._data(spec)
+
     def prepare_reads(self, columns: dict[str, dict[str, str]]) -> bool:
         """Make the tables the views read (``_data``) match the data tables; True if any changed.
 

@@ -45,8 +45,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     errs: list[type[BaseException]] = [CLIError, config_mod.ConfigError, FileNotFoundError, PermissionError]
     for mod, name in (("core.kafka_admin", "BrokerError"), ("core.kafka_conn", "KafkaConnError"),
                       ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
-                      ("ray_jobs.pipeline", "PipelineError"),
-                      ("stragglerscope.replay", "ReplayError"), ("analyzers.remedies.stored", "AdviseError"),
+                      ("ray_jobs.errors", "PipelineError"),
+                      ("stragglerscope.replay", "ReplayError"), ("app.advice", "AdviseError"),
                       ("analyzers.whatif", "WhatIfInputError"), ("core.golden", "GoldenTraceError"),
                       ("core.codec", "DecodeError"),
                       ("stragglerscope.trace", "TraceError")):
@@ -386,7 +386,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _advise(args: argparse.Namespace, cfg) -> int:
     import json
 
-    from analyzers.remedies.stored import AdviseOptions, advise_and_store, format_remedies
+    from app.advice import AdviseOptions, advise_and_store, format_remedies
     from storage import open_store
 
     for name in ("gpus_per_node", "fault_tolerance"):
@@ -418,7 +418,7 @@ def _offsets(args: argparse.Namespace, cfg) -> int:
     from core import topics
     from core.kafka_admin import check_reachable
     from core.redact import redact_url
-    from ray_jobs.pipeline import OffsetCheck, inspect_offsets, rewind_offsets
+    from ray_jobs.broker_checks import OffsetCheck, inspect_offsets, rewind_offsets
     from storage import open_store
 
     if not cfg.kafka.bootstrap and not args.source_id:

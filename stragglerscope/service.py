@@ -37,7 +37,7 @@ class Services:
 def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
     from core.config import EMBEDDED_TOPIC_GENERATION_S
     from core.kafka_admin import check_reachable
-    from ray_jobs.pipeline import check_topics
+    from ray_jobs.broker_checks import check_topics
     from services.broker import LocalBroker
 
     bootstrap = cfg.kafka.bootstrap
@@ -85,14 +85,14 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
             "offset_resets\"` lists them)")
     keeper = None
     if generation_s:
-        from ray_jobs.pipeline import stored_offsets
+        from ray_jobs.broker_checks import stored_offsets
         from services.topic_generations import TopicGenerations
 
         keeper = TopicGenerations(run_cfg.kafka.conn(), partitions,
                                   lambda: stored_offsets(open_store, store_url, source_id),
                                   replication_factor=cfg.kafka.replication_factor).start()
         stack.callback(keeper.stop)
-    from ray_jobs.pipeline import init_ray
+    from ray_jobs.ray_connect import init_ray
 
     stack.callback(_shutdown_ray)
     # Ray here rather than in Pipeline.start: no signal may cut ray.init short, nor may it keep SIGTERM
@@ -246,7 +246,7 @@ def run_service(cfg: Config) -> int:
     exit 0 when a driver started later has taken the detached shards over.
     """
     from core.logs import NativeStderr
-    from ray_jobs.pipeline import Superseded
+    from ray_jobs.ownership import Superseded
 
     sigterm_as_interrupt()
     try:

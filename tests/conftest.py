@@ -35,7 +35,7 @@ def ray_local():
     import ray
 
     from core.config import Config
-    from ray_jobs.pipeline import init_ray
+    from ray_jobs.ray_connect import init_ray
 
     init_ray(Config())
     yield ray

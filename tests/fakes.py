@@ -1,11 +1,13 @@
-"""In-memory stand-ins for the shard's transports (unit tests only; integration tests use the real ones)."""
+"""In-memory stand-ins for the shard's transports (unit tests only; integration tests use the real ones).
+
+They implement ``ray_jobs.transports``' protocols, as the real ones do (``tests/unit/test_transports.py``)."""
 from __future__ import annotations
 
 import pyarrow as pa
 
 from core import codec, topics
 from core import schema as S
-from ray_jobs.io import Message
+from ray_jobs.kafka_source import Message
 
 
 class FakeSource:
@@ -41,7 +43,10 @@ class FakeSource:
         return {}
 
     def lost_logs(self):
-        return []
+        return []  # a fake broker never loses its log
+
+    def rewind(self, tp, by):
+        raise AssertionError("rewind of a log that lost_logs never reported")
 
     def take_resets(self):
         return []

@@ -111,7 +111,7 @@ def window_timeline(job_id: str, attempt: int, window_id: int, step: int, worker
 
 def advise_window(job_id: str, attempt: int, window_id: int) -> str:
     """Compute and store the remedies of one window; returns a message when there is none to store."""
-    from analyzers.remedies.stored import AdviseError, AdviseOptions, advise_and_store
+    from app.advice import AdviseError, AdviseOptions, advise_and_store
 
     try:
         _key, remedies = advise_and_store(_store(store_url()), job_id,

@@ -46,11 +46,11 @@ def advise(ops: pa.Table | None, layout: JobLayout | JobFacts, result: WhatIfRes
     """Ranked remedies for one window. ``result`` must come from ``analyze`` in this process (it carries the
     simulation state); without it the ops are analysed here. ``link_faults``: ``analyzers.links`` faults
     (``LinkFault`` or their dicts)."""
-    info = layout if isinstance(layout, JobFacts) else JobFacts(layout=layout)
+    facts = layout if isinstance(layout, JobFacts) else JobFacts(layout=layout)
     if result is None or result.model is None:
         if ops is None:
             raise ValueError("advise needs the op spans or a WhatIfResult from analyze")
-        result = analyze(ops, info.layout)
+        result = analyze(ops, facts.layout)
     tc = TraceCells(result)
     out: list[Remedy] = []
     kinds = [v["kind"] for v in result.verdicts]
@@ -68,17 +68,17 @@ def advise(ops: pa.Table | None, layout: JobLayout | JobFacts, result: WhatIfRes
         k = v["kind"]
         if k == "worker":
             top = [(int(c["dp_rank"]), int(c["pp_rank"])) for c in v["evidence"].get("top_workers", [])]
-            add(advise_swap, tc, info, top)
+            add(advise_swap, tc, facts, top)
         elif k == "last_stage_imbalance":
-            add(advise_repartition, tc, info)
+            add(advise_repartition, tc, facts)
         elif k == "sequence_imbalance":
-            add(advise_repack, tc, info)
+            add(advise_repack, tc, facts)
         elif k == "gc":
-            add(advise_gc, tc, info)
+            add(advise_gc, tc, facts)
     for fault in link_faults or ():
         fd = dataclasses.asdict(fault) if dataclasses.is_dataclass(fault) else dict(fault)
-        add(advise_link, tc, info, fd, verdict="communication" if "communication" in kinds else "link_fault")
-    add(advise_recovery, tc, info, result)
+        add(advise_link, tc, facts, fd, verdict="communication" if "communication" in kinds else "link_fault")
+    add(advise_recovery, tc, facts, result)
     return rank(_dedupe(out), min_gain)
 
 
@@ -103,42 +103,42 @@ def rank(rs: list[Remedy], min_gain: float = MIN_GAIN) -> list[Remedy]:
     return [dataclasses.replace(r, priority=i + 1) for i, r in enumerate(keep)]
 
 
-def _layer_costs(tc: TraceCells, info: JobFacts) -> tuple[list[float], str]:
+def _layer_costs(tc: TraceCells, facts: JobFacts) -> tuple[list[float], str]:
     """Per-layer forward + backward seconds per microbatch for the recovery planner, from the trace."""
     stage_s = stage_compute(tc)
-    cur = info.current_partition
+    cur = facts.current_partition
     if cur is not None and tc.layout.pp_size > 1:
         lc = estimate_layer_costs(stage_s, cur)
         if lc is not None:
-            t = [lc.layer_s] * int(info.num_layers)
+            t = [lc.layer_s] * int(facts.num_layers)
             t[0] += lc.extra_s[0]
             t[-1] += lc.extra_s[-1]
             return t, "layers"
     if cur is not None:
-        w = float(np.nansum(stage_s)) / max(1, int(info.num_layers))
-        return [w] * int(info.num_layers), "layers"
+        w = float(np.nansum(stage_s)) / max(1, int(facts.num_layers))
+        return [w] * int(facts.num_layers), "layers"
     # No layer count: the job's own stages are the units (templates then have at most pp stages).
     return [float(x) for x in np.nan_to_num(stage_s)], "stages"
 
 
-def advise_recovery(tc: TraceCells, info: JobFacts, result: WhatIfResult) -> Remedy | None:
+def advise_recovery(tc: TraceCells, facts: JobFacts, result: WhatIfResult) -> Remedy | None:
     """A recovery plan when nodes were lost (``JobFacts.nodes_alive`` or workers missing from the trace)."""
-    lay = info.layout
-    n_nodes = info.n_nodes
-    lost_hosts = sorted({info.host_index(r) for d, x in result.missing_workers for r in info.worker_ranks(d, x)})
-    alive = info.nodes_alive if info.nodes_alive is not None else n_nodes - len(lost_hosts)
+    lay = facts.layout
+    n_nodes = facts.n_nodes
+    lost_hosts = sorted({facts.host_index(r) for d, x in result.missing_workers for r in facts.worker_ranks(d, x)})
+    alive = facts.nodes_alive if facts.nodes_alive is not None else n_nodes - len(lost_hosts)
     if alive >= n_nodes:
         return None
     gps = lay.tp_size * lay.cp_size
-    if info.gpus_per_node % gps:
+    if facts.gpus_per_node % gps:
         return None  # stages span nodes: node-granular templates do not apply
-    spn = info.gpus_per_node // gps
-    layer_s, units = _layer_costs(tc, info)
+    spn = facts.gpus_per_node // gps
+    layer_s, units = _layer_costs(tc, facts)
     m = max(1, tc.n_microbatches())
-    B = info.global_batch or lay.dp_size * m
+    B = facts.global_batch or lay.dp_size * m
     orig_nodes = -(-lay.pp_size // spn)
-    n0 = info.min_nodes_per_pipeline or orig_nodes
-    plan = plan_recovery(alive, layer_s, info.gpus_per_node, info.fault_tolerance, B, gpus_per_stage=gps,
+    n0 = facts.min_nodes_per_pipeline or orig_nodes
+    plan = plan_recovery(alive, layer_s, facts.gpus_per_node, facts.fault_tolerance, B, gpus_per_stage=gps,
                          min_nodes=n0)
     # The planner's 1F1B model ignores communication and the optimizer: calibrate it on the trace.
     stage_s = np.nan_to_num(stage_compute(tc))
@@ -148,7 +148,7 @@ def advise_recovery(tc: TraceCells, info: JobFacts, result: WhatIfResult) -> Rem
     naive = orig.step_time(-(-B // min(replicas, B))) * calib if replicas >= 1 else math.inf
     after = plan.step_time_s * calib
     details = {"plan": plan.to_dict(), "n_nodes": n_nodes, "nodes_alive": alive,
-               "lost_hosts": [info.host_name(h) for h in lost_hosts], "cost_units": units, "calibration": calib,
+               "lost_hosts": [facts.host_name(h) for h in lost_hosts], "cost_units": units, "calibration": calib,
                "naive_restart": {"replicas": min(replicas, B), "step_time_s": naive},
                "model": "1F1B step = sum(stage) + (b - 1) max(stage) per pipeline, scaled to the traced step time; "
                         "gain against restarting whole copies of today's pipeline (as partitioned today) on the "
@@ -172,7 +172,7 @@ def advise_recovery(tc: TraceCells, info: JobFacts, result: WhatIfResult) -> Rem
     spare = f"; {len(plan.spare_nodes)} node(s) kept as spares" if plan.spare_nodes else ""
     n_p = len(plan.pipelines)
     action = (f"restart on the {alive} surviving nodes as {n_p} pipeline{'s' if n_p > 1 else ''}: {shape}{spare}; "
-              f"tolerates {info.fault_tolerance} more failure(s)")
+              f"tolerates {facts.fault_tolerance} more failure(s)")
     return Remedy(kind="recovery_plan", verdict="node_loss", action=action,
                   predicted_gain=gain(naive, after) if math.isfinite(naive) else math.inf,
                   step_time_before_s=naive, step_time_after_s=after, details=details)

@@ -33,7 +33,7 @@ PAUSE_NS = 100_000
 PAUSE_QUANTILE = 0.9
 
 
-def advise_gc(tc: TraceCells, info: JobFacts, verdict: str = "gc", interval: int | None = None) -> Remedy | None:
+def advise_gc(tc: TraceCells, facts: JobFacts, verdict: str = "gc", interval: int | None = None) -> Remedy | None:
     lay = tc.layout
     gc = tc.values(lambda c: c.code == T.GC)
     steps = tc.steps()

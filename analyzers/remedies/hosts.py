@@ -72,17 +72,17 @@ def worker_slowness(tc: TraceCells, dp: int, pp: int) -> dict[int, float]:
     return out
 
 
-def _hosts_of(info: JobFacts, workers: list[tuple[int, int]]) -> dict[int, list[int]]:
+def _hosts_of(facts: JobFacts, workers: list[tuple[int, int]]) -> dict[int, list[int]]:
     """Host index -> global ranks of the given workers on it."""
     hosts: dict[int, list[int]] = {}
     for d, x in workers:
-        for r in info.worker_ranks(d, x):
-            hosts.setdefault(info.host_index(r), []).append(r)
+        for r in facts.worker_ranks(d, x):
+            hosts.setdefault(facts.host_index(r), []).append(r)
     return hosts
 
 
-def _spares(info: JobFacts, n: int) -> list[str]:
-    return [info.spare_hosts[i] if i < len(info.spare_hosts) else "a spare host" for i in range(n)]
+def _spares(facts: JobFacts, n: int) -> list[str]:
+    return [facts.spare_hosts[i] if i < len(facts.spare_hosts) else "a spare host" for i in range(n)]
 
 
 def _swap_fix(tc: TraceCells, workers: list[tuple[int, int]], ratios: dict[tuple[int, int], dict[int, float]]):
@@ -106,7 +106,7 @@ def _swap_fix(tc: TraceCells, workers: list[tuple[int, int]], ratios: dict[tuple
     return fix
 
 
-def advise_swap(tc: TraceCells, info: JobFacts, workers: list[tuple[int, int]], verdict: str = "worker",
+def advise_swap(tc: TraceCells, facts: JobFacts, workers: list[tuple[int, int]], verdict: str = "worker",
                 reason: dict[tuple[int, int], str] | None = None) -> Remedy | None:
     """Swap the hosts of the given (dp, pp) workers that are measurably slower than their peers."""
     slow, ratios = [], {}
@@ -119,18 +119,18 @@ def advise_swap(tc: TraceCells, info: JobFacts, workers: list[tuple[int, int]], 
         return None
     before = tc.mean_step_time()
     after = tc.mean_step_time(_swap_fix(tc, slow, ratios))
-    hosts = _hosts_of(info, slow)
-    spares = _spares(info, len(hosts))
+    hosts = _hosts_of(facts, slow)
+    spares = _spares(facts, len(hosts))
     parts = []
     plan = []
     for (h, ranks), spare in zip(sorted(hosts.items()), spares):
-        on = [w for w in slow if info.host_index(info.worker_ranks(*w)[0]) == h]
+        on = [w for w in slow if facts.host_index(facts.worker_ranks(*w)[0]) == h]
         why = []
         for d, x in on:
             r = ratios[(d, x)].get(T.F) or ratios[(d, x)].get(T.B)
             why.append(f"dp{d}/pp{x}" + (f" compute {r:.2f}x its peers" if r else "")
                        + (f" {reason[(d, x)]}" if reason and (d, x) in reason else ""))
-        name = info.host_name(h)
+        name = facts.host_name(h)
         label = "rank" if len(ranks) == 1 else "ranks"
         parts.append(f"{name} ({label} {_fold(ranks)}: {'; '.join(why)}) for {spare}")
         plan.append({"host": name, "host_index": h, "ranks": sorted(ranks), "spare": spare,
@@ -139,19 +139,19 @@ def advise_swap(tc: TraceCells, info: JobFacts, workers: list[tuple[int, int]], 
                                                            for k, v in ratios[(d, x)].items()} for d, x in on}})
     action = f"cordon and swap {', '.join(parts)}; restart from the last checkpoint"
     details: dict[str, Any] = {
-        "hosts": plan, "gpus_per_node": info.gpus_per_node,
+        "hosts": plan, "gpus_per_node": facts.gpus_per_node,
         "model": "the workers' compute durations scaled to their peers' median (no peers: the type's mean)",
     }
     return Remedy(kind="swap_host", verdict=verdict, action=action, predicted_gain=gain(before, after),
                   step_time_before_s=before, step_time_after_s=after, details=details)
 
 
-def _crossing(info: JobFacts, kind: str, src: int, dst: int) -> list[tuple[str, int, int, int]]:
+def _crossing(facts: JobFacts, kind: str, src: int, dst: int) -> list[tuple[str, int, int, int]]:
     """Communication groups of the op trace that cross the fault: (what, stage, dp, other stage)."""
-    lay = info.layout
+    lay = facts.layout
     out: list[tuple[str, int, int, int]] = []
     ends = {"source": [src], "destination": [dst], "endpoint": [src], "link": [src, dst]}.get(kind, [])
-    ws = [info.worker_of_rank(r) for r in ends if 0 <= r < lay.world_size]
+    ws = [facts.worker_of_rank(r) for r in ends if 0 <= r < lay.world_size]
     if kind == "link" and len(ws) == 2:
         (d1, p1), (d2, p2) = ws
         if p1 == p2 and d1 != d2:
@@ -195,28 +195,28 @@ def _link_fix(tc: TraceCells, groups: list[tuple[str, int, int, int]]):
     return fix
 
 
-def advise_link(tc: TraceCells, info: JobFacts, fault: dict[str, Any], verdict: str = "link_fault") -> Remedy | None:
+def advise_link(tc: TraceCells, facts: JobFacts, fault: dict[str, Any], verdict: str = "link_fault") -> Remedy | None:
     """A drain (or swap, for a late sender) remedy for one fault of ``analyzers.links.diagnose``."""
     kind = str(fault.get("kind", ""))
     src, dst = int(fault.get("src", -1)), int(fault.get("dst", -1))
-    lay = info.layout
+    lay = facts.layout
     if kind == "noncomm_slow" and 0 <= src < lay.world_size:
-        w = info.worker_of_rank(src)
-        return advise_swap(tc, info, [w], verdict=verdict,
+        w = facts.worker_of_rank(src)
+        return advise_swap(tc, facts, [w], verdict=verdict,
                            reason={w: f"(rank {src} late to send: its own compute)"})
     if kind not in ("link", "source", "destination", "endpoint"):
         return None  # comm_slow: not localised, nothing to drain
     need = {"link": (src, dst), "source": (src,), "destination": (dst,), "endpoint": (src,)}[kind]
     if any(not 0 <= r < lay.world_size for r in need):
         return None  # not a rank of this job
-    groups = _crossing(info, kind, src, dst)
+    groups = _crossing(facts, kind, src, dst)
     before = tc.mean_step_time()
     fix = _link_fix(tc, groups)
     after = tc.mean_step_time(fix) if groups else before
     sd = float(fault.get("slowdown", float("nan")))
-    hs = info.host_name(info.host_index(src)) if src >= 0 else ""
-    hd = info.host_name(info.host_index(dst)) if dst >= 0 else ""
-    spare = _spares(info, 1)[0]
+    hs = facts.host_name(facts.host_index(src)) if src >= 0 else ""
+    hd = facts.host_name(facts.host_index(dst)) if dst >= 0 else ""
+    spare = _spares(facts, 1)[0]
     if kind == "link":
         if hs == hd:
             action = (f"drain {hs}: its intra-node link rank {src} -> rank {dst} is {sd:.1f}x slower per byte; "

@@ -131,13 +131,13 @@ class _Packing:
         return float(np.mean(s.max(axis=1) / np.maximum(s.mean(axis=1), 1e-12))) if len(s) else float("nan")
 
 
-def advise_repack(tc: TraceCells, info: JobFacts, verdict: str = "sequence_imbalance") -> Remedy | None:
+def advise_repack(tc: TraceCells, facts: JobFacts, verdict: str = "sequence_imbalance") -> Remedy | None:
     lay = tc.layout
     m = tc.n_microbatches()
     if m < 1:
         return None
     before = tc.mean_step_time()
-    seqs = info.sequences
+    seqs = facts.sequences
     if seqs is None or any(k not in seqs.column_names for k in SEQ_COLUMNS) or seqs.num_rows == 0:
         return _bound(tc, m, before, verdict)
     steps = tc.steps()

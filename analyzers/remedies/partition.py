@@ -179,14 +179,14 @@ def _megatron_args(new: tuple[int, ...]) -> str | None:
     return f"--decoder-first-pipeline-num-layers {new[0]} --decoder-last-pipeline-num-layers {new[-1]}"
 
 
-def advise_repartition(tc: TraceCells, info: JobFacts, verdict: str = "last_stage_imbalance",
+def advise_repartition(tc: TraceCells, facts: JobFacts, verdict: str = "last_stage_imbalance",
                        min_layers: int = 1) -> Remedy | None:
     """A repartition remedy, or None when the layer count is unknown, VPP is on or nothing improves."""
     lay = tc.layout
-    cur = info.current_partition
-    if lay.pp_size < 2 or lay.vpp_size > 1 or cur is None or info.num_layers is None:
+    cur = facts.current_partition
+    if lay.pp_size < 2 or lay.vpp_size > 1 or cur is None or facts.num_layers is None:
         return None
-    if info.num_layers < lay.pp_size * min_layers:
+    if facts.num_layers < lay.pp_size * min_layers:
         return None
     stage_s = stage_compute(tc)
     costs = estimate_layer_costs(stage_s, cur)
@@ -195,7 +195,7 @@ def advise_repartition(tc: TraceCells, info: JobFacts, verdict: str = "last_stag
     old_cost = costs.stage_cost(cur)
     before = tc.mean_step_time()
     tried = []
-    for cand in candidate_partitions(info.num_layers, costs, cur, min_layers):
+    for cand in candidate_partitions(facts.num_layers, costs, cur, min_layers):
         new_cost = costs.stage_cost(cand)
         if cand == cur or new_cost.max() >= old_cost.max() * (1 - 1e-9):
             continue
@@ -210,7 +210,7 @@ def advise_repartition(tc: TraceCells, info: JobFacts, verdict: str = "last_stag
     after, _, new, new_cost = min((t for t in tried if t[0] <= fastest * 1.002), key=lambda t: (t[1], t[0]))
     first = np.concatenate([[0], np.cumsum(new)[:-1]])
     details = {
-        "num_layers": info.num_layers, "partition_before": list(cur), "partition_after": list(new),
+        "num_layers": facts.num_layers, "partition_before": list(cur), "partition_after": list(new),
         "layer_ranges_after": [[int(a), int(a + k - 1)] if k else [] for a, k in zip(first, new)],
         "moves": [{"first_layer": a, "last_layer": b, "from_stage": f, "to_stage": t}
                   for a, b, f, t in layer_moves(cur, new)],

@@ -141,10 +141,10 @@ def test_the_chain_is_followed_to_the_rank_that_waits_for_nobody():
 
 def test_a_lagging_input_is_judged_as_of_its_newest_heartbeat():
     """A backlog (records older than the wall clock) must not read as every job being hung."""
-    from ray_jobs.hang_monitor import HangMonitor
+    from ray_jobs.hang_monitor import HangReducer
 
     inc = hang_incident("healthy", 8, 0, job_id="lagging")
-    mon = HangMonitor(HangParams(floor_s=60), every_s=0.0)
+    mon = HangReducer(HangParams(floor_s=60), every_s=0.0)
     mon.add_ccl(inc.ccl, 0.0)
     mon.add_heartbeats(inc.heartbeats, 0.0)
     # The same data evaluated ten minutes of wall clock later: the input lags, nothing is hung.
@@ -192,7 +192,7 @@ def _hb(job, rank, host, ts, step):
 
 def _through_the_boundary(skew_ns, delay_s, silent_from=24, beats=60, skewed_first=False):
     """What the shard does with heartbeats: ``ClockGuard`` corrects them, ``check_heartbeats`` checks them, the
-    ``HangMonitor`` tracks them. Job "j": rank 0 on hostA (a good clock) and rank 1 on hostB (off by ``skew_ns``),
+    ``HangReducer`` tracks them. Job "j": rank 0 on hostA (a good clock) and rank 1 on hostB (off by ``skew_ns``),
     a heartbeat every 5 s each; rank 1's node is lost after ``silent_from`` beats. Job "other" (one host, good
     clocks) shares the shard and keeps running. Each heartbeat reaches the shard ``delay_s`` after it was sent
     (``delay_s[i]`` for beat i: a consumer lag, a backlog replayed in a burst); ``skewed_first``: rank 1's
@@ -200,14 +200,14 @@ def _through_the_boundary(skew_ns, delay_s, silent_from=24, beats=60, skewed_fir
     Returns the HANG rows."""
     from core.config import ValidationConfig
     from ray_jobs import boundary as B
-    from ray_jobs.hang_monitor import HangMonitor
+    from ray_jobs.hang_monitor import HangReducer
     from tests.fakes import ManualClock
 
     s = 10**9
     limits = ValidationConfig()
     guard = B.ClockGuard(limits)
     wall = [_WALL0]
-    mon = HangMonitor(HangParams(floor_s=120, heartbeat_timeout_s=30), every_s=0.0,
+    mon = HangReducer(HangParams(floor_s=120, heartbeat_timeout_s=30), every_s=0.0,
                       clock=ManualClock(wall=lambda: wall[0]))
     rows = []
     for i in range(beats):
@@ -253,12 +253,12 @@ def test_node_loss_names_the_lost_rank_whose_clock_was_corrected(clock, delivery
 def _phased(lag_s, beats=40):
     """Two jobs on two hosts each, honest clocks, each rank's heartbeat at its own phase of the 5 s period, all of
     them reaching the shard ``lag_s`` late; the HANG rows the monitor emits."""
-    from ray_jobs.hang_monitor import HangMonitor
+    from ray_jobs.hang_monitor import HangReducer
     from tests.fakes import ManualClock
 
     s = 10**9
     wall = [_WALL0]
-    mon = HangMonitor(HangParams(floor_s=120, heartbeat_timeout_s=30), every_s=0.0,
+    mon = HangReducer(HangParams(floor_s=120, heartbeat_timeout_s=30), every_s=0.0,
                       clock=ManualClock(wall=lambda: wall[0]))
     ranks = [("j", 0, "hostA", 0.0), ("j", 1, "hostB", 2.5), ("k", 0, "hostC", 1.0), ("k", 1, "hostD", 4.0)]
     rows = []

@@ -16,7 +16,7 @@ from core.kafka_admin import ensure_topics
 from core.layout import JobLayout
 from generators.fleetgen import JobSpec, generate_window
 from ingest.producer import TelemetryProducer
-from ray_jobs.io import KafkaSource
+from ray_jobs.kafka_source import KafkaSource
 from services.broker import LocalBroker
 
 pytestmark = pytest.mark.integration

@@ -16,8 +16,8 @@ import pytest
 from analyzers.hang import HangParams
 from core import codec, topics
 from core.kafka_admin import ensure_topics
-from ray_jobs.hang_monitor import HangMonitor
-from ray_jobs.io import KafkaSource
+from ray_jobs.hang_monitor import HangReducer
+from ray_jobs.kafka_source import KafkaSource
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,7 @@ def test_sigstopped_rank_is_the_missing_rank_of_a_comm_hang(broker):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     # Margins for a loaded 2-core CI machine: a heartbeat thread can be starved for seconds there, and a
     # rank silent for heartbeat_timeout_s no longer tells where it waits.
-    monitor = HangMonitor(HangParams(floor_s=8.0, k_steps=10.0, heartbeat_timeout_s=6.0), every_s=0.5)
+    monitor = HangReducer(HangParams(floor_s=8.0, k_steps=10.0, heartbeat_timeout_s=6.0), every_s=0.5)
     src = KafkaSource(broker.bootstrap, [topics.TOPIC_HEARTBEATS, topics.TOPIC_CCL], range(4))
     src.seek({})
     hangs = []

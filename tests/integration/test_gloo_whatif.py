@@ -25,7 +25,7 @@ import pytest
 from core import codec, topics
 from core.kafka_admin import ensure_topics
 from core.layout import JobLayout
-from ray_jobs.io import KafkaSource
+from ray_jobs.kafka_source import KafkaSource
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

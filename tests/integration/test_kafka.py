@@ -8,7 +8,7 @@ from core.kafka_admin import BrokerError, check_reachable, ensure_topics
 from core.layout import JobLayout
 from generators.fleetgen import JobSpec, generate_window
 from ingest.producer import TelemetryProducer
-from ray_jobs.io import KafkaSource
+from ray_jobs.kafka_source import KafkaSource
 
 pytestmark = pytest.mark.integration
 

@@ -100,7 +100,7 @@ def test_tls_producer_and_shard_source_round_trip(tls_broker, certs):
     """Producer and shard source over server-authenticated TLS: what goes in comes out."""
     from generators.fleetgen import JobSpec, generate_window
     from ingest.producer import TelemetryProducer
-    from ray_jobs.io import KafkaSource
+    from ray_jobs.kafka_source import KafkaSource
 
     conn = KafkaConn(f"127.0.0.1:{tls_broker.port}", security_protocol="SSL", ssl_cafile=str(certs.ca))
     prepare_topics(conn, 2, outputs=False)

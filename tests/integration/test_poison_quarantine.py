@@ -16,7 +16,7 @@ from pathlib import Path
 from core import codec, topics
 from core.layout import JobLayout
 from generators.fleetgen import JobSpec, generate_window
-from ray_jobs.io import Message
+from ray_jobs.kafka_source import Message
 from tests.integration.crashing_shard import POISON
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -73,7 +73,7 @@ def _on_cluster(address: str, source_id: str, shards: int, action: str = "where"
     code = """
 import json, sys
 import ray_jobs, ray
-from ray_jobs.pipeline import SHARD_NAMESPACE, shard_name
+from ray_jobs.ownership import shard_name, SHARD_NAMESPACE
 ray.init(address=sys.argv[1], log_to_driver=False)
 actors = [ray.get_actor(shard_name(sys.argv[2], i), namespace=SHARD_NAMESPACE) for i in range(int(sys.argv[3]))]
 if sys.argv[4].startswith("kill:"):

@@ -26,7 +26,8 @@ PARTITIONS = 4
 
 def test_generations_are_read_as_they_appear_and_deleted_once_read(ray_local, tmp_path):
     from core.config import Config
-    from ray_jobs.pipeline import Pipeline, stored_offsets
+    from ray_jobs.broker_checks import stored_offsets
+    from ray_jobs.pipeline import Pipeline
     from services.broker import LocalBroker
     from services.store_daemon import StoreDaemon
     from services.topic_generations import TopicGenerations

@@ -111,7 +111,7 @@ def test_fewer_partitions_than_configured_is_a_one_line_error(tmp_path):
 def test_clients_never_create_topics():
     """Consumers and producers asking about a missing topic leave it missing (Tansu creates any topic a
     metadata request names unless the request says not to)."""
-    from ray_jobs.io import KafkaSource
+    from ray_jobs.kafka_source import KafkaSource
 
     with LocalBroker() as broker:
         src = KafkaSource(broker.bootstrap, [topics.TOPIC_OPS], range(2))
@@ -149,7 +149,8 @@ def test_records_on_partitions_beyond_the_configured_count_are_analysed(ray_loca
 
 
 def test_a_broker_restarted_empty_stops_the_next_start_until_offsets_are_reset(ray_local, tmp_path):
-    from ray_jobs.pipeline import Pipeline, stored_offsets
+    from ray_jobs.broker_checks import stored_offsets
+    from ray_jobs.pipeline import Pipeline
     from services.store_daemon import StoreDaemon
     from storage import open_store
 
@@ -196,7 +197,7 @@ def test_a_broker_restarted_empty_stops_the_next_start_until_offsets_are_reset(r
 def test_a_running_source_reports_a_topic_created_again_under_it():
     """The broker restarts empty and gets more records than the source had read: no offset is beyond
     the end, but the topic id changed; the source must not read on as if nothing happened."""
-    from ray_jobs.io import KafkaSource
+    from ray_jobs.kafka_source import KafkaSource
 
     broker = LocalBroker().start()
     port = broker.port
@@ -238,7 +239,8 @@ def test_a_broker_restarted_empty_that_grew_past_the_old_offsets_is_never_read_o
     they were read from: the start refuses (on_lost_log = stop), or rewinds with an audit row and reads
     every new record (on_lost_log = rewind)."""
     from core.kafka_admin import LogChangedError, end_offsets
-    from ray_jobs.pipeline import Pipeline, stored_offsets
+    from ray_jobs.broker_checks import stored_offsets
+    from ray_jobs.pipeline import Pipeline
     from services.store_daemon import StoreDaemon
     from storage import open_store
 
@@ -288,7 +290,7 @@ def test_a_broker_restarted_empty_that_grew_past_the_old_offsets_is_never_read_o
 def test_a_running_source_rewinds_a_lost_log_when_told_to():
     """kafka.on_lost_log = rewind while running: the partition whose topic was created again is read from the
     new log's start, and the move is kept for the audit."""
-    from ray_jobs.io import KafkaSource
+    from ray_jobs.kafka_source import KafkaSource
 
     broker = LocalBroker().start()
     port = broker.port

@@ -29,8 +29,8 @@ def _real_hang(broker) -> dict[str, list[pa.Table]]:
     from analyzers.hang import HangParams
     from core import codec, topics
     from core.kafka_admin import ensure_topics
-    from ray_jobs.hang_monitor import HangMonitor
-    from ray_jobs.io import KafkaSource
+    from ray_jobs.hang_monitor import HangReducer
+    from ray_jobs.kafka_source import KafkaSource
 
     pytest.importorskip("torch")
     ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 4)
@@ -41,7 +41,7 @@ def _real_hang(broker) -> dict[str, list[pa.Table]]:
          "--hang-dump-s", "2", "--dist-timeout", "90"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     # The integration test's margins for a loaded 2-core machine.
-    monitor = HangMonitor(HangParams(floor_s=8.0, k_steps=10.0, heartbeat_timeout_s=6.0), every_s=0.5)
+    monitor = HangReducer(HangParams(floor_s=8.0, k_steps=10.0, heartbeat_timeout_s=6.0), every_s=0.5)
     src = KafkaSource(broker.bootstrap, [topics.TOPIC_JOBS, topics.TOPIC_HEARTBEATS, topics.TOPIC_CCL], range(4))
     src.seek({})
     regs, hangs = [], []

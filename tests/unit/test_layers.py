@@ -13,7 +13,8 @@ ALLOWED = {
     "ingest": {"core", "ingest"},
     "ray_jobs": {"core", "analyzers", "ray_jobs"},
     "storage": {"core", "storage"},
-    "ui": {"core", "analyzers", "storage", "ui"},  # the console reads the store and re-simulates
+    "app": {"core", "analyzers", "storage", "app"},  # use cases: stored rows to an analyzer and back
+    "ui": {"core", "analyzers", "storage", "app", "ui"},  # the console reads the store and re-simulates
     "services": {"core", "storage", "services"},  # the store daemon's launcher runs storage.daemon
     "examples": {"core", "generators", "ingest", "services", "examples"},
 }
@@ -45,3 +46,37 @@ def test_the_checker_sees_lazy_imports(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def g():\n    from storage import open_store\n    import ray_jobs.shard\n")
     assert [m for _, m in _imports(f)] == ["storage", "ray_jobs.shard"]
+
+
+# What only a store object answers to (not ``insert`` or ``query``: lists and frames have those too): an
+# analyzer that calls these was handed a store, whatever it imports.
+STORE_CALLS = {"run_named", "load_offsets", "store_offsets", "window_stored", "load_jobs",
+               "load_state", "store_state"}
+
+
+def _store_uses(path: Path):
+    """(line, what) of each parameter named like a store and each call of a store's methods on a name
+    other than self (an analyzer's own method of the same name is its own business)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for a in node.args.args + node.args.kwonlyargs + node.args.posonlyargs:
+                if a.arg in ("store", "store_url", "open_store"):
+                    yield node.lineno, f"parameter {a.arg}"
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in STORE_CALLS:
+            owner = node.func.value
+            if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
+                yield node.lineno, f"call of .{node.func.attr}()"
+
+
+def test_no_analyzer_is_handed_a_store():
+    """Analyzers compute on tables and return tables: reading and storing is ``app/``'s and the pipeline's."""
+    wrong = [f"{f.relative_to(ROOT)}:{line} {what}" for f in sorted((ROOT / "analyzers").rglob("*.py"))
+             for line, what in _store_uses(f)]
+    assert wrong == [], "analyzers that use a store:\n" + "\n".join(wrong)
+
+
+def test_the_store_check_sees_a_store_passed_in(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def advise(store, job):\n    return store.run_named('job_info', {})\n\n"
+                 "class R:\n    def insert(self, x):\n        return self.insert(x)\n")
+    assert [what for _, what in _store_uses(f)] == ["parameter store", "call of .run_named()"]

@@ -60,11 +60,11 @@ def test_heartbeats_carry_the_sample_and_say_minus_one_without_one():
 
 def test_the_shard_stores_a_sample_a_minute_per_rank_and_keeps_the_latest_for_evidence():
     from core import codec
-    from ray_jobs.hang_monitor import HangMonitor
+    from ray_jobs.hang_monitor import HangReducer
     from tests.fakes import ManualClock
 
     clock = ManualClock()
-    mon = HangMonitor(clock=clock, gpu_every_s=60.0)
+    mon = HangReducer(clock=clock, gpu_every_s=60.0)
 
     def hb(rank, ts, sm):
         exp = RankExporter("j", rank, 0, 0, lambda t: None, heartbeat_s=3600, tcp_flows=False,

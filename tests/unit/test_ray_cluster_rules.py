@@ -6,8 +6,11 @@ import time
 import pytest
 
 from core.config import Config
-from ray_jobs.pipeline import (Owner, PipelineError, check_ray_reachable, check_store_reach, claim_verdict,
-                               inflight_per_shard, shard_fingerprint, store_only_here)
+from ray_jobs.errors import PipelineError
+from ray_jobs.ownership import Owner, claim_verdict, shard_fingerprint
+from ray_jobs.pipeline import inflight_per_shard
+from ray_jobs.placement import check_store_reach, store_only_here
+from ray_jobs.ray_connect import check_ray_reachable
 
 
 def _listener(answer: bytes | None):

@@ -54,7 +54,7 @@ def test_registered_secrets_are_masked_anywhere():
 
 def test_errors_redact_their_message():
     from core.kafka_admin import BrokerError
-    from ray_jobs.pipeline import PipelineError
+    from ray_jobs.errors import PipelineError
     from storage import StoreError
 
     for cls in (StoreError, BrokerError, PipelineError):

@@ -12,7 +12,7 @@ from core.config import Config
 from core.layout import JobLayout
 from generators.fleetgen import JobSpec, generate_window
 from ray_jobs.analysis import _tables, _window_row
-from ray_jobs.io import Message
+from ray_jobs.kafka_source import Message
 from ray_jobs.shard import ShardWorker
 from tests.fakes import FakeSink, FakeSource, ManualClock, messages_for
 
@@ -254,14 +254,14 @@ def test_backpressure_stops_polling_at_max_inflight():
     src = FakeSource(messages_for(tables), batch=1)
     w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: src, sink_factory=FakeSink, submit=never_done)
     w.setup()
-    import ray_jobs.io as io
-    orig = io.resolve_ready
-    io.resolve_ready = lambda inflight, timeout_s: ([], list(inflight))
+    import ray_jobs.dispatch as dispatch
+    orig = dispatch.resolve_ready
+    dispatch.resolve_ready = lambda inflight, timeout_s: ([], list(inflight))
     try:
         for _ in range(20):
             w.step(poll_timeout_ms=0)
     finally:
-        io.resolve_ready = orig
+        dispatch.resolve_ready = orig
     assert len(pending) == 1
     assert src.lag() > 0, "the shard stopped consuming while its analysis was in flight"
 
@@ -484,7 +484,7 @@ def test_lag_counts_as_caught_up_only_after_a_poll():
 
 def test_the_production_sink_opens_the_configured_store_with_the_pipelines_open_store():
     """The shard takes only a sink factory; the pipeline's is a ResultWriter over ``open_store(cfg.store.url)``."""
-    from ray_jobs.io import ResultWriter
+    from ray_jobs.result_writer import ResultWriter
     from ray_jobs.pipeline import result_sink
 
     opened = []

@@ -4,7 +4,9 @@ import time
 import pytest
 
 from core.kafka_admin import BrokerError, check_partitions, offsets_ahead
-from ray_jobs.pipeline import PipelineError, check_ray_reachable, ray_endpoint, shard_partitions
+from ray_jobs.errors import PipelineError
+from ray_jobs.pipeline import shard_partitions
+from ray_jobs.ray_connect import check_ray_reachable, ray_endpoint
 
 INPUTS = ("ss.ops", "ss.ccl", "ss.jobs")
 
@@ -136,7 +138,7 @@ class FakeConsumer:
 
 
 def _source(consumer, partitions=range(4), topics=("ss.ops",)):
-    from ray_jobs.io import KafkaSource
+    from ray_jobs.kafka_source import KafkaSource
 
     src = KafkaSource("127.0.0.1:1", topics, partitions, check_interval_s=0.0)
     src._consumer, src._KTP = consumer, _KTP

@@ -1,8 +1,9 @@
 """The remedies of one stored window, ranked by simulated gain, stored back (`stragglerscope advise`, the console).
 
 The store is passed in: anything with the ``Store`` API's ``run_named`` and
-``insert`` (``storage.open_store`` gives one), so this module imports no
-storage backend and the console and the command line share it. Reads the
+``insert`` (``storage.open_store`` gives one); the console and the command
+line share it. It is the only place that hands stored rows to
+``analyzers.remedies`` and stores what comes back. Reads the
 job's registration, the window's kept raw op spans and its link
 faults from the store, runs ``analyzers.remedies.advise`` (which re-simulates
 the window with each fix applied), prints the remedies and stores them as

@@ -1,16 +1,14 @@
-"""The shard's adapters at the edges: the Kafka source and the result writer.
-
-Both follow one small lifecycle (docs/architecture.md, "Conventions" 4): clients are created in
-``setup()`` (never in ``__init__``: Ray pickles the shard before it runs),
-then poll/write, then flush/commit, then close.
+"""The shard's record source: a fixed set of Kafka partitions, read by hand.
 
 ``KafkaSource`` assigns its partitions by hand and never uses a consumer
 group: Tansu's group joins take seconds and can wedge (docs/architecture.md, "The real components"), and
 our offsets live in the store beside the results they cover, which is what
-makes a crash replay exactly the records whose results were not stored.
-
-``ResultWriter`` batches result tables per kind and writes them through the
-storage API; ``flush()`` returns only once everything written is stored.
+makes a crash replay exactly the records whose results were not stored. It
+also publishes the shard's copies to the dead-letter and alert topics (the
+same producer: ``dead_letter``, ``alert_producer``). It follows the shard's
+adapter lifecycle (docs/architecture.md, "Conventions" 4): clients are created
+in ``setup()`` (never in ``__init__``: Ray pickles the shard before it runs),
+then poll, then close. ``ray_jobs.transports.RecordSource`` is the contract.
 """
 from __future__ import annotations
 
@@ -18,19 +16,13 @@ import dataclasses
 import json
 import logging
 import time
-from typing import Any, Callable, Iterable
-
-import pyarrow as pa
+from typing import Any, Iterable
 
 from core import topics
 from core.kafka_conn import KafkaConn, as_conn
+from ray_jobs.transports import TopicPartition
 
 log = logging.getLogger(__name__)
-
-# A flush longer than this holds up the shard loop (hang checks included): it is logged per table.
-SLOW_FLUSH_S = 1.0
-
-TopicPartition = tuple[str, int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,7 +373,8 @@ class KafkaSource:
         return out
 
     def _out_of_range(self, fetched: dict) -> None:
-        """The broker refused a fetch position: before the beginning the records expired, beyond the end it lost them."""
+        """The broker refused a fetch position: before the beginning the records expired, beyond the end it
+        lost them."""
         ktps = [k for k in fetched if (k.topic, k.partition) not in self._problems]
         begin = self._offsets("beginning", ktps)
         for ktp in ktps:
@@ -498,115 +491,3 @@ class _suppress_kafka:
             log.debug("ignored: %s: %s", type(exc).__name__, exc)
             return True
         return False
-
-
-class ResultWriter:
-    """Batches result tables per kind and writes them through ``storage``.
-
-    ``write`` only buffers; ``flush`` writes every buffered kind (one insert
-    each) and returns once the store has them. Offsets and job registrations
-    go straight through: they are small and their order matters.
-    """
-
-    def __init__(self, store_url: str, open_store: Callable[[str], Any] | None = None, store=None):
-        # ``open_store`` is injected (``storage.open_store`` in production): ray_jobs depends on
-        # the Store API, not on the storage package (README, "Layers").
-        self.store_url = store_url
-        self._open_store = open_store
-        self._store = store
-        self._buf: dict[str, list[pa.Table]] = {}
-
-    def setup(self) -> None:
-        if self._store is None:
-            if self._open_store is None:
-                raise ValueError("ResultWriter needs open_store or an opened store")
-            self._store = self._open_store(self.store_url)
-        self._store.setup()
-
-    @property
-    def store(self):
-        return self._store
-
-    def write(self, kind: str, table: pa.Table) -> None:
-        if table.num_rows:
-            self._buf.setdefault(kind, []).append(table)
-
-    def flush(self) -> None:
-        """Insert everything buffered. On failure the buffer is discarded and the error raised:
-        the caller retries the whole window, and the store's idempotent keys absorb what was
-        already inserted."""
-        buf, self._buf = self._buf, {}
-        # The window row goes last: once it is stored the window counts as done
-        # (``window_stored``), so a crash mid-flush re-analyses the window.
-        took = []
-        for kind in sorted(buf, key=lambda k: k == "window"):
-            tables = buf[kind]
-            table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-            t0 = time.perf_counter()
-            self._store.insert(kind, table)
-            took.append((kind, table.num_rows, time.perf_counter() - t0))
-        if sum(t for _, _, t in took) > SLOW_FLUSH_S:
-            log.warning("slow store flush: %s", ", ".join(f"{k} {n} rows {t:.2f} s" for k, n, t in took))
-
-    def window_stored(self, key) -> bool:
-        return self._store.window_stored(key)
-
-    def load_offsets(self, source_id: str, topics, partitions) -> dict[TopicPartition, int]:
-        return self._store.load_offsets(source_id, topics, partitions)
-
-    def store_offsets(self, source_id: str, offsets: dict[TopicPartition, int],
-                      log_ids: dict[TopicPartition, str] | None = None) -> None:
-        self._store.store_offsets(source_id, offsets, log_ids)
-
-    def load_offset_logs(self, source_id: str, topics, partitions) -> dict[TopicPartition, str]:
-        return self._store.load_offset_logs(source_id, topics, partitions)
-
-    def store_state(self, source_id: str, shard: str, fmt: int, state: bytes) -> None:
-        self._store.store_state(source_id, shard, fmt, state)
-
-    def load_state(self, source_id: str, shard: str) -> tuple[int, bytes] | None:
-        return self._store.load_state(source_id, shard)
-
-    def load_jobs(self) -> list[dict]:
-        return self._store.load_jobs()
-
-    def close(self) -> None:
-        self.flush()
-        if self._store is not None:
-            self._store.close()
-
-
-def resolve_ready(inflight: list[tuple[Any, Any, float]], timeout_s: float):
-    """Split in-flight analyses into (done, pending).
-
-    Each entry is (handle, window, t0). A handle is either a Ray ObjectRef or
-    an already computed result (the shard ran the analysis inline). Done
-    entries come back as ((tables, error), window, t0); ``tables`` is None when
-    the task failed for good.
-    """
-    refs = [h for h, _, _ in inflight if _is_ref(h)]
-    ready_ids: set = set()
-    if refs:
-        import ray
-
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        ready_ids = {r.hex() for r in ready}
-    done, pending = [], []
-    for entry in inflight:
-        h, win, t0 = entry
-        if not _is_ref(h):
-            done.append(((h, None), win, t0))
-        elif h.hex() in ready_ids:
-            import ray
-
-            try:
-                done.append(((ray.get(h), None), win, t0))
-            except Exception as e:  # task died after its retries (killed worker, OOM)
-                done.append(((None, f"{type(e).__name__}: {str(e)[:300]}"), win, t0))
-        else:
-            pending.append(entry)
-    return done, pending
-
-
-def _is_ref(h: Any) -> bool:
-    return type(h).__name__ == "ObjectRef"
