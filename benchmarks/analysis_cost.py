@@ -4,7 +4,7 @@
 
 For each job size, one generated 3-step window (TP 8, PP 4 or 8, 2 x PP
 microbatches, one straggler; ``generators.fleetgen``) is analysed the way a
-shard's analysis task does it (``ray_jobs.analysis.analyze_window``: the
+shard's analysis task does it (``analyzers.window.analyze_window``: the
 what-if simulator, verdicts, remedies, link diagnosis, the result tables).
 
 - **in process**: CPU seconds per window (``time.process_time``), median of
@@ -49,7 +49,7 @@ def make_window(n_gpus: int, seed: int = 0):
 
 
 def in_process(ops, info, key, repeat: int) -> float:
-    from ray_jobs.analysis import analyze_window
+    from analyzers.window import analyze_window
 
     analyze_window(ops, info, key, True, "")  # warm: imports, compiled kernels loaded
     cpu = []
@@ -63,7 +63,7 @@ def in_process(ops, info, key, repeat: int) -> float:
 def on_cluster(address: str, windows: dict, repeat: int) -> dict:
     import ray
 
-    from ray_jobs.analysis import analyze_window
+    from analyzers.window import analyze_window
 
     ray.init(address=address, log_to_driver=False, logging_level="WARNING")
     task = ray.remote(num_cpus=1, max_retries=2)(analyze_window)

@@ -61,21 +61,21 @@ PHASES = (  # (label, file, function whose cumulative time it is, its callers or
     # in map_slices, which runs one slice itself and waits for the others.
     ("passes", "core/parallel.py", "map_slices", ("run_scenarios", "column_pass")),
     ("summary", "analyzers/whatif/api.py", "summarise", None),
-    ("json", "json/__init__.py", "dump", None),
+    ("json", "json/__init__.py", "dumps", None),
 )
 
 
 def _phases(trace: Path, meta: Path) -> None:
     """One in-process run of the command under cProfile: seconds per phase, as JSON on stdout."""
     sys.path.insert(0, str(ROOT))
-    from analyzers.whatif import run_cli
+    from actions.whatif_files import whatif_files
     from core.memory import small_pages
 
     small_pages()  # as the command does (stragglerscope.cli.main)
 
     prof = cProfile.Profile()
     t0 = time.perf_counter()
-    prof.runcall(run_cli, trace, meta, os.devnull)
+    prof.runcall(whatif_files, trace, meta, os.devnull)
     total = time.perf_counter() - t0
     stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
     out = {}

@@ -546,10 +546,10 @@ OPTYPE_WASTE = pa.schema(
     + [pa.field("wasted_gpu_hours", pa.float64(), nullable=False,
                 metadata={"unit": "GPU-h", "doc": "gpu_hours x (1 - 1/S_t), at least 0"})]
 )
-"""Derived at write time: op-type S_t of a window joined with the window's GPU-hours and owner.
+"""Op-type S_t of a window with the window's GPU-hours and owner, and what that op type wasted.
 
 A join of op-type rows with windows at query time takes seconds at a year of
-fleet; the store writes this table when the second of the two arrives.
+fleet; the analysis writes these rows with their window (``analyzers.window.optype_waste``).
 """
 
 

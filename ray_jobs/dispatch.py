@@ -13,18 +13,16 @@ reason: visible, and never pinning the offsets.
 """
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Callable
 
 import pyarrow as pa
 
-from analyzers.hardware import hardware_evidence
-from core import jsonutil
+from analyzers.hardware import with_hardware_evidence
+from analyzers.window import analyze_window, failed_window
 from core.config import PipelineConfig
 from core.layout import JobLayout
 from core.registration import Registration
-from ray_jobs.analysis import analyze_window, failed_window
 from ray_jobs.checkpoint import Clock, RetryLater, Unit
 from ray_jobs.windows import ReadyWindow, WindowTracker
 
@@ -132,39 +130,17 @@ class WindowReducer:
         self.inflight.append((handle, win, t0))
 
     def _with_hardware(self, tables: dict[str, pa.Table], win: ReadyWindow) -> dict[str, pa.Table]:
-        """A slow-worker verdict with what its GPUs say against their peers' ("SM clock 1,140 MHz vs the peers'
-        median 1,980; throttled: sw_power_cap"), from the samples the heartbeats carried. Here and not in the
-        analysis: the samples live in the shard's hang monitor. Never fails the window."""
+        """A slow-worker verdict with what its GPUs say against their peers' (``with_hardware_evidence``), from
+        the samples the heartbeats carried. Here and not in the analysis task: the samples live in the shard's
+        hang reducer. Never fails the window."""
         if self._gpu_of is None or win.ops.num_rows == 0:
             return tables
         try:
-            row = tables["window"]
-            if row.num_rows != 1 or "worker" not in row["verdicts_json"][0].as_py():
-                return tables
             samples = self._gpu_of(win.key[0], win.key[1])
-            if not samples:
-                return tables
-            verdicts = json.loads(row["verdicts_json"][0].as_py())
-            coords = list(zip(win.ops["dp_rank"].to_pylist(), win.ops["pp_rank"].to_pylist(),
-                              win.ops["rank"].to_pylist()))
-            changed = False
-            for v in verdicts:
-                if v.get("kind") != "worker":
-                    continue
-                tops = {(w["dp_rank"], w["pp_rank"]) for w in v.get("evidence", {}).get("top_workers", [])}
-                ranks = sorted({r for d, p, r in coords if (d, p) in tops})
-                found = hardware_evidence(ranks, samples)
-                if found:
-                    v["hardware"] = found
-                    v["summary"] = f"{v.get('summary', '')}; its GPU: {found['sentence']}"
-                    changed = True
-            if changed:
-                i = row.schema.get_field_index("verdicts_json")
-                tables = dict(tables, window=row.set_column(i, row.schema.field(i),
-                                                            pa.array([jsonutil.dumps(verdicts)], pa.string())))
+            return with_hardware_evidence(tables, win.ops, samples) if samples else tables
         except Exception as e:  # evidence is a bonus: the window is stored without it
             log.warning("%s: hardware evidence for %s failed: %s", self.name, win.key, e)
-        return tables
+            return tables
 
     def _unit(self, tables: dict[str, pa.Table], win: ReadyWindow, t0: float) -> Unit:
         def stored():

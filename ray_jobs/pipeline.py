@@ -100,7 +100,7 @@ def result_sink(cfg: Config, open_store: Callable[[str], Any]) -> Callable[[], A
 def _make_actor_class():
     import ray
 
-    from ray_jobs.analysis import analyze_window
+    from analyzers.window import analyze_window
 
     remote_analyze = ray.remote(num_cpus=1, max_retries=2)(analyze_window)
 

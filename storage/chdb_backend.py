@@ -225,12 +225,6 @@ class ChdbStore(SQLStore):
         self._run(f"INSERT INTO {ddl.quote(table_name)} ({cols}) SELECT * FROM _ext_rows "
                   f"SETTINGS {self._insert_settings}", "CSV", tables={"_ext_rows": rows})
 
-    def _insert_select(self, spec: ddl.TableSpec, select: str, params: dict, tables: dict) -> None:
-        cols = ", ".join(ddl.quote(f.name) for f in ddl.storage_schema(spec))
-        values = {n: v for n, (_t, v) in params.items()}
-        self._run(f"INSERT INTO {ddl.quote(self._data(spec))} ({cols}) {select} "
-                  f"SETTINGS {self._insert_settings}", "CSV", values, tables)
-
     def close(self) -> None:
         if not self._closed:
             self._closed = True

@@ -239,7 +239,7 @@ TABLES: tuple[TableSpec, ...] = (
               ("job_id", "attempt", "window_id", "rank", "step", "optype", "seq_id", "mc", "mb_id"), "replace",
               kind="op_span", retention=True),
     TableSpec("optype_waste", OPTYPE_WASTE, ("job_id", "attempt", "window_id", "optype"), "first",
-              partition_ns="analyzed_ns"),
+              kind="optype_waste", partition_ns="analyzed_ns"),
     TableSpec("offsets", OFFSETS, ("source_id", "topic", "partition"), "latest"),
     TableSpec("gpu_samples", S.GPU_SAMPLE, ("job_id", "attempt", "rank", "ts_ns"), "first", kind="gpu_sample",
               partition_ns="ts_ns", retention=True),

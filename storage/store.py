@@ -53,7 +53,6 @@ from storage.sqltext import placeholders
 
 DEFAULT_RETENTION_DAYS = 7
 RETENTION_CHECK_S = 3600.0
-DERIVE_COUNT_MIN_ROWS = 10_000
 
 
 class Store(abc.ABC):
@@ -100,23 +99,6 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
-
-    def acknowledge(self, alert_ids, by: str = "", note: str = "", acked: bool = True,
-                    now_ns: int | None = None) -> int:
-        """Record that alerts were (or, with ``acked=False``, no longer are) acknowledged; returns the count.
-
-        The latest row per alert wins, so an acknowledgement can be undone and
-        every console reading the store sees the same state.
-        """
-        ids = sorted({str(a) for a in alert_ids if str(a)})
-        if not ids:
-            return 0
-        ts = time.time_ns() if now_ns is None else int(now_ns)
-        self.insert("alert_ack", pa.table({
-            "alert_id": ids, "acked_ns": pa.array([ts] * len(ids), pa.int64()),
-            "acked": pa.array([1 if acked else 0] * len(ids), pa.uint8()),
-            "acked_by": [str(by)[:200]] * len(ids), "note": [str(note)[:2000]] * len(ids)}))
-        return len(ids)
 
     def __enter__(self):
         return self
@@ -290,9 +272,9 @@ class SQLStore(Store):
             return
         rows = self._with_stored_ns(spec, table)
         with self._lock:
-            pending, replayed = None, None
+            pending = None
             if spec.mode == "first":
-                rows, pending, replayed = self._drop_stored(spec, rows)
+                rows, pending = self._drop_stored(spec, rows)
             if rows.num_rows:
                 try:
                     self._insert(self._data(spec), rows)
@@ -302,26 +284,8 @@ class SQLStore(Store):
                     raise
             if pending is not None:
                 pending.commit()
-            self._after_insert(kind, rows, replayed)
             if spec.retention:
                 self._maybe_enforce_retention()
-
-    def _after_insert(self, kind: str, rows: pa.Table, replayed) -> None:
-        """Post-insert steps, under the insert's lock: derived tables follow the rows they derive from.
-
-        Today one: ``optype_waste`` (``core.schema.OPTYPE_WASTE``) is written when the second of a
-        window's two halves (its WINDOW row, its OPTYPE_SLOWDOWN rows) arrives; ``replayed`` are
-        rows dropped as already stored, whose derived rows a crash may have left out.
-        """
-        if kind not in ("window", "optype_slowdown"):
-            return
-        if rows.num_rows:
-            if kind == "window":
-                self._derive_optype_waste(windows=rows)
-            else:
-                self._derive_optype_waste(optypes=rows)
-        if replayed is not None:
-            self._repair_optype_waste(replayed)
 
     def _high_water(self) -> HighWater | None:
         """The high-water marks of growing keys, where this store is its tables' sole writer (see storage.keys)."""
@@ -333,11 +297,9 @@ class SQLStore(Store):
                          tables={"_ext_keys": pa.table({"job_id": pa.array(jobs, pa.string())})})
         return {(j, int(a)): int(hi) for j, a, hi in zip(*(t.column(i).to_pylist() for i in range(3)))}
 
-    def _drop_stored(self, spec: ddl.TableSpec, rows: pa.Table
-                     ) -> tuple[pa.Table, PendingMarks | None, pa.Table | None]:
-        """Rows whose key is neither earlier in the batch nor stored already (the caller holds the lock),
-        the high-water marks to commit once they are stored (None where the store keeps none), and the
-        keys found stored already (None when there were none)."""
+    def _drop_stored(self, spec: ddl.TableSpec, rows: pa.Table) -> tuple[pa.Table, PendingMarks | None]:
+        """Rows whose key is neither earlier in the batch nor stored already (the caller holds the lock), and
+        the high-water marks to commit once they are stored (None where the store keeps none)."""
         key = list(spec.key)
         enc = Encoded(rows)
         rows = first_of_each_key(rows, key, enc)
@@ -345,15 +307,14 @@ class SQLStore(Store):
         marks = self._high_water()
         if marks is not None and spec.key[:len(GROWING_KEY)] == GROWING_KEY:
             fresh, rows, pending = marks.split(spec.data, rows, lambda jobs: self._stored_high_water(spec, jobs), enc)
-        replayed = None
         if rows.num_rows:
-            rows, replayed = self._without_stored_keys(spec, rows)
+            rows = self._without_stored_keys(spec, rows)
         if fresh is not None and fresh.num_rows:
             rows = pa.concat_tables([fresh, rows]) if rows.num_rows else fresh
-        return rows, pending, replayed
+        return rows, pending
 
-    def _without_stored_keys(self, spec: ddl.TableSpec, rows: pa.Table) -> tuple[pa.Table, pa.Table | None]:
-        """``rows`` less those whose key the table holds (rows' keys are distinct), and the keys it holds."""
+    def _without_stored_keys(self, spec: ddl.TableSpec, rows: pa.Table) -> pa.Table:
+        """``rows`` less those whose key the table holds (rows' keys are distinct)."""
         key = list(spec.key)
         keys = rows.select(key)
         cols = ", ".join(ddl.quote(k) for k in key)
@@ -374,96 +335,10 @@ class SQLStore(Store):
             f"{lead} IN (SELECT {lead} FROM _ext_keys) AND "
             f"cityHash64({cols}) IN (SELECT cityHash64({cols}) FROM _ext_keys)", params, tables={"_ext_keys": keys})
         if stored.num_rows == 0:
-            return rows, None
+            return rows
         stored = pa.Table.from_arrays([stored.column(i).cast(keys.schema.field(i).type) for i in range(len(key))],
                                       names=key)
-        kept = rows.join(stored, keys=key, join_type="left anti", use_threads=False).select(rows.column_names)
-        return kept, keys.join(stored, keys=key, join_type="left semi", use_threads=False)
-
-    _WASTE_SELECT = (
-        "SELECT job_id, attempt, window_id, optype, slowdown, analyzed_ns, team, model, n_gpus, gpu_hours, "
-        "greatest(0, if(slowdown > 0, gpu_hours * (1 - 1 / slowdown), 0)) AS wasted_gpu_hours"
-    )
-
-    def _derive_optype_waste(self, windows: pa.Table | None = None, optypes: pa.Table | None = None) -> None:
-        """Write ``optype_waste`` rows for newly stored windows or newly stored whole-window S_t rows.
-
-        No key check here: these rows come only from windows or S_t rows stored just now, so their keys
-        are new (under the lock); the view's FINAL covers concurrent writers on a server.
-        """
-        w_cols = "job_id, attempt, window_id, analyzed_ns, team, model, n_gpus, gpu_hours"
-        o_cols = "job_id, attempt, window_id, optype, slowdown"
-        if windows is not None:
-            ext = windows.select(["job_id", "attempt", "window_id", "analyzed_ns", "team", "model", "n_gpus",
-                                  "gpu_hours"])
-        else:
-            ext = optypes.filter(pc.equal(optypes.column("step"), -1)).select(
-                ["job_id", "attempt", "window_id", "optype", "slowdown"])
-            if ext.num_rows == 0:
-                return
-        wid = pc.min_max(ext.column("window_id"))
-        params = {"lo": ("Int64", wid["min"].as_py()), "hi": ("Int64", wid["max"].as_py()),
-                  "now": ("Int64", self._now_ns())}
-        # The window range and the batch's jobs (sent apart: a set of 3,000 jobs builds faster than one
-        # from 875k rows) let the engine skip most stored granules (job_id leads the sort key); the join
-        # matches whole keys. A tuple IN here as well took twice as long (143 vs 73 ms
-        # for a 167k-window batch) and pruned no better for small batches.
-        in_batch = "window_id >= {lo:Int64} AND window_id <= {hi:Int64} AND job_id IN (SELECT job_id FROM _ext_keys)"
-        tables = {"_ext_rows": ext, "_ext_keys": pa.table({"job_id": pc.unique(ext.column("job_id"))})}
-        if windows is not None:
-            stored = f"SELECT {o_cols} FROM {self._data('optype_slowdown')} WHERE step = -1 AND {in_batch}"
-            o, w = f"({stored}) AS o", f"(SELECT {w_cols} FROM _ext_rows) AS w"
-        else:
-            stored = f"SELECT {w_cols} FROM {self._data('windows')} WHERE {in_batch}"
-            o, w = f"(SELECT {o_cols} FROM _ext_rows) AS o", f"({stored}) AS w"
-        # The join builds its hash table from its right side. For a large batch (a backfill) it pays to count
-        # the stored side first (30 ms for 875k windows): nothing there means nothing to derive, and the
-        # smaller side goes right (875k windows against 525k S_t rows: 0.11 s instead of 0.24 s). A
-        # pipeline's batches are small, and skip the extra query.
-        right_is_batch = True
-        if ext.num_rows >= DERIVE_COUNT_MIN_ROWS:
-            n_stored = self._select(f"SELECT count() AS n FROM ({stored})", params, tables)
-            n_stored = n_stored.column("n")[0].as_py()
-            if n_stored == 0:
-                return
-            right_is_batch = ext.num_rows <= n_stored
-        batch, other = (w, o) if windows is not None else (o, w)
-        left, right = (other, batch) if right_is_batch else (batch, other)
-        source = f"{left} ALL INNER JOIN {right} USING (job_id, attempt, window_id)"
-        spec = ddl.TABLE_BY_NAME["optype_waste"]
-        select = (f"{self._WASTE_SELECT}, {{now:Int64}} AS stored_ns FROM {source}")
-        self._insert_select(spec, select, params, tables)
-
-    def _repair_optype_waste(self, replayed: pa.Table) -> None:
-        """Write the ``optype_waste`` rows missing for windows whose rows a replay found stored already.
-
-        A writer that died between storing rows and deriving from them (or whose derivation failed) left
-        these windows without their derived rows, and the replay stores nothing new to derive from. Both
-        sides come from the stored, deduplicated views; rows derived already are left alone.
-        """
-        keys = replayed.group_by(["job_id", "attempt", "window_id"], use_threads=False).aggregate([])
-        k = "(job_id, attempt, window_id) IN (SELECT job_id, attempt, window_id FROM _ext_keys)"
-        select = (
-            f"{self._WASTE_SELECT}, {{now:Int64}} AS stored_ns FROM "
-            f"(SELECT job_id, attempt, window_id, optype, slowdown FROM optype_slowdown WHERE step = -1 AND {k}) AS o "
-            "ALL INNER JOIN (SELECT job_id, attempt, window_id, analyzed_ns, team, model, n_gpus, gpu_hours "
-            f"FROM windows WHERE {k}) AS w USING (job_id, attempt, window_id) "
-            "WHERE (job_id, attempt, window_id, optype) NOT IN "
-            f"(SELECT job_id, attempt, window_id, optype FROM {self._data('optype_waste')} WHERE {k})")
-        self._insert_select(ddl.TABLE_BY_NAME["optype_waste"], select, {"now": ("Int64", self._now_ns())},
-                            {"_ext_keys": keys})
-
-    def _insert_select(self, spec: ddl.TableSpec, select: str, params: dict, tables: dict) -> None:
-        """Insert the rows of ``select`` (columns in ``storage_schema(spec)`` order) into the data table.
-
-        This version moves the rows through Arrow; a backend that can run INSERT ... SELECT with its
-        external data overrides it.
-        """
-        rows = self._select(select, params, tables)
-        if rows.num_rows:
-            target = ddl.storage_schema(spec).remove_metadata()
-            self._insert(self._data(spec), pa.Table.from_arrays(
-                [rows.column(i).cast(f.type) for i, f in enumerate(target)], schema=target))
+        return rows.join(stored, keys=key, join_type="left anti", use_threads=False).select(rows.column_names)
 
     def _maybe_enforce_retention(self) -> None:
         if time.monotonic() - self._last_retention >= RETENTION_CHECK_S:

@@ -46,7 +46,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     for mod, name in (("core.kafka_admin", "BrokerError"), ("core.kafka_conn", "KafkaConnError"),
                       ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
                       ("ray_jobs.errors", "PipelineError"),
-                      ("stragglerscope.replay", "ReplayError"), ("app.advice", "AdviseError"),
+                      ("stragglerscope.replay", "ReplayError"), ("actions.advice", "AdviseError"),
+                      ("actions.timeline", "TimelineUnavailable"),
                       ("analyzers.whatif", "WhatIfInputError"), ("core.golden", "GoldenTraceError"),
                       ("core.codec", "DecodeError"),
                       ("stragglerscope.trace", "TraceError")):
@@ -194,6 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-store", action="store_true", help="print only; do not store the remedies")
     p.add_argument("--store", help="store URL (overrides store.url)")
 
+    p = sub.add_parser("timeline", help="a stored window's actual and ideal timelines as a Perfetto trace",
+                       description="Re-simulate one stored window from its kept raw op spans and write its actual "
+                                   "and ideal timelines (one process per worker and scenario, one thread per "
+                                   "stream) as a gzipped Chrome/Perfetto trace: open it in ui.perfetto.dev. The "
+                                   "console's job page offers the same file. Raw spans are kept for some windows "
+                                   "only (pipeline.keep_op_spans_max_rows, keep_op_spans_every_s).")
+    _add_config(p)
+    p.add_argument("job", metavar="JOB", help="job id")
+    p.add_argument("--window", type=int, help="window id (default: the job's latest with raw spans)")
+    p.add_argument("--attempt", type=int, default=-1, help="job attempt (default: the latest)")
+    p.add_argument("--out", required=True, metavar="OUT.json.gz", help="where to write the trace")
+    p.add_argument("--store", help="store URL (overrides store.url)")
+
     p = sub.add_parser("import", help="convert existing traces to our records; optionally publish them",
                        description="Convert traces (golden: the what-if paper's parquet + meta YAML; kineto: "
                                    "PyTorch profiler Chrome-trace JSON; flight-recorder: PyTorch Flight Recorder "
@@ -273,9 +287,9 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(config_mod.describe())
         return 0
     if cmd == "whatif":
-        from analyzers.whatif import run_cli
+        from actions.whatif_files import whatif_files
 
-        res = run_cli(args.trace, args.meta, args.json_out, args.timeline)
+        res = whatif_files(args.trace, args.meta, args.json_out, args.timeline)
         print(f"S={res['slowdown']:.4f}  launch_slowdown={res['launch_slowdown']:.4f}  "
               f"M_W={res['M_W']:.3f}  M_S={res['M_S']:.3f}  -> {args.json_out}")
         return 0
@@ -332,6 +346,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if cmd == "advise":
         return _advise(args, cfg)
+    if cmd == "timeline":
+        return _timeline(args, cfg)
     if cmd == "offsets":
         return _offsets(args, cfg)
     if cmd == "import":
@@ -383,10 +399,32 @@ def _dispatch(args: argparse.Namespace) -> int:
     raise CLIError(f"unknown command {cmd}")
 
 
+def _timeline(args: argparse.Namespace, cfg) -> int:
+    from actions.timeline import stored_window_ops, trace_gz
+    from storage import open_store
+
+    store = open_store(cfg.store.url)
+    try:
+        store.setup()
+        ops, layout, window = stored_window_ops(store, args.job, args.attempt, args.window)
+    finally:
+        store.close()
+    print(f"simulating window {window} of {args.job} ({ops.num_rows:,} op spans) ...", file=sys.stderr)
+    doc = trace_gz(ops, layout)
+    try:
+        with open(args.out, "wb") as f:
+            f.write(doc)
+    except OSError as e:
+        raise CLIError(f"cannot write {args.out}: {e.strerror or e}") from None
+    print(f"{args.out}: window {window} of {args.job}, actual and ideal timelines of {layout.dp_size * layout.pp_size} "
+          f"workers ({len(doc):,} bytes); open it in ui.perfetto.dev")
+    return 0
+
+
 def _advise(args: argparse.Namespace, cfg) -> int:
     import json
 
-    from app.advice import AdviseOptions, advise_and_store, format_remedies
+    from actions.advice import AdviseOptions, advise_and_store, format_remedies
     from storage import open_store
 
     for name in ("gpus_per_node", "fault_tolerance"):

@@ -80,7 +80,9 @@ def query_catalogue() -> dict:
 
 def acknowledge(alert_ids, by: str, note: str = "", acked: bool = True) -> int:
     """Store (or undo) acknowledgements so every console and `sql` sees them; refreshes the feed."""
-    n = _store(store_url()).acknowledge(alert_ids, by=by, note=note, acked=acked)
+    from actions.alerts import acknowledge as store_acks
+
+    n = store_acks(_store(store_url()), alert_ids, by=by, note=note, acked=acked)
     named_live.clear()
     return n
 
@@ -91,27 +93,21 @@ def window_timeline(job_id: str, attempt: int, window_id: int, step: int, worker
     import gzip
     import json
 
-    from ui.timeline_view import layout_of, timeline_frame
+    from actions.timeline import TimelineUnavailable, stored_window_ops
+    from ui.timeline_view import timeline_frame
 
-    store = _store(store_url())
-    reg = store.run_named("job_info", {"job_id": job_id, "attempt": attempt}).to_pylist()
-    if not reg:
-        return None, "the job's registration is not stored"
-    ops = store.run_named("window_ops", {"job_id": job_id, "attempt": attempt, "window_id": window_id})
-    if ops.num_rows == 0:
-        kept = store.run_named("job_span_windows", {"job_id": job_id, "attempt": attempt}).column("window_id")
-        which = ", ".join(str(k) for k in kept.to_pylist()[-10:]) or "none"
-        from core.config import SPANS_KEPT_RULE
-
-        return None, f"no raw op spans are kept for this window; this job's windows with spans: {which} ({SPANS_KEPT_RULE})"
-    frame, events = timeline_frame(ops, layout_of(reg[0]), step=step, workers=workers)
+    try:
+        ops, layout, _ = stored_window_ops(_store(store_url()), job_id, attempt, window_id)
+    except TimelineUnavailable as e:
+        return None, str(e)
+    frame, events = timeline_frame(ops, layout, step=step, workers=workers)
     doc = gzip.compress(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode(), 5)
     return frame, doc
 
 
 def advise_window(job_id: str, attempt: int, window_id: int) -> str:
     """Compute and store the remedies of one window; returns a message when there is none to store."""
-    from app.advice import AdviseError, AdviseOptions, advise_and_store
+    from actions.advice import AdviseError, AdviseOptions, advise_and_store
 
     try:
         _key, remedies = advise_and_store(_store(store_url()), job_id,

@@ -18,12 +18,6 @@ from core.layout import JobLayout
 MAX_OPS = 200_000
 
 
-def layout_of(registration: dict) -> JobLayout:
-    from core.registration import Registration
-
-    return Registration.from_row(registration).layout
-
-
 def timeline_frame(ops: pa.Table, layout: JobLayout, step: int | None = None,
                    workers: int = 8) -> tuple[pd.DataFrame, list[dict]]:
     """(frame, trace events): one row per op of ``step`` on the first ``workers`` workers, both scenarios.
@@ -33,29 +27,22 @@ def timeline_frame(ops: pa.Table, layout: JobLayout, step: int | None = None,
     are the whole window's (Chrome/Perfetto format) for download.
     """
     from analyzers.whatif import analyze
-    from analyzers.whatif.opcodes import STREAM_NAMES
-    from analyzers.whatif.timeline import timeline_events
+    from analyzers.whatif.timeline import events_of, timeline_table
 
     ops = codec.conform(ops, S.OP_SPAN)
-    events = timeline_events(analyze(ops, layout), max_ops=MAX_OPS)
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
-    rows = []
-    for e in events:
-        if e.get("ph") != "X" or (step is not None and e["args"]["step"] != step):
-            continue
-        scenario, worker = names.get(e["pid"], "? ?").split(" ", 1)
-        rows.append((scenario, worker, STREAM_NAMES[e["tid"]], e["name"], e["args"]["step"], e["ts"], e["ts"] + e["dur"]))
-    df = pd.DataFrame(rows, columns=["scenario", "worker", "stream", "optype", "step", "start_us", "end_us"])
+    table = timeline_table(analyze(ops, layout), max_ops=MAX_OPS)
+    events = events_of(table, layout)
+    df = table.to_pandas()
+    if step is not None:
+        df = df[df["step"] == step]
+    columns = ["scenario", "worker", "stream", "optype", "step", "start_ms", "end_ms"]
     if df.empty:
-        return df.assign(start_ms=[], end_ms=[]), events
-    keep = sorted(df["worker"].unique(), key=_worker_order)[:workers]
-    df = df[df["worker"].isin(keep)].copy()
+        return pd.DataFrame(columns=columns), events
+    df = df.astype({"scenario": str, "stream": str, "optype": str})
+    kept = sorted(set(zip(df["dp_rank"].tolist(), df["pp_rank"].tolist())))[:workers]
+    df = df[pd.Series(list(zip(df["dp_rank"], df["pp_rank"])), index=df.index).isin(kept)].copy()
+    df["worker"] = "dp" + df["dp_rank"].astype(str) + "/pp" + df["pp_rank"].astype(str)
     t0 = df.groupby("step")["start_us"].transform("min")
     df["start_ms"] = (df["start_us"] - t0) / 1e3
     df["end_ms"] = (df["end_us"] - t0) / 1e3
-    return df.drop(columns=["start_us", "end_us"]), events
-
-
-def _worker_order(name: str) -> tuple[int, int]:
-    dp, pp = name.split("/")
-    return int(dp[2:]), int(pp[2:])
+    return df[columns].reset_index(drop=True), events

@@ -6,16 +6,16 @@ Public API
   ``summarise(model) -> WhatIfResult``: for what re-simulates (remedies, the timeline)
 - ``to_tables(result, key) -> {kind: table}``: the window's per-step, per-op-type and per-worker rows
 - golden traces (parquet + meta YAML) are read by ``core.golden.load_golden(trace, meta) -> (ops, layout)``
-- ``write_timeline(result_or_inputs, path)``: Perfetto/Chrome trace of actual and ideal timelines
-- ``run_cli(trace, meta, json_out, timeline_out=None) -> dict``
+- ``analyze_taking([table], layout)``: ``analyze`` that frees the input's columns as it goes
+- ``timeline_table`` and ``trace_document`` (``.timeline``): actual and ideal timelines, as a table and as
+  a Perfetto/Chrome trace; reading trace files and writing results is ``actions.whatif_files``' work
 - ``WhatIfInputError``: the only exception raised for bad input
 
 Pure: numpy, pyarrow and pyyaml only.
 """
-from .api import analyze, analyze_model, run_cli, summarise
+from .api import analyze, analyze_model, analyze_taking, summarise
 from .load import WhatIfInputError
 from .result import WhatIfModel, WhatIfResult
-from .timeline import write_timeline
 
-__all__ = ["WhatIfInputError", "WhatIfModel", "WhatIfResult", "analyze", "analyze_model", "run_cli", "summarise",
-           "write_timeline"]
+__all__ = ["WhatIfInputError", "WhatIfModel", "WhatIfResult", "analyze", "analyze_model", "analyze_taking",
+           "summarise"]

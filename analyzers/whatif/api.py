@@ -1,5 +1,5 @@
 """Entry points: ``analyze_model`` (table in, ``WhatIfModel`` out), ``analyze`` (its summary, a
-``WhatIfResult``) and ``run_cli``.
+``WhatIfResult``); ``actions.whatif_files`` reads and writes the files around it.
 
 ``analyze`` raises only ``WhatIfInputError`` for input it cannot use (missing
 columns, nothing usable, missing workers with ``allow_incomplete=False``, a
@@ -9,19 +9,17 @@ a ``WhatIfInputError`` as well, so a caller never dies of a trace.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from core.golden import GoldenTraceError, load_golden
 from core.layout import JobLayout
 from core.memory import release_memory
 
 from . import opcodes as T
+from .gpu_hours import waste_fraction, wasted_gpu_hours, window_gpu_hours
 from .load import PreparedOps, WhatIfInputError, prepare_ops, prepare_ops_taking
 from .result import WhatIfModel, WhatIfResult
 from .scenarios import Run, run_scenarios
@@ -33,21 +31,10 @@ def _share(t: float, t_fix: float, t_ideal: float) -> float:
     return (t - t_fix) / den if den != 0 else float("nan")
 
 
-def window_gpu_hours(n_gpus: int, actual_step_s) -> float:
-    """The GPU-hours a window's steps took: every GPU of the job for the sum of its steps' actual times.
-
-    The one definition, for the what-if's result, the stored window and the fleet's statistics. Not the
-    window's wall span: a trace may put each step on a clock of its own (the golden traces start every step
-    at 0, so their span is one step and the stored figure was 30 times the what-if's, smaller), and the
-    host time between steps is no step's."""
-    return int(n_gpus) * float(np.nansum(np.asarray(actual_step_s, dtype=np.float64))) / 3600.0
-
-
 def _metrics(p: PreparedOps, r: Run, n_gpus: int | None) -> dict[str, Any]:
     steps = [int(s) for s in r.steps]
     mean_ideal = float(np.mean(r.ideal))
     S = Run.ratio(r.sim, r.ideal)
-    waste = 1.0 - 1.0 / S if S > 0 else float("nan")
     lay = p.layout
 
     def total(v: np.ndarray) -> float:
@@ -68,7 +55,7 @@ def _metrics(p: PreparedOps, r: Run, n_gpus: int | None) -> dict[str, Any]:
     M_S = _share(tori, trem_s, tid)
     gpu_hours = window_gpu_hours(lay.world_size if n_gpus is None else n_gpus, r.actual)
     return {
-        "slowdown": S, "launch_slowdown": Run.ratio(r.actual, r.sim), "waste_fraction": waste,
+        "slowdown": S, "launch_slowdown": Run.ratio(r.actual, r.sim), "waste_fraction": waste_fraction(S),
         "step_time": {"actual": dict(zip(steps, r.actual.tolist())), "simulated": dict(zip(steps, r.sim.tolist())),
                    "ideal": dict(zip(steps, r.ideal.tolist())), "replay": dict(zip(steps, r.replay.tolist()))},
         "step_slowdown": {s: float(r.sim[i] / r.ideal[i]) for i, s in enumerate(steps)},
@@ -80,7 +67,7 @@ def _metrics(p: PreparedOps, r: Run, n_gpus: int | None) -> dict[str, Any]:
             "top_workers": [[d, x] for d, x in r.top_workers]},
         "ms": {"tori": tori, "tideal": tid, "trem": trem_s, "tadd": tadd_s, "rem": M_S,
             "add": (tadd_s - tid) / (tori - tid) if tori != tid else math.nan, "stage": lay.pp_size - 1},
-        "gpu_hours": gpu_hours, "wasted_gpu_hours": gpu_hours * waste if math.isfinite(waste) else 0.0,
+        "gpu_hours": gpu_hours, "wasted_gpu_hours": wasted_gpu_hours(gpu_hours, S),
     }
 
 
@@ -138,12 +125,10 @@ def summarise(model: WhatIfModel, n_gpus: int | None = None) -> WhatIfResult:
         raise
     except (ValueError, IndexError, ZeroDivisionError, FloatingPointError, OverflowError) as e:
         raise WhatIfInputError(f"cannot analyse these op spans: {type(e).__name__}: {e}".splitlines()[0]) from e
-    lay = p.layout
     release_memory()  # the passes' scratch memory
     return WhatIfResult(
         job_id=p.job_id,
-        layout={"dp_size": lay.dp_size, "pp_size": lay.pp_size, "tp_size": lay.tp_size, "cp_size": lay.cp_size,
-                "vpp_size": lay.vpp_size, "world_size": lay.world_size},
+        layout=p.layout,
         steps=tuple(int(s) for s in r.steps), warnings=_warnings(p, r), unknown_optypes=list(p.unknown_optypes),
         complete=not p.missing_workers, missing_workers=[[d, x] for d, x in p.missing_workers], n_ops=p.n,
         ideal_durations={k: v / 1e9 for k, v in r.ideal_ns.items()}, replay_error=r.replay_error,
@@ -151,27 +136,7 @@ def summarise(model: WhatIfModel, n_gpus: int | None = None) -> WhatIfResult:
     )
 
 
-def run_cli(trace: str | os.PathLike, meta: str | os.PathLike, json_out: str | os.PathLike,
-            timeline_out: str | os.PathLike | None = None) -> dict[str, Any]:
-    """`stragglerscope whatif`: analyse a golden-format trace, write the JSON (and timeline)."""
-    try:
-        table, layout = load_golden(trace, meta, lean=True)
-    except GoldenTraceError as e:  # the what-if's one error for bad input, as it always was here
-        raise WhatIfInputError(str(e)) from None
-    # Handed over with no reference left here: its columns are freed as they are used (the peak of a
-    # 16k-GPU window).
-    box = [table]
-    del table
-    p = prepare_ops_taking(box, layout)
-    res = summarise(_model(p))
-    d = res.to_json_dict()
-    try:
-        with open(json_out, "w") as f:
-            json.dump(d, f, indent=1, allow_nan=False)
-    except OSError as e:
-        raise WhatIfInputError(f"cannot write {json_out}: {e.strerror or e}") from None
-    if timeline_out:
-        from .timeline import write_timeline
-
-        write_timeline(res, timeline_out)
-    return d
+def analyze_taking(box: list[pa.Table], layout: JobLayout) -> WhatIfResult:
+    """``analyze`` of the one table in ``box``, which it takes out and frees column by column as they are
+    used: the caller keeps no reference, and a 16k-GPU window's peak memory stays that of its columns."""
+    return summarise(_model(prepare_ops_taking(box, layout)))

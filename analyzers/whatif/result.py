@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from core.jsonutil import json_safe
+from core.layout import JobLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +34,7 @@ class WhatIfResult:
     """Metrics of one window (docs/whatif.md, section 5), verdicts and data-quality notes."""
 
     job_id: str
-    layout: dict[str, int]
+    layout: JobLayout
     steps: tuple[int, ...]
     slowdown: float
     launch_slowdown: float
@@ -71,5 +72,8 @@ class WhatIfResult:
 
     def to_json_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
+        lay = self.layout
+        d["layout"] = {"dp_size": lay.dp_size, "pp_size": lay.pp_size, "tp_size": lay.tp_size,
+                       "cp_size": lay.cp_size, "vpp_size": lay.vpp_size, "world_size": lay.world_size}
         d["verdict"] = self.verdict
         return json_safe(d)

@@ -18,6 +18,7 @@ import pyarrow as pa
 from core import codec
 from core import schema as S
 
+from .gpu_hours import waste_fraction
 from .result import WhatIfResult
 
 MAX_PER_STEP_CELLS = 50_000
@@ -48,8 +49,8 @@ def window_fields(result: WhatIfResult) -> dict[str, Any]:
     t = step_times(result)
     slow = _num(result.slowdown)
     waste = _num(result.waste_fraction)
-    if waste != waste and slow == slow and slow > 0:
-        waste = 1 - 1 / slow
+    if waste != waste:  # a result rebuilt from JSON that left it out
+        waste = waste_fraction(slow)
     warnings = list(result.warnings)
     if result.unknown_optypes:
         warnings.append(f"unknown op types ignored: {sorted(result.unknown_optypes)}")

@@ -1,8 +1,8 @@
 """Chrome/Perfetto trace of the actual and the simulated ideal timelines.
 
-``write_timeline(result_or_inputs, path)`` writes a Trace Event Format JSON
-(gzip when ``path`` ends in ``.gz``) that opens in ui.perfetto.dev or
-chrome://tracing. One process per (scenario, worker), named like
+``timeline_table(result_or_inputs)`` has one row per op and scenario;
+``trace_document`` is its Trace Event Format JSON, which opens in
+ui.perfetto.dev or chrome://tracing (``actions.whatif_files`` writes it). One process per (scenario, worker), named like
 ``actual dp0/pp1`` or ``ideal dp0/pp1``; one thread per stream (compute,
 dp-comm, forward-recv, ...). Times are microseconds on the job clock; the
 ideal timeline of a step starts where the actual step started. A
@@ -13,9 +13,7 @@ first), so a huge window still gives a file a browser can open.
 """
 from __future__ import annotations
 
-import gzip
 import json
-import os
 from typing import Any
 
 import numpy as np
@@ -73,62 +71,84 @@ def _simulated(p, run, inverts: tuple[bool, ...], delays: tuple[bool, ...], max_
         yield rows[keep], tiles(g.code), tiles(g.dp), tiles(g.pp), out
 
 
-def timeline_events(result_or_inputs: Any, *, max_ops: int = MAX_OPS) -> list[dict[str, Any]]:
-    """Trace events (list of dicts) of the actual (delays kept) and ideal timelines."""
-    p, run = _inputs(result_or_inputs)
-    lay = p.layout
-    n_w = lay.dp_size * lay.pp_size
-    events: list[dict[str, Any]] = []
-    named: set[int] = set()
+SCENARIOS = ("actual", "ideal")
+"""The scenarios of a timeline: the trace itself (delays kept), and the simulated ideal."""
+
+
+def timeline_table(result_or_inputs: Any, *, max_ops: int = MAX_OPS) -> pa.Table:
+    """One row per op and scenario: ``scenario`` (``SCENARIOS``), the worker (``dp_rank``, ``pp_rank``), its
+    ``stream`` (``opcodes.STREAM_NAMES``), ``optype``, ``step``, and ``start_us`` and ``end_us`` on the job
+    clock (the ideal step starts where the actual one did). At most ``max_ops`` ops per scenario, whole
+    steps, earliest first."""
+    return _table(*_inputs(result_or_inputs), max_ops)
+
+
+def _table(p, run, max_ops: int | None) -> pa.Table:
+    parts: list[dict[str, np.ndarray]] = []
     for rows, code, dp, pp, sims in _simulated(p, run, (False, True), (True, False), max_ops):
         base = p.step_start_ns[p.step_idx[rows]].astype(np.float64)
-        stream = T.STREAM_OF_CODE[code]
-        steps = p.steps[p.step_idx[rows]]
-        for si, scen in enumerate(("actual", "ideal")):
-            if scen == "actual":  # the trace itself
+        for si in range(len(SCENARIOS)):
+            if si == 0:  # the trace itself
                 st = p.start[rows].astype(np.float64)
                 en = st + p.dur[rows]
             else:
                 st, en = sims[si]
-            pid = si * n_w + dp.astype(np.int64) * lay.pp_size + pp
-            ts = (base + st) / 1e3
-            du = np.maximum(en - st, 0.0) / 1e3
-            names = np.array(OPTYPES, dtype=object)[code]
-            events.extend({"name": nm, "ph": "X", "ts": round(t, 3), "dur": round(d, 3), "pid": pi, "tid": ti,
-                           "args": {"step": sp}}
-                          for nm, t, d, pi, ti, sp in zip(names.tolist(), ts.tolist(), du.tolist(), pid.tolist(),
-                                                          stream.tolist(), steps.tolist()))
-            for pidv in np.unique(pid).tolist():
-                if pidv in named:
-                    continue
-                named.add(pidv)
-                w = pidv - si * n_w
-                events.append({"name": "process_name", "ph": "M", "pid": pidv,
-                               "args": {"name": f"{scen} dp{w // lay.pp_size}/pp{w % lay.pp_size}"}})
-                events.append({"name": "process_sort_index", "ph": "M", "pid": pidv, "args": {"sort_index": pidv}})
-                for tid, tname in enumerate(T.STREAM_NAMES):
-                    events.append({"name": "thread_name", "ph": "M", "pid": pidv, "tid": tid,
-                                   "args": {"name": tname}})
+            parts.append({"scenario": np.full(len(rows), si, np.int8), "dp_rank": dp.astype(np.int32),
+                          "pp_rank": pp.astype(np.int32), "stream": T.STREAM_OF_CODE[code].astype(np.int8),
+                          "optype": code.astype(np.int16), "step": p.steps[p.step_idx[rows]].astype(np.int64),
+                          "start_us": (base + st) / 1e3, "end_us": (base + np.maximum(en, st)) / 1e3})
+    cols = {k: np.concatenate([x[k] for x in parts]) if parts else np.zeros(0) for k in _TABLE_COLUMNS}
+
+    def named(codes: np.ndarray, names) -> pa.Array:
+        return pa.DictionaryArray.from_arrays(pa.array(codes.astype(np.int32)), pa.array(list(names), pa.string()))
+
+    return pa.table({
+        "scenario": named(cols["scenario"], SCENARIOS), "dp_rank": pa.array(cols["dp_rank"].astype(np.int32)),
+        "pp_rank": pa.array(cols["pp_rank"].astype(np.int32)), "stream": named(cols["stream"], T.STREAM_NAMES),
+        "optype": named(cols["optype"], OPTYPES), "step": pa.array(cols["step"].astype(np.int64)),
+        "start_us": pa.array(cols["start_us"].astype(np.float64)),
+        "end_us": pa.array(cols["end_us"].astype(np.float64)),
+    })
+
+
+_TABLE_COLUMNS = ("scenario", "dp_rank", "pp_rank", "stream", "optype", "step", "start_us", "end_us")
+
+
+def events_of(table: pa.Table, layout) -> list[dict[str, Any]]:
+    """Trace events (Chrome/Perfetto) of a ``timeline_table``: one process per (scenario, worker), named
+    like ``actual dp0/pp1``, one thread per stream."""
+    scen = table["scenario"].combine_chunks().indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    dp = table["dp_rank"].to_numpy().astype(np.int64)
+    pp = table["pp_rank"].to_numpy().astype(np.int64)
+    pp_size = layout.pp_size
+    n_w = layout.dp_size * pp_size
+    pid = scen * n_w + dp * pp_size + pp
+    tid = table["stream"].combine_chunks().indices.to_numpy(zero_copy_only=False)
+    start, end = table["start_us"].to_numpy(), table["end_us"].to_numpy()
+    events: list[dict[str, Any]] = [
+        {"name": nm, "ph": "X", "ts": round(t, 3), "dur": round(d, 3), "pid": pi, "tid": ti, "args": {"step": sp}}
+        for nm, t, d, pi, ti, sp in zip(table["optype"].to_pylist(), start.tolist(), (end - start).tolist(),
+                                        pid.tolist(), tid.tolist(), table["step"].to_pylist())]
+    for pidv in np.unique(pid).tolist():
+        w = pidv % n_w
+        events.append({"name": "process_name", "ph": "M", "pid": pidv,
+                       "args": {"name": f"{SCENARIOS[pidv // n_w]} dp{w // pp_size}/pp{w % pp_size}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pidv, "args": {"sort_index": pidv}})
+        for t, tname in enumerate(T.STREAM_NAMES):
+            events.append({"name": "thread_name", "ph": "M", "pid": pidv, "tid": t, "args": {"name": tname}})
     return events
 
 
-def write_timeline(result_or_inputs: Any, path: str | os.PathLike, *, max_ops: int = MAX_OPS) -> int:
-    """Write the timelines to ``path``; returns the number of events written."""
-    from .load import WhatIfInputError
+def timeline_events(result_or_inputs: Any, *, max_ops: int = MAX_OPS) -> list[dict[str, Any]]:
+    """Trace events (list of dicts) of the actual (delays kept) and ideal timelines."""
+    p, run = _inputs(result_or_inputs)
+    return events_of(_table(p, run, max_ops), p.layout)
 
+
+def trace_document(result_or_inputs: Any, *, max_ops: int = MAX_OPS) -> bytes:
+    """The Trace Event Format JSON of the timelines (what ui.perfetto.dev and chrome://tracing open)."""
     events = timeline_events(result_or_inputs, max_ops=max_ops)
-    doc = {"traceEvents": events, "displayTimeUnit": "ms"}
-    data = json.dumps(doc, separators=(",", ":")).encode()
-    try:
-        if str(path).endswith(".gz"):
-            with gzip.open(path, "wb", compresslevel=5) as f:
-                f.write(data)
-        else:
-            with open(path, "wb") as f:
-                f.write(data)
-    except OSError as e:
-        raise WhatIfInputError(f"cannot write {path}: {e.strerror or e}") from None
-    return len(events)
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, separators=(",", ":")).encode()
 
 
 def simulated_table(result_or_inputs: Any, scenario: str = "ideal") -> pa.Table:

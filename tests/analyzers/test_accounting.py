@@ -62,7 +62,7 @@ def test_flops_and_peak_from_the_registration(change, fps, peak):
 def test_analyzed_window_carries_mfu_at_actual_and_ideal_step_times():
     from core.registration import Registration
     from generators.fleetgen import JobSpec, generate_window
-    from ray_jobs.analysis import analyze_window
+    from analyzers.window import analyze_window
 
     spec = JobSpec("mfu-job", JobLayout(dp_size=2, pp_size=2), num_microbatches=4, cause="slow_worker", cause_dp=1,
                    cause_pp=0, cause_factor=1.5)

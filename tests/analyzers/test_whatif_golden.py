@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analyzers.whatif import analyze, run_cli
+from analyzers.whatif import analyze
+from actions.whatif_files import whatif_files
 from core.golden import load_golden
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "whatif"
@@ -122,10 +123,10 @@ def test_golden_heatmap_shape(golden):
             assert v == pytest.approx(min(res["by_dp_rank"][str(d)], res["by_pp_rank"][str(x)]))
 
 
-def test_run_cli_writes_json_and_timeline(tmp_path):
+def test_whatif_files_writes_json_and_timeline(tmp_path):
     d = GOLDEN / "ST"
     out, tl = tmp_path / "st.json", tmp_path / "st.json.gz"
-    res = run_cli(d / "trace-ST.parquet", d / "meta-ST.yaml", out, tl)
+    res = whatif_files(d / "trace-ST.parquet", d / "meta-ST.yaml", out, tl)
     on_disk = json.loads(out.read_text())
     assert on_disk["slowdown"] == pytest.approx(res["slowdown"])
     assert on_disk["job_id"] == "ST" and on_disk["n_ops"] == 6784
@@ -136,3 +137,24 @@ def test_run_cli_writes_json_and_timeline(tmp_path):
     assert "actual dp0/pp3" in names and "ideal dp1/pp0" in names
     spans = [e for e in events if e["ph"] == "X"]
     assert len(spans) == 2 * 6784 and all(e["dur"] >= 0 for e in spans)
+
+
+def test_the_timeline_table_is_what_the_trace_events_draw():
+    """The console draws the table; the download is its events: same ops, same times, workers as numbers."""
+    from analyzers.whatif.timeline import SCENARIOS, events_of, timeline_table
+    from core.golden import load_golden
+
+    d = GOLDEN / "ST"
+    ops, layout = load_golden(d / "trace-ST.parquet", d / "meta-ST.yaml")
+    table = timeline_table((ops, layout))
+    assert table.num_rows == 2 * 6784 and set(table["scenario"].to_pylist()) == set(SCENARIOS)
+    assert {(r["dp_rank"], r["pp_rank"]) for r in table.select(["dp_rank", "pp_rank"]).to_pylist()} == {
+        (dp, pp) for dp in range(layout.dp_size) for pp in range(layout.pp_size)}
+    spans = [e for e in events_of(table, layout) if e["ph"] == "X"]
+    assert len(spans) == table.num_rows
+    assert [e["ts"] for e in spans[:50]] == [round(t, 3) for t in table["start_us"].to_pylist()[:50]]
+    # Each step's ideal ends no later than the actual (a check of the simulation, read from the table).
+    df = table.to_pandas().astype({"scenario": str})
+    ends = df.groupby(["step", "scenario"])["end_us"].max().unstack()
+    starts = df.groupby(["step", "scenario"])["start_us"].min().unstack()
+    assert ((ends["ideal"] - starts["ideal"]) <= (ends["actual"] - starts["actual"]) * 1.001).all()

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analyzers.whatif import WhatIfInputError, analyze, run_cli
+from analyzers.whatif import WhatIfInputError, analyze
+from actions.whatif_files import whatif_files
 from core.golden import GoldenTraceError, load_golden
 from core.layout import JobLayout
 from core.schema import OP_SPAN
@@ -170,13 +171,13 @@ def test_missing_columns_and_bad_files(tmp_path):
     with pytest.raises(WhatIfInputError, match="no usable"):
         analyze(t.slice(0, 0), lay)
     with pytest.raises(WhatIfInputError, match="not found"):
-        run_cli(tmp_path / "nope.parquet", tmp_path / "nope.yaml", tmp_path / "o.json")
+        whatif_files(tmp_path / "nope.parquet", tmp_path / "nope.yaml", tmp_path / "o.json")
     meta = tmp_path / "m.yaml"
     meta.write_text("dp_size: 2\n")
     with pytest.raises(GoldenTraceError, match="pp_size"):
         load_golden(tmp_path / "nope.parquet", meta)
     with pytest.raises(WhatIfInputError, match="pp_size"):  # the what-if's CLI keeps its one error type
-        run_cli(tmp_path / "nope.parquet", meta, tmp_path / "o.json")
+        whatif_files(tmp_path / "nope.parquet", meta, tmp_path / "o.json")
     meta.write_text("- just a list\n")
     with pytest.raises(GoldenTraceError, match="mapping"):
         load_golden(tmp_path / "nope.parquet", meta)
@@ -233,6 +234,6 @@ def test_batched_and_per_chunk_graphs_agree(maker, monkeypatch):
 def test_the_command_reads_golden_traces_lean_with_the_same_result(tmp_path):
     """`whatif` reads only the analyzer's columns (op types still dictionary-encoded): the same JSON."""
     d = Path(__file__).resolve().parent.parent / "golden" / "whatif" / "ST"
-    got = run_cli(d / "trace-ST.parquet", d / "meta-ST.yaml", tmp_path / "o.json")
+    got = whatif_files(d / "trace-ST.parquet", d / "meta-ST.yaml", tmp_path / "o.json")
     full = analyze(*load_golden(d / "trace-ST.parquet", d / "meta-ST.yaml")).to_json_dict()
     assert json.dumps(got, sort_keys=True) == json.dumps(full, sort_keys=True)

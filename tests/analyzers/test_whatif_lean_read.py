@@ -17,7 +17,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from analyzers.whatif import analyze, run_cli
+from analyzers.whatif import analyze
+from actions.whatif_files import whatif_files
 from core import golden, parallel
 from core.golden import load_golden
 
@@ -37,7 +38,7 @@ def _write(tmp_path: Path, t: pa.Table, row_group_size: int = 1000) -> tuple[Pat
 
 
 def _same_as_whole_file(tmp_path: Path, trace: Path, meta: Path) -> dict:
-    got = run_cli(trace, meta, tmp_path / "o.json")
+    got = whatif_files(trace, meta, tmp_path / "o.json")
     want = analyze(*load_golden(trace, meta)).to_json_dict()
     assert json.dumps(got, sort_keys=True) == json.dumps(want, sort_keys=True)
     return got
@@ -119,5 +120,5 @@ def test_files_it_cannot_stream_are_read_whole(tmp_path, monkeypatch, change):
         _same_as_whole_file(tmp_path, trace, meta)
     else:  # the whole-file path says what is wrong
         with pytest.raises(ValueError, match="seq_id"):
-            run_cli(trace, meta, tmp_path / "o.json")
+            whatif_files(trace, meta, tmp_path / "o.json")
     assert calls == [None]

@@ -73,3 +73,21 @@ def test_advise_defaults_to_the_latest_window_with_kept_spans(store_url, capsys)
     assert main(["advise", job, "--window", "90", "--store", store_url]) == 2
     err = capsys.readouterr().err
     assert "no raw op spans are kept for window 90" in err and "keep_op_spans_every_s" in err
+
+
+def test_timeline_writes_the_window_the_console_draws(store_url, tmp_path, capsys):
+    """`stragglerscope timeline JOB`: the latest window with raw spans, its actual and ideal timelines as a
+    Perfetto trace; a job or window without spans is one clear line."""
+    import gzip
+
+    job = _job_with("heavy_last_stage")
+    out = tmp_path / "t.json.gz"
+    assert main(["timeline", job, "--store", store_url, "--out", str(out)]) == 0
+    assert "ui.perfetto.dev" in capsys.readouterr().out
+    events = json.loads(gzip.decompress(out.read_bytes()))["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert {"actual dp0/pp0", "ideal dp0/pp0"} <= names
+    spans = [e for e in events if e["ph"] == "X"]
+    assert spans and {e["args"]["step"] for e in spans} and all(e["dur"] >= 0 for e in spans)
+    assert main(["timeline", "no-such-job", "--store", store_url, "--out", str(out)]) == 2
+    assert "timeline: error: job 'no-such-job' is not registered in the store" in capsys.readouterr().err

@@ -17,7 +17,7 @@ import pytest
 from core import topics
 from core.kafka_admin import ensure_topics
 from core.registration import Registration
-from ray_jobs.analysis import analyze_window
+from analyzers.window import analyze_window
 from services.broker import LocalBroker
 from tests.unit.test_bad_input import CASES, GOOD, T0, heartbeat, letter_of, ops, raw, spec
 

@@ -39,6 +39,15 @@ def test_demo_once_stores_every_window_and_keeps_history(tmp_path):
     assert max(row["slowdown"] for row in rows) > 1.1
     assert all(row["verdict"] != "analysis_failed" for row in rows), rows
 
+    # Each window's op-type waste rows came with it through the pipeline: the fleet's "wasted by op type"
+    # sums over the same windows, and no op type wastes more than its windows' GPU-hours.
+    r = cli("sql", "--query", "SELECT count(DISTINCT (job_id, window_id)) AS windows, "
+            "sum(wasted_gpu_hours) AS wasted, max(wasted_gpu_hours - gpu_hours) AS over FROM optype_waste",
+            "--format", "json", env=env)
+    assert r.returncode == 0, r.stderr
+    (waste,) = json.loads(r.stdout)
+    assert waste["windows"] == 10 and waste["wasted"] > 0 and waste["over"] <= 0, waste
+
     # A second run adds to the history.
     r = cli(*small, "--seed", "1", env=env)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from actions.alerts import acknowledge
 from storage import StoreError
 from storage.daemon import HttpStore
 from storage.daemon.server import dispatch
@@ -146,7 +147,7 @@ def test_every_remote_call_round_trips(loop):
     assert loop.load_jobs() == [{"job_id": "j", "attempt": 0}]
     assert loop.enforce_retention(123) == ["2024-01-01"]
     assert store.calls[-1] == ("enforce_retention", (123,))
-    assert loop.acknowledge(["a1"], by="me", now_ns=5) == 1  # Store's own method, over insert
+    assert acknowledge(loop, ["a1"], by="me", now_ns=5) == 1  # actions.alerts, over the client's insert
     assert store.calls[-1][1][0] == "alert_ack"
 
 

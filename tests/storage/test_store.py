@@ -4,8 +4,10 @@ from __future__ import annotations
 import math
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
+from actions.alerts import acknowledge
 from core import codec
 from core import schema as S
 from storage import NAMED_QUERIES, StoreError, ddl, open_store
@@ -140,47 +142,29 @@ def test_job_drilldown_queries(store):
         store.run_named("job_windows")
 
 
-@pytest.mark.parametrize("count_min_rows", [None, 0])
-def test_wasted_by_optype_in_either_write_order(store, count_min_rows, monkeypatch):
-    """``count_min_rows=0``: every batch counts the stored side first, as a backfill's large batches do;
-    here the smaller side is the batch for a's windows and the stored window for b's op types."""
-    if count_min_rows is not None:
-        monkeypatch.setattr("storage.store.DERIVE_COUNT_MIN_ROWS", count_min_rows)
-    store.insert("optype_slowdown", optype_rows("a", [0, 10]))  # the pipeline's order: op types, then windows
-    store.insert("window", window_rows(2, job="a", gpu_hours=10.0))
-    store.insert("window", window_rows(1, job="b", gpu_hours=20.0))  # windows first, then op types
-    store.insert("optype_slowdown", optype_rows("b", [0]))
-    store.insert("optype_slowdown", optype_rows("b", [0]))
+def _waste_rows(windows: pa.Table, optypes: pa.Table) -> pa.Table:
+    """The OPTYPE_WASTE rows the analysis writes with each window (``analyzers.window.optype_waste``)."""
+    from analyzers.window import optype_waste
+
+    return pa.concat_tables([
+        optype_waste(w, optypes.filter(pc.equal(optypes["window_id"], w["window_id"])))
+        for w in windows.to_pylist()])
+
+
+def test_wasted_by_optype_reads_the_rows_written_with_the_windows(store):
+    a_win, a_opt = window_rows(2, job="a", gpu_hours=10.0), optype_rows("a", [0, 10])
+    b_win, b_opt = window_rows(1, job="b", gpu_hours=20.0), optype_rows("b", [0])
+    for win, opt in ((a_win, a_opt), (b_win, b_opt), (b_win, b_opt)):  # b's unit twice: a replay
+        store.insert("optype_slowdown", opt)
+        store.insert("optype_waste", _waste_rows(win, opt))
+        store.insert("window", win)
     rows = {r["optype"]: r for r in store.run_named("wasted_by_optype").to_pylist()}
     assert set(rows) == {"forward-compute", "gc"}
     assert rows["gc"]["windows"] == 3
     assert rows["gc"]["wasted_gpu_hours"] == pytest.approx(40 * (1 - 1 / 1.3))
     assert rows["forward-compute"]["mean_slowdown"] == pytest.approx(1.1)
     assert store.run_named("wasted_by_optype", {"team": "nobody"}).num_rows == 0
-
-
-@pytest.mark.parametrize("second", ["window", "optype_slowdown"])
-def test_a_replay_derives_what_a_failed_derivation_left_out(store, second, monkeypatch):
-    """The writer stored its rows, then died (here: failed) before deriving ``optype_waste``; the replay
-    finds every row stored, and still leaves the derived rows complete, once each."""
-    batches = {"optype_slowdown": optype_rows("a", [0, 10]), "window": window_rows(2, job="a", gpu_hours=10.0)}
-    first = "optype_slowdown" if second == "window" else "window"
-    store.insert(first, batches[first])
-
-    def killed(**_kw):
-        raise StoreError("killed before the derivation")
-
-    monkeypatch.setattr(store, "_derive_optype_waste", killed)
-    with pytest.raises(StoreError, match="killed"):
-        store.insert(second, batches[second])
-    monkeypatch.undo()
-    assert store.run_named("wasted_by_optype").num_rows == 0
-    store.insert(second, batches[second])  # the replay: nothing new to store
-    store.insert(second, batches[second])  # and again: nothing missing, nothing written
-    rows = {r["optype"]: r for r in store.run_named("wasted_by_optype").to_pylist()}
-    assert rows["gc"]["windows"] == 2 and rows["forward-compute"]["windows"] == 2
-    assert rows["gc"]["wasted_gpu_hours"] == pytest.approx(20 * (1 - 1 / 1.3))
-    assert store.query(f"SELECT count() AS n FROM {store._data('optype_waste')}").column("n")[0].as_py() == 4
+    assert store.query(f"SELECT count() AS n FROM {store.data_table('optype_waste')}").column("n")[0].as_py() == 6
 
 
 def test_an_insert_that_failed_part_way_is_replayed_without_duplicates(store, monkeypatch):
@@ -221,14 +205,14 @@ def test_acknowledgements_are_stored_and_can_be_undone(store):
         dict(alert_id=f"a:{i}", job_id="a", attempt=0, ts_ns=BASE_NS + i, rule="hang", severity="critical",
              summary=f"alert {i}", details_json="{}") for i in range(3)]))
     assert store.run_named("alert_history", {"acked": 0}).num_rows == 3
-    assert store.acknowledge(["a:0", "a:2", "a:2", ""], by="alice", note="drained host-7", now_ns=BASE_NS + 10) == 2
+    assert acknowledge(store, ["a:0", "a:2", "a:2", ""], by="alice", note="drained host-7", now_ns=BASE_NS + 10) == 2
     rows = {r["alert_id"]: r for r in store.run_named("alert_history").to_pylist()}
     assert (rows["a:2"]["acked"], rows["a:2"]["acked_by"], rows["a:2"]["ack_note"]) == (1, "alice", "drained host-7")
     assert rows["a:1"]["acked"] == 0
     assert store.run_named("alert_history", {"acked": 0}).column("alert_id").to_pylist() == ["a:1"]
-    store.acknowledge(["a:2"], by="bob", acked=False, now_ns=BASE_NS + 20)  # the latest row wins
+    acknowledge(store, ["a:2"], by="bob", acked=False, now_ns=BASE_NS + 20)  # the latest row wins
     assert store.run_named("alert_history", {"acked": 1}).column("alert_id").to_pylist() == ["a:0"]
-    assert store.acknowledge([]) == 0
+    assert acknowledge(store, []) == 0
 
 
 def test_offsets_latest_stored_value_wins(store):
@@ -396,7 +380,7 @@ def test_migration_from_version_1_keeps_data(store_url):
         assert st.query("SELECT count() AS n FROM windows").column("n")[0].as_py() == 3
         st.setup()
         assert st.schema_version() == LATEST
-        assert st.acknowledge(["x:1"], by="oncall") == 1  # a table a later step created
+        assert acknowledge(st, ["x:1"], by="oncall") == 1  # a table a later step created
         got = st.run_named("job_windows", {"job_id": "old"}).to_pylist()
         assert [r["window_id"] for r in got] == [0, 10, 20]
         assert [(r["m_w"], r["m_s"], r["slowdown"]) for r in got] == [(0.0, 0.0, 1.25)] * 3

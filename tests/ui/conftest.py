@@ -36,7 +36,7 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
     from generators.faultgen import hang_incident, link_incident
     from generators.fleetgen import fleet_windows, make_fleet
     from ray_jobs.alerts import AlertRules
-    from ray_jobs.analysis import analyze_window
+    from analyzers.window import analyze_window
 
     now = time.time_ns()
     jobs = [dataclasses.replace(j, job_id=f"ui-{i:03d}") for i, j in enumerate(make_fleet(n_jobs, seed, 8, 256))]

@@ -59,8 +59,8 @@ def test_array_round_trip_with_a_mask():
 def test_the_whatif_command_does_not_import_pandas():
     """The reason for this module: half a second of every `stragglerscope whatif` run."""
     g = ROOT / "tests" / "golden" / "whatif" / "ST"
-    code = ("import sys; from analyzers.whatif import run_cli; "
-            f"run_cli({str(g / 'trace-ST.parquet')!r}, {str(g / 'meta-ST.yaml')!r}, '/dev/null'); "
+    code = ("import sys; from actions.whatif_files import whatif_files; "
+            f"whatif_files({str(g / 'trace-ST.parquet')!r}, {str(g / 'meta-ST.yaml')!r}, '/dev/null'); "
             "print('pandas' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

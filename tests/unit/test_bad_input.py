@@ -22,7 +22,7 @@ from core import schema as S
 from core.config import Config
 from core.layout import JobLayout
 from generators.fleetgen import JobSpec, generate_window
-from ray_jobs.analysis import analyze_window
+from analyzers.window import analyze_window
 from ray_jobs.kafka_source import Message
 from ray_jobs.shard import ShardWorker
 from tests.fakes import FakeSink, FakeSource, ManualClock

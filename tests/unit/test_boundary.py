@@ -5,6 +5,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
+from analyzers.clock_skew import ClockSkew, worker_clock_skew
+from analyzers.window import analyze_window
 from core import codec
 from core import schema as S
 from core.config import ValidationConfig
@@ -12,7 +14,6 @@ from core.layout import JobLayout
 from core.registration import Registration
 from generators.fleetgen import JobSpec, generate_window
 from ray_jobs import boundary as B
-from ray_jobs.analysis import analyze_window
 
 LIMITS = ValidationConfig()
 S_NS = 10**9
@@ -131,31 +132,31 @@ def offsets(skew):
 
 def test_each_shifted_worker_is_named_with_its_own_offset_to_the_others():
     """Two of four workers 3 h ahead: the median of all four sat halfway, so the note said +5400 s and named one."""
-    skew = B.worker_clock_skew(window(shifted=[((1, 0), 3 * HOUR_NS), ((1, 1), 3 * HOUR_NS)]))
+    skew = worker_clock_skew(window(shifted=[((1, 0), 3 * HOUR_NS), ((1, 1), 3 * HOUR_NS)]))
     assert skew.describe() == "dp1/pp0 +10800.0 s, dp1/pp1 +10800.0 s off the other workers"
     assert 1.0 <= skew.threshold_s < 60
 
 
 def test_shifts_of_either_sign_are_measured_against_the_majority():
-    skew = B.worker_clock_skew(window(dp=4, pp=2, shifted=[((1, 0), 3 * HOUR_NS), ((2, 1), 3 * HOUR_NS),
+    skew = worker_clock_skew(window(dp=4, pp=2, shifted=[((1, 0), 3 * HOUR_NS), ((2, 1), 3 * HOUR_NS),
                                                            ((3, 1), -50 * 365 * 24 * HOUR_NS)]))
     assert offsets(skew) == {(1, 0): 10800.0, (2, 1): 10800.0, (3, 1): -50 * 365 * 24 * 3600.0}
 
 
 @pytest.mark.parametrize("who, want", [((1, 0), {(1, 0): 10800.0}), ((0, 0), {(0, 0): 10800.0})])
 def test_one_worker_of_four(who, want):
-    assert offsets(B.worker_clock_skew(window(shifted=[(who, 3 * HOUR_NS)]))) == want
+    assert offsets(worker_clock_skew(window(shifted=[(who, 3 * HOUR_NS)]))) == want
 
 
 def test_with_no_majority_the_workers_are_measured_against_rank_0s_clock():
     """Two workers: pairwise, and rank 0's is the job clock (the exporters align the other clocks to it)."""
-    assert offsets(B.worker_clock_skew(window(dp=2, pp=1, shifted=[((1, 0), 3 * HOUR_NS)]))) == {(1, 0): 10800.0}
-    assert offsets(B.worker_clock_skew(window(dp=2, pp=1, shifted=[((0, 0), 3 * HOUR_NS)]))) == {(1, 0): -10800.0}
+    assert offsets(worker_clock_skew(window(dp=2, pp=1, shifted=[((1, 0), 3 * HOUR_NS)]))) == {(1, 0): 10800.0}
+    assert offsets(worker_clock_skew(window(dp=2, pp=1, shifted=[((0, 0), 3 * HOUR_NS)]))) == {(1, 0): -10800.0}
 
 
 def test_a_window_of_agreeing_clocks_has_no_skew():
-    assert B.worker_clock_skew(window(dp=4, pp=4)) is None
-    assert B.worker_clock_skew(window(shifted=[((1, 0), S_NS // 100)])) is None  # 10 ms: a DP wait, not a clock
+    assert worker_clock_skew(window(dp=4, pp=4)) is None
+    assert worker_clock_skew(window(shifted=[((1, 0), S_NS // 100)])) is None  # 10 ms: a DP wait, not a clock
 
 
 def test_the_window_note_lists_every_shifted_worker():
@@ -167,6 +168,6 @@ def test_the_window_note_lists_every_shifted_worker():
 
 
 def test_a_long_list_of_shifted_workers_is_cut_in_the_note():
-    skew = B.ClockSkew(tuple(((d, 0), 10800.0) for d in range(20)), 2.0)
+    skew = ClockSkew(tuple(((d, 0), 10800.0) for d in range(20)), 2.0)
     assert skew.describe() == ", ".join(f"dp{d}/pp0 +10800.0 s" for d in range(8)) + \
         ", 12 more workers off the other workers"

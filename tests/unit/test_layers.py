@@ -13,8 +13,8 @@ ALLOWED = {
     "ingest": {"core", "ingest"},
     "ray_jobs": {"core", "analyzers", "ray_jobs"},
     "storage": {"core", "storage"},
-    "app": {"core", "analyzers", "storage", "app"},  # use cases: stored rows to an analyzer and back
-    "ui": {"core", "analyzers", "storage", "app", "ui"},  # the console reads the store and re-simulates
+    "actions": {"core", "analyzers", "storage", "actions"},  # use cases: stored rows to an analyzer and back
+    "ui": {"core", "analyzers", "storage", "actions", "ui"},  # the console reads the store and re-simulates
     "services": {"core", "storage", "services"},  # the store daemon's launcher runs storage.daemon
     "examples": {"core", "generators", "ingest", "services", "examples"},
 }
@@ -69,7 +69,7 @@ def _store_uses(path: Path):
 
 
 def test_no_analyzer_is_handed_a_store():
-    """Analyzers compute on tables and return tables: reading and storing is ``app/``'s and the pipeline's."""
+    """Analyzers compute on tables and return tables: reading and storing is ``actions/``'s and the pipeline's."""
     wrong = [f"{f.relative_to(ROOT)}:{line} {what}" for f in sorted((ROOT / "analyzers").rglob("*.py"))
              for line, what in _store_uses(f)]
     assert wrong == [], "analyzers that use a store:\n" + "\n".join(wrong)

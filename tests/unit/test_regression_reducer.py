@@ -9,7 +9,7 @@ from core import codec
 from core import schema as S
 from core.config import AlertConfig, Config
 from ray_jobs.alerts import AlertReducer, AlertRules
-from ray_jobs.analysis import typical_step_s, window_profile
+from analyzers.window import typical_step_s, window_profile
 from ray_jobs.regressions import RegressionReducer, params_of
 from ray_jobs.state import decode, encode
 from tests.fakes import ManualClock

@@ -11,7 +11,7 @@ from core import schema as S
 from core.config import Config
 from core.layout import JobLayout
 from generators.fleetgen import JobSpec, generate_window
-from ray_jobs.analysis import _tables, _window_row
+from analyzers.window import _tables, _window_row
 from ray_jobs.kafka_source import Message
 from ray_jobs.shard import ShardWorker
 from tests.fakes import FakeSink, FakeSource, ManualClock, messages_for
@@ -347,7 +347,7 @@ def test_heartbeats_of_a_hung_job_become_a_hang_row_and_a_critical_alert():
 
 def test_ccl_records_of_a_window_get_link_diagnosis():
     from generators.faultgen import link_incident
-    from ray_jobs.analysis import analyze_window
+    from analyzers.window import analyze_window
 
     inc = link_incident("source", 32, 2)
     clock = ManualClock(wall=lambda: 20 * 10**9)
@@ -504,7 +504,7 @@ def test_the_production_sink_opens_the_configured_store_with_the_pipelines_open_
 
 def test_a_slow_workers_verdict_carries_what_its_gpu_says_against_its_peers():
     """Issue 41: the heartbeats' GPU samples (a fake NVML's figures) beside a real analysis of a slow worker."""
-    from ray_jobs.analysis import analyze_window
+    from analyzers.window import analyze_window
 
     a = JobSpec("a", JobLayout(dp_size=2, pp_size=2), num_microbatches=4, cause="slow_worker", cause_dp=1,
                 cause_pp=0, cause_factor=1.6)

@@ -290,7 +290,7 @@ def ops_table(rows):
 
 def test_a_conflicting_layout_is_a_verdict_not_a_dependency_cycle():
     from core.registration import Registration
-    from ray_jobs.analysis import analyze_window, layout_conflict
+    from analyzers.window import analyze_window, layout_conflict
 
     info = Registration("j", 0, JobLayout(2, 2), 1, n_gpus=4, registration={"layout_problem": ""})
     assert layout_conflict(info, ops_table([(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)])) == ""

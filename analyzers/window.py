@@ -1,7 +1,11 @@
-"""One window in, result tables out: the unit of work the shards run as Ray tasks.
+"""One window in, every result table of it out, in its final form: the unit of work the shards run as Ray tasks.
 
-``analyze_window`` is a plain function (no Ray inside) so it runs in unit tests
-as is; the shard wraps it with ``ray.remote``. It never raises for bad data:
+``analyze_window`` builds each table once, here: the window row (GPU-hours,
+waste, main verdict and MFU, each with one definition), its per-step,
+per-worker and per-op-type slowdowns, the op-type waste rows, its profile,
+link cells and faults, remedies. ``ray_jobs`` only dispatches it and the store
+only stores what it returns. It is a plain function (no Ray inside) so it runs
+in unit tests as is; the shard wraps it with ``ray.remote``. It never raises for bad data:
 an analysis that fails yields a window row with ``verdict = "analysis_failed"``
 and the reason in ``note``, so the window is stored, its offsets advance and
 the failure is visible in the console instead of being retried forever.
@@ -14,11 +18,11 @@ import time
 import numpy as np
 import pyarrow as pa
 
+from analyzers.clock_skew import worker_clock_skew
 from analyzers.mfu import window_mfu
 from core import codec, jsonutil
 from core import schema as S
 from core.registration import Registration
-from ray_jobs.boundary import worker_clock_skew
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +112,7 @@ def analyze_window(ops: pa.Table, job: Registration, key: tuple[str, int, int], 
     what["complete"] = row["complete"] and what["complete"]
     row.update(
         what, gpu_hours=result.gpu_hours, wasted_gpu_hours=result.wasted_gpu_hours,  # one definition: the what-if's
-        verdict=_main_verdict(verdicts), verdicts_json=jsonutil.dumps(verdicts),
+        verdict=result.verdict, verdicts_json=jsonutil.dumps(verdicts),
         note="; ".join([x for x in [note] + warnings if x])[:4000],
     )
     times = step_times(result)
@@ -219,16 +223,6 @@ def failed_window(ops: pa.Table, job: Registration, key: tuple[str, int, int], r
     return _tables(row)
 
 
-def _main_verdict(verdicts) -> str:
-    if isinstance(verdicts, dict):
-        verdicts = [dict(v, kind=k) if isinstance(v, dict) else {"kind": k} for k, v in verdicts.items()]
-    for v in verdicts:
-        if isinstance(v, dict):
-            return str(v.get("kind") or v.get("cause") or v.get("name") or "")
-        return str(v)
-    return ""
-
-
 def _links(ccl: pa.Table | None, key, tcp: pa.Table | None = None) -> dict[str, pa.Table]:
     """Link diagnosis of the window's CCL and TCP records (LINK_FAULT and LINK_CELL rows); never raises."""
     empty = {"link_fault": codec.empty(S.LINK_FAULT), "link_cell": codec.empty(S.LINK_CELL)}
@@ -248,6 +242,21 @@ _ALWAYS = {"optype_slowdown": S.OPTYPE_SLOWDOWN, "worker_slowdown": S.WORKER_SLO
 """The what-if's tables: every window has them, empty where the analysis did not run."""
 
 
+def optype_waste(row: dict, optypes: pa.Table) -> pa.Table:
+    """OPTYPE_WASTE rows of a window: each op type's whole-window S_t (``step`` -1) with the window's GPU-hours
+    and owner, and the GPU-hours that op type's stragglers wasted (``wasted_gpu_hours``). The fleet's
+    statistics read these rows: a join of op-type rows with windows at query time takes seconds at a year of
+    fleet."""
+    from analyzers.whatif.gpu_hours import wasted_gpu_hours
+
+    whole = [r for r in optypes.to_pylist() if r["step"] == -1]
+    owner = {k: row[k] for k in ("analyzed_ns", "team", "model", "n_gpus", "gpu_hours")}
+    return codec.from_rows(S.OPTYPE_WASTE, [
+        dict(owner, job_id=r["job_id"], attempt=r["attempt"], window_id=r["window_id"], optype=r["optype"],
+             slowdown=r["slowdown"], wasted_gpu_hours=wasted_gpu_hours(row["gpu_hours"], r["slowdown"]))
+        for r in whole])
+
+
 def _tables(row: dict, links: dict[str, pa.Table] | None = None,
             out: dict[str, pa.Table] | None = None) -> dict[str, pa.Table]:
     """The window's row and the analyzers' tables (``to_tables``) for the sink; a remedy table only with rows."""
@@ -257,6 +266,7 @@ def _tables(row: dict, links: dict[str, pa.Table] | None = None,
         tables[kind] = (links or {}).get(kind, codec.empty(schema))
     for kind, schema in _ALWAYS.items():
         tables[kind] = out.get(kind, codec.empty(schema))
+    tables["optype_waste"] = optype_waste(row, tables["optype_slowdown"])
     if "remedy" in out and out["remedy"].num_rows:
         tables["remedy"] = out["remedy"]
     return tables
