@@ -63,6 +63,14 @@ def _add_config(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML configuration file (see `stragglerscope --help`)")
 
 
+
+def _add_stored_window(p: argparse.ArgumentParser) -> None:
+    """--config, and which stored window: JOB, --window, --attempt (advise, timeline)."""
+    _add_config(p)
+    p.add_argument("job", metavar="JOB", help="job id")
+    p.add_argument("--window", type=int, help="window id (its first step; default: the latest with raw spans)")
+    p.add_argument("--attempt", type=int, default=-1, help="job attempt (default: the latest)")
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="stragglerscope",
@@ -181,10 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "first and store them for the console. Needs the window's raw op spans "
                                    "(kept for windows with a verdict up to pipeline.keep_op_spans_max_rows rows, one per job per "
                                    "pipeline.keep_op_spans_every_s and each new verdict).")
-    _add_config(p)
-    p.add_argument("job", metavar="JOB", help="job id")
-    p.add_argument("--window", type=int, help="window id (its first step; default: the latest with raw spans)")
-    p.add_argument("--attempt", type=int, default=-1, help="job attempt (default: the latest)")
+    _add_stored_window(p)
     p.add_argument("--num-layers", type=int, help="transformer layers of the model (enables repartitioning)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per host (default 8)")
     p.add_argument("--spare-host", action="append", default=[], metavar="HOST",
@@ -201,10 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "stream) as a gzipped Chrome/Perfetto trace: open it in ui.perfetto.dev. The "
                                    "console's job page offers the same file. Raw spans are kept for some windows "
                                    "only (pipeline.keep_op_spans_max_rows, keep_op_spans_every_s).")
-    _add_config(p)
-    p.add_argument("job", metavar="JOB", help="job id")
-    p.add_argument("--window", type=int, help="window id (default: the job's latest with raw spans)")
-    p.add_argument("--attempt", type=int, default=-1, help="job attempt (default: the latest)")
+    _add_stored_window(p)
     p.add_argument("--out", required=True, metavar="OUT.json.gz", help="where to write the trace")
     p.add_argument("--store", help="store URL (overrides store.url)")
 
