@@ -164,11 +164,14 @@ class RankExporter:
     def __init__(self, job_id: str, rank: int, dp_rank: int, pp_rank: int, sink: Callable[[pa.Table], Any], *,
                  attempt: int = 0, sampling: Sampling = Sampling(), heartbeat_s: float = 5.0,
                  hang_dump_s: float = 60.0, use_cuda: bool | None = None, mc: int = 0, gmc: int | None = None,
-                 host: str | None = None, send_every_s: float = 1.0, tcp_flows: bool = True, nvml=None):
+                 host: str | None = None, send_every_s: float = 1.0, tcp_flows: bool = True, nvml=None,
+                 peer_timings=None):
         """``tcp_flows``: read this process's TCP connections at the start and end of every profiled step and send
         their counters (``ingest.tcp_flows``), on a thread of their own. ``nvml``: the NVML module the GPU is
         sampled through with every heartbeat (``ingest.nvml``; default pynvml, where a CUDA device is in use;
-        False: none)."""
+        False: none). ``peer_timings``: where NCCL's profiler plugin reports each peer's share of a collective
+        (an ``ingest.nccl_peers.PeerTimingFeed``; default: the one ``STRAGGLERSCOPE_NCCL_PEERS_DIR`` names, if
+        set)."""
         self.job_id, self.rank, self.dp_rank, self.pp_rank, self.attempt = job_id, rank, dp_rank, pp_rank, attempt
         self.sink = sink
         self.sampling = sampling
@@ -220,6 +223,11 @@ class RankExporter:
                 self._tcp_marks = queue.SimpleQueue()
                 self._tcp_thread = threading.Thread(target=self._tcp_loop, name="ss-tcp-flows", daemon=True)
                 self._tcp_thread.start()
+        if peer_timings is None:
+            from ingest.nccl_peers import PeerTimingFeed
+
+            peer_timings = PeerTimingFeed.from_env()
+        self.peer_timings = peer_timings
         self._resolver = None
         if self._cuda is not None:
             self._resolver = threading.Thread(target=self._resolve_loop, name="ss-cuda-events", daemon=True)
@@ -498,7 +506,7 @@ class RankExporter:
             rows, self._ccl = self._ccl, []
         if rows:
             self.stats.ccl += len(rows)
-            self.send(codec.from_rows(S.CCL_RECORD, rows))
+            self.send(codec.from_rows(S.CCL_RECORD, self._with_peer_times(rows)))
 
     def send(self, table: pa.Table) -> None:
         """Hand ``table`` to the sink; a failing sink is counted and logged, never raised (training goes on)."""
@@ -600,6 +608,18 @@ class RankExporter:
         except Exception as e:
             self.stats.errors += 1
             log.warning("CUDA event resolution of a collective failed: %s", e)
+
+    def _with_peer_times(self, rows: list[dict]) -> list[dict]:
+        """The records with each peer's share, where NCCL's profiler plugin reported them (``ingest.nccl_peers``;
+        read once a step, as the records are sent); the records as they were otherwise, or if that failed."""
+        if self.peer_timings is None:
+            return rows
+        try:
+            return self.peer_timings.fill_rows(rows)
+        except Exception as e:  # a bonus: the records go as they were
+            self.stats.errors += 1
+            log.warning("per-peer times of collectives failed: %s", e)
+            return rows
 
     def _place(self, start, end, ref: _StepAnchor) -> tuple[int, int]:
         """(start on the job clock, duration ns) of an event pair, placed by its step's anchor; ``end`` an
