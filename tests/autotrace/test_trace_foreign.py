@@ -78,12 +78,14 @@ def test_a_job_written_elsewhere_is_diagnosed(case, fleet, tmp_path, artifacts):
     if case in LOSSES_CHECKED:
         bare = run(script, tmp_path / "bare", slow)
         assert bare.returncode == 0, bare.stderr[-3000:]
-    for attempt in range(2):
-        # A shared 2-core machine now and then slows one whole run: a miss is measured again, both runs, the
-        # control first the second time. A wrong method misses every time.
+    for attempt in range(3):
+        # A shared 2-core machine now and then slows one whole run: a miss is measured again, both runs, up to
+        # three times as in the zoo's test, the control first on the second try. A wrong method misses every
+        # time. (titan-tp, the smallest effect here, slowed/control 1.12-1.17, measured +7.7% once in a
+        # whole-suite run where its usual is +1..+3.5%.)
         results = {}
         runs = [("slow", slow), ("ctrl", slow + ["--control"])]
-        for name, extra in (runs[::-1] if attempt else runs):
+        for name, extra in (runs[::-1] if attempt % 2 else runs):
             job = f"{case}-{name}-{uuid.uuid4().hex[:6]}"
             r = run(script, tmp_path / name, extra, trace=[*trace, "--job-id", job])
             assert r.returncode == 0, r.stderr[-3000:]
