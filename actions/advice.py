@@ -19,12 +19,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from core import codec
-from core import schema as S
+from actions.stored_window import WindowUnavailable, kept_windows, registration, stored_window
 
 
 class AdviseError(ValueError):
-    """The store lacks what advice needs (job, window, kept op spans)."""
+    """The store lacks what advice needs (job, analysed window, kept op spans)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,40 +41,36 @@ class AdviseOptions:
 def advise_stored(store, job_id: str, opts: AdviseOptions = AdviseOptions()) -> tuple[tuple[str, int, int], list]:
     """((job, attempt, window), remedies) of one stored window; raises AdviseError when it cannot."""
     from analyzers.remedies import JobFacts, advise
-    from core.registration import Registration
 
-    reg = store.run_named("job_info", {"job_id": job_id, "attempt": opts.attempt}).to_pylist()
-    if not reg:
-        raise AdviseError(f"job {job_id!r} is not registered in the store")
-    reg = reg[0]
+    try:
+        reg = registration(store, job_id, opts.attempt)
+    except WindowUnavailable as e:
+        raise AdviseError(str(e)) from None
     attempt = int(reg["attempt"])
     windows = store.run_named("job_windows", {"job_id": job_id}).to_pylist()
-    windows = [w for w in windows if int(w["attempt"]) == attempt]
-    if not windows:
+    analysed = {int(w["window_id"]) for w in windows if int(w["attempt"]) == attempt}
+    if not analysed:
         raise AdviseError(f"job {job_id!r} attempt {attempt} has no analysed window")
-    if opts.window_id is None:
-        # The latest window that kept its raw spans (the pipeline keeps some: pipeline.keep_op_spans_*).
-        kept = store.run_named("job_span_windows", {"job_id": job_id, "attempt": attempt}).column("window_id")
-        analysed = {int(w["window_id"]) for w in windows}
-        kept = [int(k) for k in kept.to_pylist() if int(k) in analysed]
+    window_id = opts.window_id
+    if window_id is None:
+        # The latest analysed window that kept its raw spans (the pipeline keeps some: pipeline.keep_op_spans_*).
+        kept = [k for k in kept_windows(store, job_id, attempt) if k in analysed]
         window_id = max(kept) if kept else max(analysed)
-    else:
-        window_id = int(opts.window_id)
-        if window_id not in {int(w["window_id"]) for w in windows}:
-            known = ", ".join(str(w["window_id"]) for w in windows[:20])
-            raise AdviseError(f"job {job_id!r} has no window {window_id} (windows: {known})")
-    ops = store.run_named("window_ops", {"job_id": job_id, "attempt": attempt, "window_id": window_id})
-    if ops.num_rows == 0:
-        from core.config import SPANS_KEPT_RULE
-
-        raise AdviseError(f"no raw op spans are kept for window {window_id} of {job_id!r} ({SPANS_KEPT_RULE})")
+    elif int(window_id) not in analysed:
+        known = ", ".join(str(w) for w in sorted(analysed)[:20])
+        raise AdviseError(f"job {job_id!r} has no window {window_id} (windows: {known})")
+    try:
+        win = stored_window(store, job_id, attempt, int(window_id), reg=reg)
+    except WindowUnavailable as e:
+        raise AdviseError(str(e)) from None
+    window_id = win.window_id
     links = store.run_named("job_links", {"job_id": job_id, "window_id": window_id}).to_pylist()
     links = [f for f in links if int(f["attempt"]) == attempt]
     num_layers = opts.num_layers or int(reg.get("num_layers") or 0) or None
-    info = JobFacts(layout=Registration.from_row(reg).layout, num_layers=num_layers, gpus_per_node=opts.gpus_per_node,
-                    spare_hosts=tuple(opts.spare_hosts), nodes_alive=opts.nodes_alive,
-                    fault_tolerance=opts.fault_tolerance)
-    remedies = advise(codec.conform(ops, S.OP_SPAN), info, None, links, min_gain=opts.min_gain)
+    facts = JobFacts(layout=win.layout, num_layers=num_layers, gpus_per_node=opts.gpus_per_node,
+                     spare_hosts=tuple(opts.spare_hosts), nodes_alive=opts.nodes_alive,
+                     fault_tolerance=opts.fault_tolerance)
+    remedies = advise(win.ops, facts, None, links, min_gain=opts.min_gain)
     return (job_id, attempt, window_id), remedies
 
 

@@ -75,7 +75,9 @@ def with_hardware_evidence(tables: dict[str, pa.Table], ops: pa.Table,
     if row is None or row.num_rows != 1 or "worker" not in (row["verdicts_json"][0].as_py() or ""):
         return tables
     verdicts = json.loads(row["verdicts_json"][0].as_py())
-    coords = list(zip(ops["dp_rank"].to_pylist(), ops["pp_rank"].to_pylist(), ops["rank"].to_pylist()))
+    # Each (worker, rank) once: a window holds up to hundreds of thousands of spans, and this runs in the shard's loop.
+    seen = ops.select(["dp_rank", "pp_rank", "rank"]).group_by(["dp_rank", "pp_rank", "rank"], use_threads=False)
+    coords = list(zip(*(seen.aggregate([]).column(c).to_pylist() for c in ("dp_rank", "pp_rank", "rank"))))
     changed = False
     for v in verdicts:
         if v.get("kind") != "worker":

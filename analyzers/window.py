@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from analyzers.clock_skew import worker_clock_skew
 from analyzers.mfu import window_mfu
@@ -249,7 +250,7 @@ def optype_waste(row: dict, optypes: pa.Table) -> pa.Table:
     fleet."""
     from analyzers.whatif.gpu_hours import wasted_gpu_hours
 
-    whole = [r for r in optypes.to_pylist() if r["step"] == -1]
+    whole = optypes.filter(pc.equal(optypes["step"], -1)).to_pylist()  # not the per-step rows
     owner = {k: row[k] for k in ("analyzed_ns", "team", "model", "n_gpus", "gpu_hours")}
     return codec.from_rows(S.OPTYPE_WASTE, [
         dict(owner, job_id=r["job_id"], attempt=r["attempt"], window_id=r["window_id"], optype=r["optype"],

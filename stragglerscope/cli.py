@@ -47,7 +47,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
                       ("storage", "StoreError"), ("ingest.importers", "ImportFormatError"),
                       ("ray_jobs.errors", "PipelineError"),
                       ("stragglerscope.replay", "ReplayError"), ("actions.advice", "AdviseError"),
-                      ("actions.timeline", "TimelineUnavailable"),
+                      ("actions.stored_window", "WindowUnavailable"),
                       ("analyzers.whatif", "WhatIfInputError"), ("core.golden", "GoldenTraceError"),
                       ("core.codec", "DecodeError"),
                       ("stragglerscope.trace", "TraceError")):
@@ -402,15 +402,17 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _timeline(args: argparse.Namespace, cfg) -> int:
-    from actions.timeline import stored_window_ops, trace_gz
+    from actions.stored_window import stored_window
+    from actions.timeline import trace_gz
     from storage import open_store
 
     store = open_store(cfg.store.url)
     try:
         store.setup()
-        ops, layout, window = stored_window_ops(store, args.job, args.attempt, args.window)
+        win = stored_window(store, args.job, args.attempt, args.window)
     finally:
         store.close()
+    ops, layout, window = win.ops, win.layout, win.window_id
     print(f"simulating window {window} of {args.job} ({ops.num_rows:,} op spans) ...", file=sys.stderr)
     doc = trace_gz(ops, layout)
     try:

@@ -91,18 +91,17 @@ def acknowledge(alert_ids, by: str, note: str = "", acked: bool = True) -> int:
 def window_timeline(job_id: str, attempt: int, window_id: int, step: int, workers: int):
     """(frame, gzipped Perfetto JSON) of one stored window, or (None, reason) when it cannot be built."""
     import gzip
-    import json
 
-    from actions.timeline import TimelineUnavailable, stored_window_ops
+    from actions.stored_window import WindowUnavailable, stored_window
+    from analyzers.whatif.timeline import document_of
     from ui.timeline_view import timeline_frame
 
     try:
-        ops, layout, _ = stored_window_ops(_store(store_url()), job_id, attempt, window_id)
-    except TimelineUnavailable as e:
+        win = stored_window(_store(store_url()), job_id, attempt, window_id)
+    except WindowUnavailable as e:
         return None, str(e)
-    frame, events = timeline_frame(ops, layout, step=step, workers=workers)
-    doc = gzip.compress(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode(), 5)
-    return frame, doc
+    frame, events = timeline_frame(win.ops, win.layout, step=step, workers=workers)
+    return frame, gzip.compress(document_of(events), 5)
 
 
 def advise_window(job_id: str, attempt: int, window_id: int) -> str:

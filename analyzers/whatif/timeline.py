@@ -2,7 +2,8 @@
 
 ``timeline_table(result_or_inputs)`` has one row per op and scenario;
 ``trace_document`` is its Trace Event Format JSON, which opens in
-ui.perfetto.dev or chrome://tracing (``actions.whatif_files`` writes it). One process per (scenario, worker), named like
+ui.perfetto.dev or chrome://tracing (``actions.whatif_files`` writes it).
+One process per (scenario, worker), named like
 ``actual dp0/pp1`` or ``ideal dp0/pp1``; one thread per stream (compute,
 dp-comm, forward-recv, ...). Times are microseconds on the job clock; the
 ideal timeline of a step starts where the actual step started. A
@@ -83,6 +84,9 @@ def timeline_table(result_or_inputs: Any, *, max_ops: int = MAX_OPS) -> pa.Table
     return _table(*_inputs(result_or_inputs), max_ops)
 
 
+_TABLE_COLUMNS = ("scenario", "dp_rank", "pp_rank", "stream", "optype", "step", "start_us", "end_us")
+
+
 def _table(p, run, max_ops: int | None) -> pa.Table:
     parts: list[dict[str, np.ndarray]] = []
     for rows, code, dp, pp, sims in _simulated(p, run, (False, True), (True, False), max_ops):
@@ -109,9 +113,6 @@ def _table(p, run, max_ops: int | None) -> pa.Table:
         "start_us": pa.array(cols["start_us"].astype(np.float64)),
         "end_us": pa.array(cols["end_us"].astype(np.float64)),
     })
-
-
-_TABLE_COLUMNS = ("scenario", "dp_rank", "pp_rank", "stream", "optype", "step", "start_us", "end_us")
 
 
 def events_of(table: pa.Table, layout) -> list[dict[str, Any]]:
@@ -147,7 +148,11 @@ def timeline_events(result_or_inputs: Any, *, max_ops: int = MAX_OPS) -> list[di
 
 def trace_document(result_or_inputs: Any, *, max_ops: int = MAX_OPS) -> bytes:
     """The Trace Event Format JSON of the timelines (what ui.perfetto.dev and chrome://tracing open)."""
-    events = timeline_events(result_or_inputs, max_ops=max_ops)
+    return document_of(timeline_events(result_or_inputs, max_ops=max_ops))
+
+
+def document_of(events: list[dict[str, Any]]) -> bytes:
+    """Trace events as a Trace Event Format JSON document."""
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, separators=(",", ":")).encode()
 
 
