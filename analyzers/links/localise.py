@@ -19,7 +19,10 @@ intersect:
 
 Late senders (``noncomm_slow``) are ranks that come late, not transfers that
 are slow: receivers wait for them, they are the last into their collectives.
-A rank that was itself waiting for a late or slow peer is not blamed.
+A rank that was itself waiting for a late or slow peer is not blamed. A rank
+that exchanges with several peers at once (a ring written with isend/irecv)
+is judged step by step against those peers (``measured.exchange_arrivals``):
+there, waiting spreads to every rank and a median wait names no one.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ import math
 import numpy as np
 
 from analyzers.links.fault import LinkFault
-from analyzers.links.measured import MeasuredParams, Observation
+from analyzers.links.measured import Arrivals, MeasuredParams, Observation
 
 
 def _strength(ratio: float) -> float:
@@ -118,8 +121,21 @@ def _stands_out(r: int, p2p: list[Observation], params: MeasuredParams) -> bool:
     return mine - med >= params.late_spread * max(spread, params.min_wait_ns)
 
 
-def late_senders(observations: list[Observation], params: MeasuredParams = MeasuredParams()) -> list[LinkFault]:
-    """Ranks that come late to send: receivers wait for them and they enter collectives last."""
+def _late_to_exchanges(a: Arrivals, params: MeasuredParams) -> list[float]:
+    """The margins of the steps in which rank ``a.rank`` came after every one of its exchange peers by at least
+    the floor (``min_wait_ns``, and ``min_period_share`` of its step)."""
+    floor = max(params.min_wait_ns, params.min_period_share * a.period_ns if a.period_ns == a.period_ns else 0.0)
+    return [float(m) for m in a.margin_ns.tolist() if m >= floor]
+
+
+def late_senders(observations: list[Observation], params: MeasuredParams = MeasuredParams(),
+                 arrivals: dict[int, Arrivals] | None = None) -> list[LinkFault]:
+    """Ranks that come late to send: receivers wait for them and they enter collectives last.
+
+    A rank that exchanges with several peers at once (``measured.exchange_arrivals``) is judged by its own
+    arrival at each step's exchange against those peers, not by its receivers' waits, which in such a job
+    spread to every rank."""
+    arrivals = arrivals or {}
     p2p = [o for o in observations if o.kind == "p2p"]
     coll = [o for o in observations if o.kind == "collective"]
     med_wait = float(np.median([o.wait_ns for o in p2p])) if p2p else 0.0
@@ -127,9 +143,15 @@ def late_senders(observations: list[Observation], params: MeasuredParams = Measu
     late: dict[int, list[float]] = {}
     for o in p2p:
         s = o.members[0]
+        if s in arrivals:
+            continue
         items[s] = items.get(s, 0) + 1
         if o.status != "slow" and o.wait_ns >= max(params.min_wait_ns, params.wait_ratio * med_wait):
             late.setdefault(s, []).append(o.wait_ns)
+    for r, a in arrivals.items():
+        items[r] = items.get(r, 0) + len(a.steps)
+        if len(a.steps) >= params.min_collectives:
+            late.setdefault(r, []).extend(_late_to_exchanges(a, params))
     for o in coll:
         for r in o.members:
             items[r] = items.get(r, 0) + 1
@@ -141,7 +163,7 @@ def late_senders(observations: list[Observation], params: MeasuredParams = Measu
                     and lat >= floor and _later_than_the_rest(lat, others, params)):
                 late.setdefault(r, []).append(lat)
     blamed = {r for r, v in late.items() if len(v) / items[r] >= params.late_fraction}
-    blamed = {r for r in blamed if _stands_out(r, p2p, params)}
+    blamed = {r for r in blamed if r in arrivals or _stands_out(r, p2p, params)}
     # Not the root: a rank that waited on a blamed rank's sends, or that receives over a slow transfer.
     waited = {o.members[1] for o in p2p if o.members[0] in blamed and o.members[0] != o.members[1]
               and o.wait_ns >= max(params.min_wait_ns, params.wait_ratio * med_wait)}
@@ -155,8 +177,17 @@ def late_senders(observations: list[Observation], params: MeasuredParams = Measu
     for r in sorted(roots):
         wait = float(np.median(late[r]))
         frac = len(late[r]) / items[r]
-        conf = min(1.0, frac) * (1 - math.exp(-wait / (params.wait_ratio * max(med_wait, params.min_wait_ns))))
-        out.append(LinkFault("", "noncomm_slow", int(r), -1, float(conf), wait / max(med_wait, params.min_wait_ns), {
-            "late_observations": len(late[r]), "observations": items[r], "median_wait_ns": wait,
-            "median_p2p_wait_ns": med_wait, "skew_margin_ns": wait - params.min_wait_ns}))
+        evidence = {"late_observations": len(late[r]), "observations": items[r], "median_wait_ns": wait,
+                    "median_p2p_wait_ns": med_wait, "skew_margin_ns": wait - params.min_wait_ns}
+        if r in arrivals:  # judged against its exchange peers, step by step: the floor is the scale
+            a = arrivals[r]
+            scale = max(params.min_wait_ns, params.min_period_share * a.period_ns if a.period_ns == a.period_ns else 0)
+            conf = min(1.0, frac) * (1 - math.exp(-wait / scale))
+            evidence = {**evidence, "exchange_peers": list(a.peers), "late_steps": len(late[r]), "steps": len(a.steps),
+                        "median_margin_ns": wait, "step_ns": a.period_ns}
+            slowdown = wait / scale
+        else:
+            conf = min(1.0, frac) * (1 - math.exp(-wait / (params.wait_ratio * max(med_wait, params.min_wait_ns))))
+            slowdown = wait / max(med_wait, params.min_wait_ns)
+        out.append(LinkFault("", "noncomm_slow", int(r), -1, float(conf), slowdown, evidence))
     return out

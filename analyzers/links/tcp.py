@@ -145,7 +145,15 @@ class TcpParams:
     healthy_rate: float = 0.7
     """A flow at this share of the median rate or more clears the elements it crosses."""
     rtt_queue: float = 3.0
-    """A flow whose RTT is this many times the job's reference queued in the network: a slow receiver."""
+    """A flow whose RTT is this many times the job's reference queued in the network: a slow receiver ..."""
+    queue_bytes: float = 8_000
+    """... where that queue holds at least this much at the bottleneck's rate. A sender's own slow NIC queues
+    little at home (the kernel's TCP small queues keep about two packets of a flow in the device queue): its
+    RTT rose too, 3.4-4x the reference at 20mbit, by 2-4 KB at its rate; a slow receiver's queue, filled by
+    the senders' whole windows, held 13-53 KB (tests/netfaults, flat and bidirectional rings, 20 and 40mbit).
+    With the ratio alone a 20mbit NIC was once named its rank's receiver (0.80). Calibrated on a fabric that
+    sends wire-size packets (tests/netfaults/fabric.py, no segmentation offload); with TSO a sender may keep
+    up to two 64 KB segments at home, and this would have to scale with them (not measured)."""
     coupled_rate: float = 2.0
     """Of the slow flows, those over this many times the slowest one's rate ...
     (measured: the slowest run at the fault's rate, the ones waiting for them in the same ring 2.4-3x it)"""
@@ -227,6 +235,11 @@ def _ref_rtt(fl: list[Flow], around: set[int]) -> float:
     return float(np.median(far or [f.rtt_us for f in fl]))
 
 
+def _queued_bytes(rtt_us: float, ref_us: float, rate: float) -> float:
+    """What a queue that added ``rtt_us - ref_us`` to the RTT held, drained at ``rate`` bytes per second."""
+    return max(rtt_us - ref_us, 0.0) / 1e6 * rate if rate == rate else math.nan
+
+
 def _name(e: tuple) -> str:
     return f"{e[0]} {e[1]}" if len(e) == 2 else f"link {e[1]}>{e[2]}"
 
@@ -275,8 +288,10 @@ def where(verdicts: list[FlowVerdict], params: TcpParams = TcpParams()) -> list[
             outs = [g.rtt_us for g in fl if g.src == r]
             ref = _ref_rtt(fl, {r} | {g.dst for g in fl if g.src == r})
             sends_x = max(outs) / ref if outs and ref > 0 else math.nan
-            evidence["rtt"] = {"reference_ms": round(ref / 1e3, 3), "rank_sends_x": round(sends_x, 2)}
-            best = [("ingress", r) if sends_x >= params.rtt_queue else ("egress", r)]
+            held = _queued_bytes(max(outs), ref, primary.flow.rate) if outs else math.nan
+            evidence["rtt"] = {"reference_ms": round(ref / 1e3, 3), "rank_sends_x": round(sends_x, 2),
+                               "queued_kb": round(held / 1e3, 1)}
+            best = [("ingress", r) if sends_x >= params.rtt_queue and held >= params.queue_bytes else ("egress", r)]
             conf *= 0.8
     if len(best) > 1:
         best, conf = _sender_side(primary.flow, best, fl, params, evidence, conf)
@@ -296,10 +311,13 @@ def _sender_side(f: Flow, best: list[tuple], fl: list[Flow], params: TcpParams, 
     ref = _ref_rtt(fl, {f.src, f.dst})
     out_of_dst = [g.rtt_us for g in fl if g.src == f.dst]
     queued = f.rtt_us / ref if ref > 0 else math.nan
+    held = _queued_bytes(f.rtt_us, ref, f.rate)
     dst_acks = max(out_of_dst) / ref if out_of_dst and ref > 0 else math.nan
     evidence["rtt"] = {"reference_ms": round(ref / 1e3, 3), "bottleneck_x": round(queued, 2),
+                       "queued_kb": round(held / 1e3, 1),
                        "receiver_sends_x": round(dst_acks, 2) if dst_acks == dst_acks else None}
-    if ("ingress", f.dst) in best and queued >= params.rtt_queue and (not out_of_dst or dst_acks >= params.rtt_queue):
+    if (("ingress", f.dst) in best and queued >= params.rtt_queue and held >= params.queue_bytes
+            and (not out_of_dst or dst_acks >= params.rtt_queue)):
         return [("ingress", f.dst)], conf * 0.8
     side = [e for e in (("egress", f.src), ("link", f.src, f.dst)) if e in best]
     if len(side) == 2:

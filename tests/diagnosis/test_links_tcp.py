@@ -142,3 +142,22 @@ def test_the_measured_runs():
         assert got == want, (name, found)
         right += 1
     assert (right, wrong) == (16, 2)
+
+
+def test_a_slow_nic_whose_own_queue_raised_its_rtt_is_not_named_its_receiver():
+    """A flat ring of 8 with rank 5's NIC at 20mbit (as measured: 5>4 busy 0.92 at 2.35 MB/s, RTT 1.8 ms against
+    a reference of 0.5). The flow into 5 is slowed almost as much through the acknowledgements 5 sends, so its
+    egress and ingress tie, and the RTT of what 5 sends (3.7x) breaks it. That queue held 3 KB at its rate,
+    the couple of packets TCP keeps in a sender's own device queue: a NIC, not a receiver, whose queue fills
+    with the senders' whole windows (13-53 KB measured). Before, the ratio alone named 'destination 5'."""
+    ring = [_flow(r, (r - 1) % 8, 0.12, 40.0, 0.5) for r in range(8)]
+    ring[5] = _flow(5, 4, 0.92, 2.35, 1.835)
+    ring[6] = _flow(6, 5, 0.85, 2.6, 2.8)
+    (kind, src, dst, conf, ev), = _judge(ring)
+    assert ev["candidates"] == ["egress 5", "ingress 5"] and ev["rtt"]["rank_sends_x"] > 3
+    assert (kind, src) == ("source", 5) and ev["rtt"]["queued_kb"] < 4
+    # The same ring with the queue in the network (a slow receiver 5: RTT 6.3 ms, 13 KB): its ingress.
+    ring[5] = _flow(5, 4, 0.92, 2.35, 6.3)
+    ring[6] = _flow(6, 5, 0.85, 2.6, 6.3)
+    (kind, src, dst, conf, ev), = _judge(ring)
+    assert (kind, dst) == ("destination", 5) and ev["rtt"]["queued_kb"] > 8

@@ -42,6 +42,8 @@ import time
 import uuid
 from pathlib import Path
 
+from stragglerscope.trace import LINK_SHOWN_CONFIDENCE
+
 ROOT = Path(__file__).resolve().parents[2]
 ZOO = ROOT / "tests" / "training" / "zoo.py"
 STEPS, SAMPLE, WINDOW = 12, "5/6", 6  # windows 0 (warm-up, connections made) and 6 (steps 6-10): 6 is checked
@@ -112,6 +114,8 @@ class Outcome:
     job_id: str
     found: tuple          # (kind, src, dst) of the top finding, ("none",) without one
     right: bool
+    shown: tuple          # the same of the top finding the trace summary prints (LINK_SHOWN_CONFIDENCE)
+    right_shown: bool
     seconds_to_verdict: float
     faults: list[dict]
     log: str
@@ -141,6 +145,12 @@ def run(scn: Scenario, config: Path, store, *, timeout: float = 240) -> Outcome:
         time.sleep(0.5)
     (row,) = [r for r in store.run_named("job_windows", {"job_id": job_id}).to_pylist() if r["window_id"] == WINDOW]
     faults = store.run_named("job_links", {"job_id": job_id, "window_id": WINDOW}).to_pylist()
+    found, right = _verdict(faults, scn.expect)
+    shown, right_shown = _verdict([f for f in faults if f["confidence"] >= LINK_SHOWN_CONFIDENCE], scn.expect)
+    return Outcome(scn, job_id, found, right, shown, right_shown, (row["analyzed_ns"] - fault_ns) / 1e9, faults, log)
+
+
+def _verdict(faults: list[dict], expect: tuple) -> tuple[tuple, bool]:
+    """(kind, src, dst) of the first (most confident) finding, ("none",) without one; and whether it is right."""
     found = (faults[0]["kind"], faults[0]["src"], faults[0]["dst"]) if faults else ("none",)
-    right = found[:len(scn.expect)] == scn.expect if faults else scn.expect == ("none",)
-    return Outcome(scn, job_id, found, right, (row["analyzed_ns"] - fault_ns) / 1e9, faults, log)
+    return found, (found[:len(expect)] == expect if faults else expect == ("none",))
