@@ -121,10 +121,15 @@ def _stands_out(r: int, p2p: list[Observation], params: MeasuredParams) -> bool:
     return mine - med >= params.late_spread * max(spread, params.min_wait_ns)
 
 
+def _exchange_floor(a: Arrivals, params: MeasuredParams) -> float:
+    """How far behind its exchange peers rank ``a.rank`` must come to be late in a step: ``min_wait_ns``, and
+    ``min_period_share`` of its step."""
+    return max(params.min_wait_ns, params.min_period_share * a.period_ns if a.period_ns == a.period_ns else 0.0)
+
+
 def _late_to_exchanges(a: Arrivals, params: MeasuredParams) -> list[float]:
-    """The margins of the steps in which rank ``a.rank`` came after every one of its exchange peers by at least
-    the floor (``min_wait_ns``, and ``min_period_share`` of its step)."""
-    floor = max(params.min_wait_ns, params.min_period_share * a.period_ns if a.period_ns == a.period_ns else 0.0)
+    """The margins of the steps in which rank ``a.rank`` came after every one of its exchange peers by the floor."""
+    floor = _exchange_floor(a, params)
     return [float(m) for m in a.margin_ns.tolist() if m >= floor]
 
 
@@ -181,7 +186,7 @@ def late_senders(observations: list[Observation], params: MeasuredParams = Measu
                     "median_p2p_wait_ns": med_wait, "skew_margin_ns": wait - params.min_wait_ns}
         if r in arrivals:  # judged against its exchange peers, step by step: the floor is the scale
             a = arrivals[r]
-            scale = max(params.min_wait_ns, params.min_period_share * a.period_ns if a.period_ns == a.period_ns else 0)
+            scale = _exchange_floor(a, params)
             conf = min(1.0, frac) * (1 - math.exp(-wait / scale))
             evidence = {**evidence, "exchange_peers": list(a.peers), "late_steps": len(late[r]), "steps": len(a.steps),
                         "median_margin_ns": wait, "step_ns": a.period_ns}
