@@ -309,7 +309,12 @@ def _sender_side(f: Flow, best: list[tuple], fl: list[Flow], params: TcpParams, 
     """The bottleneck's own three elements left: the receiver's ingress where its data queued in the network
     (its RTT, and the RTT of what the receiver sends), else the sender's side: its NIC, or its link."""
     ref = _ref_rtt(fl, {f.src, f.dst})
-    out_of_dst = [g.rtt_us for g in fl if g.src == f.dst]
+    # What the receiver sends to the bottleneck's own sender is acknowledged through that sender's egress,
+    # the other candidate: a slow NIC raises that RTT as much as a slow receiver would (a DP pair that trades
+    # both ways, egress 1 at 20mbit: 0>1 at 23x, while 0>2 kept the reference). Its sends to anyone else
+    # decide; only a receiver that sends to no one else is judged by that one.
+    out_of_dst = ([g.rtt_us for g in fl if g.src == f.dst and g.dst != f.src]
+                  or [g.rtt_us for g in fl if g.src == f.dst])
     queued = f.rtt_us / ref if ref > 0 else math.nan
     held = _queued_bytes(f.rtt_us, ref, f.rate)
     dst_acks = max(out_of_dst) / ref if out_of_dst and ref > 0 else math.nan

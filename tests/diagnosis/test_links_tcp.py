@@ -1,6 +1,8 @@
 """Per-connection TCP evidence: flows paired across ranks, the bottleneck found, its slow end named."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from analyzers.links import diagnose_window, to_tables
@@ -161,3 +163,26 @@ def test_a_slow_nic_whose_own_queue_raised_its_rtt_is_not_named_its_receiver():
     ring[6] = _flow(6, 5, 0.85, 2.6, 6.3)
     (kind, src, dst, conf, ev), = _judge(ring)
     assert (kind, dst) == ("destination", 5) and ev["rtt"]["queued_kb"] > 8
+
+
+def test_a_slow_nic_in_a_pair_that_trades_both_ways_is_not_named_its_peers_receiver():
+    """dp=2 x pp=2 with rank 1's NIC at 20mbit, under the whole suite's load (figures of the failing run):
+    the DP pair's flow 1>0 is the bottleneck and queued 18 KB (RTT 13.6x), and rank 0's own sends to 1 came
+    out 23x, since their acknowledgements leave through rank 1's slow NIC. That is no sign of a slow receiver 0;
+    rank 0's sends to rank 2, acknowledged through 0's own ingress, kept the reference. Before, the 23x named
+    'destination 0' (0.52), which then stood instead of the collectives' 'source 1' (0.98)."""
+    ref = 0.76
+    pipe = [_flow(1, 0, 0.6, 2.2, 13.6 * ref), _flow(0, 1, 0.2, 20.0, 23 * ref), _flow(0, 2, 0.2, 25.0, 0.8),
+            _flow(2, 3, 0.2, 24.0, ref), _flow(3, 2, 0.2, 26.0, ref), _flow(3, 1, 0.2, 22.0, 1.1),
+            _flow(2, 0, 0.15, 12.0, 0.9)]
+    # 1>3 waited for stage 1 to read (the receiver's window), so it says nothing of the network.
+    waited = _flow(1, 3, 0.5, 3.0, 1.0)
+    pipe.append(dataclasses.replace(waited, rwnd_s=waited.busy_s))
+    (kind, src, dst, conf, ev), = _judge(pipe)
+    assert ev["candidates"] == ["egress 1", "ingress 0", "link 1>0"]
+    assert ev["rtt"]["bottleneck_x"] > 10 and ev["rtt"]["queued_kb"] > 8  # the queue alone would say receiver
+    assert ev["rtt"]["receiver_sends_x"] < 2 and (kind, src) == ("source", 1)
+    # A receiver that sends to nobody else is still judged by its sends back to the sender.
+    alone = [f for f in pipe if (f.src, f.dst) != (0, 2)]
+    (kind, src, dst, conf, ev), = _judge(alone)
+    assert ev["rtt"]["receiver_sends_x"] > 20 and (kind, dst) == ("destination", 0)
