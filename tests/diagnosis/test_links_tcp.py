@@ -186,3 +186,23 @@ def test_a_slow_nic_in_a_pair_that_trades_both_ways_is_not_named_its_peers_recei
     alone = [f for f in pipe if (f.src, f.dst) != (0, 2)]
     (kind, src, dst, conf, ev), = _judge(alone)
     assert ev["rtt"]["receiver_sends_x"] > 20 and (kind, dst) == ("destination", 0)
+
+
+def test_a_sender_that_delivers_faster_elsewhere_has_a_slow_link_not_a_slow_nic():
+    """The hand-written bidirectional ring with link 3>4 at 20mbit (window 6 of a real run): 3>4 busy 0.93 at
+    2.35 MB/s and queued in the network, 4>3 slowed through its acknowledgements; rank 3's other flow 3>2 ran
+    at 28 MB/s, 0.57 of the job's median, so it cleared nothing. The NIC and the link tied, and the NIC was
+    named at 0.50. A NIC cannot deliver 12x the rate of one of its own flows: the link."""
+    ring = [_flow(0, 1, 0.05, 41.1, 0.79), _flow(0, 7, 0.04, 50.6, 1.43), _flow(1, 0, 0.05, 43.9, 0.10),
+            _flow(1, 2, 0.10, 20.3, 2.08), _flow(2, 1, 0.05, 43.9, 0.91), _flow(2, 3, 0.09, 22.4, 1.85),
+            _flow(3, 2, 0.08, 28.0, 0.81), _flow(3, 4, 0.93, 2.35, 12.27), _flow(4, 3, 0.25, 8.9, 16.8),
+            _flow(4, 5, 0.03, 62.7, 0.67), _flow(5, 4, 0.03, 78.8, 0.90), _flow(5, 6, 0.04, 54.8, 0.39),
+            _flow(6, 5, 0.04, 50.6, 1.29), _flow(6, 7, 0.04, 48.8, 1.68), _flow(7, 0, 0.04, 57.2, 1.04),
+            _flow(7, 6, 0.03, 59.6, 0.63)]
+    (kind, src, dst, conf, ev), = _judge(ring)
+    assert "egress 3" in ev["candidates"] and "3>2" not in ev["cleared_by"]
+    assert (kind, src, dst) == ("link", 3, 4) and conf >= 0.5 and ev["sender_elsewhere"]["flow"] == "3>2"
+    # Rank 3's NIC at 20mbit instead: 3>2 can go no faster than it (both about its rate): the NIC, as before.
+    ring[6] = _flow(3, 2, 0.3, 3.0, 0.9)
+    (kind, src, dst, conf, ev), = _judge(ring)
+    assert (kind, src) == ("source", 3) and "sender_elsewhere" not in ev
