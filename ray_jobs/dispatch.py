@@ -19,6 +19,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from analyzers.hardware import with_hardware_evidence
+from analyzers.links.history import FindingHistory
 from analyzers.window import analyze_window, failed_window
 from core.config import PipelineConfig
 from core.layout import JobLayout
@@ -52,6 +53,7 @@ class WindowReducer:
         self.inflight: list[tuple[Any, ReadyWindow, float]] = []
         # (job, attempt) -> (start_ns, verdict) of the last window whose spans were kept.
         self._spans_kept: dict[tuple[str, int], tuple[int, str]] = {}
+        self._findings = FindingHistory()
         self.stored = self.failed = self.spans_kept = 0
         self.dispatch_to_stored_seconds = self.latency_last_s = 0.0
 
@@ -95,7 +97,7 @@ class WindowReducer:
                 # failure so the window is visible and its offsets can advance.
                 log.warning("analysis task for %s failed: %s", win.key, err)
                 tables = self._failed(win, f"analysis task failed: {err}")
-            units.append(self._unit(self._with_hardware(tables, win), win, t0))
+            units.append(self._unit(self._with_history(self._with_hardware(tables, win), win), win, t0))
             spans = self._spans_worth_keeping(tables, win)
             if spans is not None:
                 units.append(spans)
@@ -140,6 +142,16 @@ class WindowReducer:
             return with_hardware_evidence(tables, win.ops, samples) if samples else tables
         except Exception as e:  # evidence is a bonus: the window is stored without it
             log.warning("%s: hardware evidence for %s failed: %s", self.name, win.key, e)
+            return tables
+
+    def _with_history(self, tables: dict[str, pa.Table], win: ReadyWindow) -> dict[str, pa.Table]:
+        """Link findings weighed by whether the job's window before found them too (``analyzers.links.history``):
+        here, where the windows of a job meet. Never fails the window: without it the findings are as analysed."""
+        try:
+            faults = self._findings.weigh(win.key, tables.get("link_fault"))
+            return {**tables, "link_fault": faults} if faults is not None else tables
+        except Exception as e:
+            log.warning("%s: weighing the link findings of %s by their history failed: %s", self.name, win.key, e)
             return tables
 
     def _unit(self, tables: dict[str, pa.Table], win: ReadyWindow, t0: float) -> Unit:

@@ -278,6 +278,11 @@ def link_sentence(f: dict) -> str:
         b = ev["bottleneck"][0]
         basis = (f"; transfer {b['flow']} had data in flight {100 * b['busy']:.0f}% of the time at "
                  f"{b['mb_per_s_busy']:.1f} MB/s")
+    seen = ev.get("persistence") or {}
+    if seen.get("first_seen"):  # analyzers.links.history: one window's finding stays low until it comes back
+        basis += "; first seen in this window"
+    elif "found_before" in seen:
+        basis += f"; found in window {seen['found_before']} too"
     return f"{what} ({f['slowdown']:.1f}x slower than the job's other transfers, confidence " \
            f"{f['confidence']:.2f}, from {f['group'] or 'collectives'}{basis})"
 
