@@ -30,7 +30,7 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """Bump on any change of a schema below; add a forward migration in storage/ where a table changes.
 
 2: CHECKPOINT records, DOWNTIME and REMEDY results; JOB ``params``,
@@ -158,6 +158,8 @@ TCP_FLOW = _schema(
         _f("min_rtt_us", pa.int64(), "us", "lowest round-trip time the connection has seen"),
         _f("retrans", pa.int64(), "", "segments retransmitted"),
         _f("notsent_bytes", pa.int64(), "bytes", "data written but not yet sent, at the end"),
+        _f("probe", pa.bool_(), "", "the rank's path probe (ingest/path_probe.py), not the job's own traffic: its "
+           "step is the one it was sent in, its counters cover that one transfer", since=7, default=False),
     ],
 )
 """Per-connection evidence for the link diagnosis (``analyzers/links/tcp.py``): a flat data-parallel ring has

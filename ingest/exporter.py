@@ -215,6 +215,7 @@ class RankExporter:
             self._gpu = NvmlSampler(nvml)
         self._tcp_marks: queue.SimpleQueue | None = None
         self._tcp_thread = None
+        self.probe = None  # ingest.path_probe.PathProbe, attached once the ranks traded addresses (attach_probe)
         if tcp_flows:
             from ingest.tcp_flows import TcpFlowSampler
 
@@ -717,15 +718,27 @@ class RankExporter:
             flight_recorder=recorder,
         )])
 
+    @property
+    def probing(self) -> bool:
+        """Whether this exporter can carry a path probe: it reads its TCP connections."""
+        return self._tcp_marks is not None
+
+    def attach_probe(self, probe) -> None:
+        """Fire ``probe`` (``ingest.path_probe.PathProbe``) once a window, in the window's first profiled step,
+        and send what it measured with the connections' records; it is closed with the exporter."""
+        self.probe = probe
+
     def _tcp_loop(self) -> None:
         """Read the connections at each profiled step's start and end marks; send the step's differences.
 
         A reading lags its mark by this thread's wake-up (well under a millisecond when idle); the step's
-        start reading is the previous step's end reading when the steps follow each other.
+        start reading is the previous step's end reading when the steps follow each other. The path probe,
+        if any, is fired right after a window's first start reading, from this thread.
         """
         from ingest.tcp_flows import delta
 
         last: tuple | None = None  # (window, step, ended, reading) of the latest reading
+        probed = None              # the window the probe was last fired in
         while True:
             mark = self._tcp_marks.get()
             if mark is None:  # close(): every mark before it is done
@@ -735,10 +748,15 @@ class RankExporter:
                 if not ended:
                     if last is None or not (last[2] and last[0] == window and last[1] == step - 1):
                         last = (window, step, False, self._tcp.read())
+                    if self.probe is not None and probed != window:
+                        probed = window
+                        self.probe.fire(window, step)
                     continue
                 before = last[3] if last is not None and last[1] in (step, step - 1) else None
                 last = (window, step, True, self._tcp.read())
                 rows = delta(before, last[3]) if before is not None else []
+                if self.probe is not None:
+                    rows += self.probe.take_rows()  # each names its own window and step
                 if rows:
                     ident = dict(job_id=self.job_id, attempt=self.attempt, rank=self.rank, window_id=window,
                                  step=step)
@@ -765,6 +783,8 @@ class RankExporter:
         if self._tcp_thread is not None:
             self._tcp_marks.put(None)  # the last step's connections are read and sent first
             self._tcp_thread.join(min(timeout, 5.0))
+        if self.probe is not None:
+            self.probe.close()
         self._emit_buffered()
         self.stats.heartbeats += 1
         self.send(self.heartbeat())

@@ -118,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile K consecutive steps of every N (default 10/100); each K steps are one window")
     p.add_argument("--attempt", type=int, default=0, help="job attempt, for a restarted job (default 0)")
     p.add_argument("--heartbeat-s", type=float, default=5.0, help="seconds between heartbeats (default 5)")
+    p.add_argument("--probe-kb", type=int, default=256, metavar="KB",
+                   help="KB each rank sends once a window to the rank half the world away, over a connection "
+                        "of its own, so that a slow NIC is told from a slow link where the job's ring sends to "
+                        "one peer only (jobs whose transfers are TCP: gloo, NCCL over sockets); 0: none "
+                        "(default 256)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds to wait for the analysis after COMMAND exits (default 300)")
     p.add_argument("child", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARGS...]")
@@ -319,9 +324,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         command = args.child[1:] if args.child[:1] == ["--"] else args.child
         if args.attempt < 0 or args.heartbeat_s <= 0 or args.timeout <= 0:
             raise CLIError("--attempt must be >= 0, --heartbeat-s and --timeout > 0")
+        if not 0 <= args.probe_kb <= 65536:
+            raise CLIError("--probe-kb must be 0 (no probe) to 65536")
         return run_trace(cfg, TraceOptions(command=command, job_id=args.job_id or "", layout=args.layout,
                                            sample=args.sample, attempt=args.attempt, timeout_s=args.timeout,
-                                           heartbeat_s=args.heartbeat_s))
+                                           heartbeat_s=args.heartbeat_s, probe_kb=args.probe_kb))
     if cmd == "run":
         from stragglerscope.service import run_service
 

@@ -46,6 +46,7 @@ class TraceOptions:
     attempt: int = 0
     timeout_s: float = 300.0
     heartbeat_s: float = 5.0
+    probe_kb: int = 256
 
 
 def default_job_id(command: list[str], now: float | None = None) -> str:
@@ -127,7 +128,7 @@ def _trace(cfg: Config, opts: TraceOptions, job_id: str, layout, sampling, ran: 
             tempfile.gettempdir(), f"stragglerscope-spool-{job_id}")
         settings = TraceSettings(job_id=job_id, bootstrap=bootstrap, layout=layout, sampling=sampling,
                                  attempt=opts.attempt, spool_dir=spool, run_dir=run_dir,
-                                 heartbeat_s=opts.heartbeat_s, kafka_transport=transport)
+                                 heartbeat_s=opts.heartbeat_s, kafka_transport=transport, probe_kb=opts.probe_kb)
         say(f"trace      job {job_id}, profiling {sampling.profile_steps} of every {sampling.every} steps; "
             f"running: {' '.join(opts.command)}")
         t0 = time.monotonic()

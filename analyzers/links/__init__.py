@@ -52,7 +52,8 @@ def diagnose_window(ccl: pa.Table, params: LinkParams = LinkParams(),
     """Faults and matrices of every group of the window (``tcp``: its TCP_FLOW records, if any)."""
     faults: list[LinkFault] = []
     verdicts = judge_flows(flows(tcp), tcp_params) if tcp is not None and tcp.num_rows else []
-    for kind, src, dst, conf, evidence in where(verdicts, tcp_params):
+    probes = flows(tcp, probe=True) if tcp is not None and tcp.num_rows else []
+    for kind, src, dst, conf, evidence in where(verdicts, tcp_params, probes):
         ratio = float(np.median([v.ratio for v in verdicts if v.status == "slow"]))
         faults.append(LinkFault("tcp", kind, int(src), int(dst), conf, ratio, evidence))
     edges = edges_from_ccl(ccl) if ccl.num_rows else []

@@ -37,6 +37,7 @@ import math
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +84,19 @@ def _owners(local: list[str], rank: np.ndarray) -> dict[str, int]:
     return out
 
 
-def flows(table: pa.Table, min_bytes: int = 64 << 10) -> list[Flow]:
+def flows(table: pa.Table, min_bytes: int = 64 << 10, probe: bool = False) -> list[Flow]:
     """Directed flows between ranks of one window's TCP_FLOW records; connections to anything but a rank of
     the window (the Kafka broker, a store, a rendezvous server outside the job) are left out, and so are
-    flows that moved less than ``min_bytes`` (their rate says nothing)."""
+    flows that moved less than ``min_bytes`` (their rate says nothing). ``probe``: the path probes' flows
+    (``ingest/path_probe.py``) instead of the job's own."""
     if table is None or table.num_rows == 0:
+        return []
+    if "probe" in table.column_names:
+        marked = table["probe"].fill_null(False)
+        table = table.filter(marked if probe else pc.invert(marked))
+    elif probe:
+        return []
+    if table.num_rows == 0:
         return []
     rank = table["rank"].to_numpy()
     local = table["local"].to_pylist()
@@ -165,6 +174,13 @@ class TcpParams:
     process to read, not for the network (a healthy pipeline's p2p flows while the next stage computes)."""
     coupled_busy: float = 0.3
     """... or busy under this share of the busiest one's time are held back by the bottleneck, not through it."""
+    probe_as_slow: float = 1.5
+    """A sender whose path probe (``ingest/path_probe.py``: another peer, the same NIC) ran at no more than this
+    many times its bottleneck's rate has the slow NIC. Faster by ``sender_elsewhere`` or more, the probe clears
+    its whole path, the sender's NIC included. Measured on the flat ring at 20mbit: the probe of a slow NIC's
+    rank 2.2 MB/s against the bottleneck's 2.3; with link 5>4 slow instead, rank 5's probe 24.9 MB/s (10.8x),
+    and healthy probes 25-200 MB/s (a 262 KB burst on 2 shared cores: scheduling and slow start, so the probes
+    are not compared with each other's median)."""
     data_tie: float = 0.85
     """Candidates within this share of the best one's slowdown on the data path are a tie, for the RTT to break."""
     sender_elsewhere: float = 3.0
@@ -249,7 +265,8 @@ def _name(e: tuple) -> str:
     return f"{e[0]} {e[1]}" if len(e) == 2 else f"link {e[1]}>{e[2]}"
 
 
-def where(verdicts: list[FlowVerdict], params: TcpParams = TcpParams()) -> list[tuple[str, int, int, float, dict]]:
+def where(verdicts: list[FlowVerdict], params: TcpParams = TcpParams(),
+          probes: list[Flow] = ()) -> list[tuple[str, int, int, float, dict]]:
     """(kind, src, dst, confidence, evidence) for the slow element behind the bottleneck flows: 'source' (a
     sender's egress), 'destination' (a receiver's ingress) or 'link'. Empty without a bottleneck, or where no
     one element explains them.
@@ -261,22 +278,38 @@ def where(verdicts: list[FlowVerdict], params: TcpParams = TcpParams()) -> list[
     the data and the other through the acknowledgements, and may tie: then the RTT of what the rank sends
     decides (a slow ingress queues its acknowledgements in the network; a slow egress queues data at home,
     where TCP keeps the queue short). A ring sends from each rank to one peer: nothing tells a sender's NIC
-    from its one link, and its NIC is named with the link as the alternative, at half the confidence.
+    from its one link, and its NIC is named with the link as the alternative, at half the confidence, unless
+    the sender's path probe (``probes``, ``ingest/path_probe.py``: the same NIC, another link) went out several
+    times faster than the bottleneck (it clears the NIC: the link) or crawled as it did (the NIC).
     """
     slow = [v for v in verdicts if v.status == "slow"]
     if not slow:
         return []
     fl = [v.flow for v in verdicts]
     cleared = set().union(*(_data_path(v.flow) for v in verdicts if v.status == "ok"))
+    # A path probe that delivered several times the slowest bottleneck's rate crossed nothing that holds the
+    # bottleneck to its rate: its sender's NIC, its link and its receiver are cleared like a healthy flow's.
+    slowest = min(v.flow.rate for v in slow)
+    fast_probes = [g for g in probes if g.rate >= params.sender_elsewhere * slowest]
+    cleared |= set().union(*(_data_path(g) for g in fast_probes))
     pool = set().union(*(_data_path(v.flow) | _ack_path(v.flow) for v in slow))
     cands = [e for e in pool if e not in cleared
              and all(e in _data_path(v.flow) or e in _ack_path(v.flow) for v in slow)]
     primary = max(slow, key=lambda v: v.ratio)
     strength = float(1 - math.exp(-max(primary.ratio - 1, 0.0) / 2))
     evidence = {"bottleneck": [v.flow.evidence() for v in sorted(slow, key=lambda v: -v.ratio)],
-                "cleared_by": sorted(f"{v.flow.src}>{v.flow.dst}" for v in verdicts if v.status == "ok")[:50],
+                "cleared_by": sorted([f"{v.flow.src}>{v.flow.dst}" for v in verdicts if v.status == "ok"]
+                                     + [f"probe {g.src}>{g.dst}" for g in fast_probes])[:50],
                 "candidates": sorted(_name(c) for c in cands)}
     if not cands:
+        if fast_probes and len(slow) > 1:
+            # The probes cleared what the slow flows shared: one of them was slowed by the other's back-pressure
+            # (a ring's upstream neighbour, 1.9x the slowest rate). The slowest, busiest one alone, less sure.
+            primary = max(slow, key=lambda v: v.ratio)
+            alone = [v if v is primary or v.status != "slow" else dataclasses.replace(v, status="unknown")
+                     for v in verdicts]
+            return [(k, s_, d, c * 0.6, {**ev, "explained": f"{primary.flow.src}>{primary.flow.dst} alone"})
+                    for k, s_, d, c, ev in where(alone, params, probes)]
         return []  # several faults, or one the flows cannot place: the collectives' evidence may
 
     def on_data(e: tuple) -> float:
@@ -299,7 +332,7 @@ def where(verdicts: list[FlowVerdict], params: TcpParams = TcpParams()) -> list[
             best = [("ingress", r) if sends_x >= params.rtt_queue and held >= params.queue_bytes else ("egress", r)]
             conf *= 0.8
     if len(best) > 1:
-        best, conf = _sender_side(primary.flow, best, fl, params, evidence, conf)
+        best, conf = _sender_side(primary.flow, best, fl, params, evidence, conf, probes)
     if len(best) != 1:
         return []
     (e,) = best
@@ -310,7 +343,7 @@ def where(verdicts: list[FlowVerdict], params: TcpParams = TcpParams()) -> list[
 
 
 def _sender_side(f: Flow, best: list[tuple], fl: list[Flow], params: TcpParams, evidence: dict,
-                 conf: float) -> tuple[list[tuple], float]:
+                 conf: float, probes: list[Flow] = ()) -> tuple[list[tuple], float]:
     """The bottleneck's own three elements left: the receiver's ingress where its data queued in the network
     (its RTT, and the RTT of what the receiver sends), else the sender's side: its NIC, or its link."""
     ref = _ref_rtt(fl, {f.src, f.dst})
@@ -339,6 +372,11 @@ def _sender_side(f: Flow, best: list[tuple], fl: list[Flow], params: TcpParams, 
         if faster:
             evidence["sender_elsewhere"] = max(faster, key=lambda g: g.rate).evidence()
             return [("link", f.src, f.dst)], conf * 0.8
+        mine = [g for g in probes if g.src == f.src and g.rate == g.rate]
+        if mine and max(g.rate for g in mine) <= params.probe_as_slow * f.rate:
+            # Its probe to another rank, through the same NIC and another link, crawled as the bottleneck did.
+            evidence["probe"] = max(mine, key=lambda g: g.rate).evidence()
+            return [("egress", f.src)], conf * 0.8
         evidence["alternative"] = f"link {f.src}>{f.dst}: the sender has no other transfer to tell them apart"
         return [("egress", f.src)], conf * 0.5
     return side, conf * 0.7

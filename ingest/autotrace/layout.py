@@ -100,27 +100,34 @@ class Claim:
     tokens: float = 0.0       # tokens its stage takes per step
     params: float = 0.0       # parameters of its stage (the whole stage, TP shards included)
     problem: str = ""         # what this rank found wrong on its own
+    probe: str = ""           # ip:port its path probe listens on (ingest/path_probe.py), "" without one
 
     _HEAD = struct.Struct("<8q3d")
     SIZE = 512
+    _PROBE = 64               # the record's last bytes: the probe's address, its length first
 
     def encode(self) -> bytes:
         """A fixed-size record (``SIZE`` bytes) for one all-gather of bytes."""
         packed = (self.sizes[0] | self.sizes[1] << 16 | self.sizes[2] << 32 | self.sizes[3] << 48)
         head = self._HEAD.pack(self.rank, self.dp, self.pp, int(self.speaks), self.pipeline, packed, self.sizes[4],
                                self.sources, self.flops, self.tokens, self.params)
-        text = self.problem.encode()[: self.SIZE - len(head) - 2]
-        return head + struct.pack("<H", len(text)) + text + bytes(self.SIZE - len(head) - 2 - len(text))
+        room = self.SIZE - self._PROBE - len(head) - 2
+        text = self.problem.encode()[:room]
+        probe = self.probe.encode()[: self._PROBE - 1]
+        return (head + struct.pack("<H", len(text)) + text + bytes(room - len(text))
+                + bytes([len(probe)]) + probe + bytes(self._PROBE - 1 - len(probe)))
 
     @classmethod
     def decode(cls, data: bytes) -> "Claim":
         vals = cls._HEAD.unpack_from(data)
         n = struct.unpack_from("<H", data, cls._HEAD.size)[0]
         text = bytes(data[cls._HEAD.size + 2: cls._HEAD.size + 2 + n]).decode(errors="replace")
+        at = cls.SIZE - cls._PROBE
+        probe = bytes(data[at + 1: at + 1 + data[at]]).decode(errors="replace")
         packed = vals[5]
         sizes = tuple((packed >> s) & 0xFFFF for s in (0, 16, 32, 48)) + (vals[6],)
         return cls(rank=vals[0], dp=vals[1], pp=vals[2], speaks=bool(vals[3]), pipeline=vals[4], sizes=sizes,
-                   sources=vals[7], flops=vals[8], tokens=vals[9], params=vals[10], problem=text)
+                   sources=vals[7], flops=vals[8], tokens=vals[9], params=vals[10], problem=text, probe=probe)
 
 
 def _ranks(rs) -> str:

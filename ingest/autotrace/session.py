@@ -112,6 +112,7 @@ class TraceSettings:
     model: str = ""
     kafka_transport: str = ""  # KafkaConn.to_json(): TLS/SASL settings, no secret; empty = plaintext
     peak_flops: float = 0.0    # peak FLOP/s of one device for MFU; 0: from the device's name (analyzers.mfu)
+    probe_kb: int = 256        # KB each rank's path probe sends a window (ingest/path_probe.py); 0: no probe
 
     def conn(self) -> KafkaConn:
         """The producer's Kafka connection."""
@@ -130,7 +131,7 @@ class TraceSettings:
                 f"{ENV}_ATTEMPT": str(self.attempt), f"{ENV}_SPOOL_DIR": self.spool_dir,
                 f"{ENV}_RUN_DIR": self.run_dir, f"{ENV}_HEARTBEAT_S": str(self.heartbeat_s),
                 f"{ENV}_HANG_DUMP_S": str(self.hang_dump_s), f"{ENV}_TEAM": self.team, f"{ENV}_MODEL": self.model,
-                f"{ENV}_KAFKA_TRANSPORT": self.kafka_transport}
+                f"{ENV}_KAFKA_TRANSPORT": self.kafka_transport, f"{ENV}_PROBE_KB": str(self.probe_kb)}
 
     @classmethod
     def from_env(cls, env=os.environ) -> "TraceSettings":
@@ -142,7 +143,19 @@ class TraceSettings:
                    sampling=parse_sample(get("SAMPLE", "10/100")), attempt=int(get("ATTEMPT", "0")),
                    spool_dir=get("SPOOL_DIR"), run_dir=get("RUN_DIR"), heartbeat_s=float(get("HEARTBEAT_S", "5")),
                    hang_dump_s=float(get("HANG_DUMP_S", "60")), team=get("TEAM"), model=get("MODEL"),
-                   kafka_transport=get("KAFKA_TRANSPORT"), peak_flops=_peak(get("PEAK_FLOPS", "0")))
+                   kafka_transport=get("KAFKA_TRANSPORT"), peak_flops=_peak(get("PEAK_FLOPS", "0")),
+                   probe_kb=_probe_kb(get("PROBE_KB", "256")))
+
+
+def _probe_kb(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise SettingsError(f"bad {ENV}_PROBE_KB {text!r}: want KB a rank's path probe sends a window, 0: none") \
+            from None
+    if not 0 <= value <= 65536:
+        raise SettingsError(f"bad {ENV}_PROBE_KB {text!r}: want 0 (no probe) to 65536")
+    return value
 
 
 def _peak(text: str) -> float:

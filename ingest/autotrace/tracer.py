@@ -110,6 +110,7 @@ class Tracer:
         self.fwd_flops_tokens = 0     # the tokens that forward took
         self._counter = None          # the FLOP-counting dispatch mode while it counts
         self._gather = None           # the claims' all-gather in flight: (work, output buffers)
+        self.probe = None             # ingest.path_probe.PathProbe of this rank, made with its claim (_make_probe)
         self.num_microbatches = 0
         self.roots: weakref.WeakSet = weakref.WeakSet()
         self.hooked_params: weakref.WeakSet = weakref.WeakSet()
@@ -205,12 +206,41 @@ class Tracer:
         return L.Claim(rank=self.session.rank, dp=int(exp.dp_rank), pp=int(exp.pp_rank), speaks=speaks,
                        pipeline=first, sizes=(lay.dp_size, lay.pp_size, lay.tp_size, lay.cp_size, lay.vpp_size),
                        sources=self.sources, flops=flops, tokens=float(self.tokens0), params=float(self.params),
-                       problem="; ".join(getattr(self.session, "problems", ())))
+                       problem="; ".join(getattr(self.session, "problems", ())),
+                       probe=self.probe.address if self.probe is not None else "")
+
+    def _make_probe(self) -> None:
+        """This rank's path probe (``ingest/path_probe.py``), listening on the address its job's connections use;
+        its address travels with the claim. None where the job has no peer to tell apart (fewer than 3 ranks),
+        the exporter reads no TCP connections, or it is turned off (``--probe-kb 0``)."""
+        from ingest.path_probe import PathProbe, job_host, peer_of
+
+        sess = self.session
+        kb = int(getattr(sess.settings, "probe_kb", 0) or 0)
+        if kb <= 0 or peer_of(sess.rank, sess.world) is None or not self.exp.probing:
+            return
+        try:
+            host = job_host()
+            if host is not None:
+                self.probe = PathProbe(host, nbytes=kb << 10)
+        except Exception as e:
+            self._failed("starting the path probe", e)
+
+    def _aim_probe(self, claims: list[L.Claim]) -> None:
+        from ingest.path_probe import peer_of
+
+        peer = peer_of(self.session.rank, self.session.world)
+        if self.probe is None or peer is None or peer >= len(claims) or not claims[peer].probe:
+            return
+        self.probe.aim(claims[peer].probe)
+        self.exp.attach_probe(self.probe)
 
     def _post_claims(self) -> None:
         """Post this rank's claim on the side group (every rank does, once, at the end of its step 0); the
         all-gather completes on gloo's thread while training goes on, and ``_poll_claims`` picks it up."""
         side = getattr(self.session, "side_group", None)
+        if side is not None:
+            self._make_probe()
         claim = self._claim()
         if side is None:
             self._gather = ("local", [claim])
@@ -242,6 +272,7 @@ class Tracer:
                     time.sleep(0.05)
                 work.wait()
                 claims = [L.Claim.decode(bytes(o.numpy())) for o in outs]
+                self._aim_probe(claims)
             except Exception as e:
                 self._failed("gathering the ranks' layout claims", e)
         self.registered = True
@@ -399,6 +430,8 @@ class Tracer:
             # The process is exiting: the other ranks' claims may take a moment more (they post them at
             # the end of their own step 0); rank 0 waits a little for them, then registers regardless.
             self._poll_claims(wait_s=10.0 if self.session.rank == 0 else 0.0)
+        if self.probe is not None and self.exp.probe is None:  # never aimed: the exporter does not close it
+            self.probe.close()
         for undo in reversed(self._undo):
             try:
                 undo()

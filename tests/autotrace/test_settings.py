@@ -43,13 +43,15 @@ def test_layout_from_what_the_user_named_and_the_pipeline_reports():
 
 def test_settings_travel_to_children_through_the_environment():
     st = TraceSettings(job_id="j-1", bootstrap="127.0.0.1:9", layout={"tp_size": 2}, sampling=Sampling(3, 7),
-                       attempt=2, run_dir="/tmp/x")
+                       attempt=2, run_dir="/tmp/x", probe_kb=64)
     env = child_env(st.to_env(), base={"PYTHONPATH": "/elsewhere"})
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(BOOT_DIR)
     assert env["PYTHONPATH"].endswith("/elsewhere")
     assert TraceSettings.from_env(env) == st
     with pytest.raises(SettingsError):
         TraceSettings.from_env({})
+    with pytest.raises(SettingsError, match="PROBE_KB"):
+        TraceSettings.from_env({**env, "STRAGGLERSCOPE_TRACE_PROBE_KB": "lots"})
 
 
 def test_kafka_transport_travels_to_children_without_the_password(tmp_path):
@@ -79,6 +81,7 @@ def test_default_job_id_names_the_script():
     (["trace", "--layout", "dp=x", "--", "true"], "bad layout item"),
     (["trace", "--sample", "5", "--", "true"], "bad sampling"),
     (["trace", "--job-id", "a b", "--", "true"], "--job-id"),
+    (["trace", "--probe-kb", "-1", "--", "true"], "--probe-kb"),
 ])
 def test_trace_bad_input_is_one_line_and_exit_2(argv, message, tmp_path):
     # A configured (unreachable is fine: checked later) broker keeps this from starting any service.

@@ -206,3 +206,37 @@ def test_a_sender_that_delivers_faster_elsewhere_has_a_slow_link_not_a_slow_nic(
     ring[6] = _flow(3, 2, 0.3, 3.0, 0.9)
     (kind, src, dst, conf, ev), = _judge(ring)
     assert (kind, src) == ("source", 3) and "sender_elsewhere" not in ev
+
+
+def _probe(src, dst, mb_per_s):
+    return _flow(src, dst, 1.0, mb_per_s, 0.5, mb=0.262)
+
+
+# Window 6 of two real flat rings of 8 (gloo's all-reduce; tests/netfaults), one with rank 5's NIC at 20mbit and
+# one with its link 5>4 at 20mbit: their own flows are alike (each rank sends to one peer: 5>4 busy 0.93-0.95 at
+# 2.2-2.3 MB/s, 6>5 held back by it). Only the path probes (ingest/path_probe.py) differ.
+FLAT_5 = [_flow(0, 7, 0.30, 7.13, 2.83), _flow(1, 0, 0.04, 48.1, 0.32), _flow(2, 1, 0.05, 39.8, 0.18),
+          _flow(3, 2, 0.06, 37.3, 0.24), _flow(4, 3, 0.05, 41.2, 0.16), _flow(5, 4, 0.93, 2.32, 1.75),
+          _flow(6, 5, 0.50, 4.36, 1.52), _flow(7, 6, 0.37, 5.87, 1.61)]
+PROBES_LINK_54 = [_probe(0, 4, 199.4), _probe(1, 5, 116.9), _probe(2, 6, 53.4), _probe(3, 7, 41.7),
+                  _probe(4, 0, 56.4), _probe(5, 1, 24.9), _probe(6, 2, 56.4), _probe(7, 3, 33.1)]
+PROBES_EGRESS_5 = [_probe(0, 4, 51.6), _probe(1, 5, 34.8), _probe(2, 6, 53.8), _probe(3, 7, 42.6),
+                   _probe(4, 0, 54.8), _probe(5, 1, 2.2), _probe(6, 2, 57.9), _probe(7, 3, 40.2)]
+
+
+def test_the_path_probe_tells_a_flat_rings_slow_link_from_its_senders_nic():
+    """Without probes both rings get 'source 5' (the flows cannot tell). Rank 5's probe to rank 1 ran at 24.9 MB/s
+    with link 5>4 slow, 10.8x the bottleneck: its NIC is cleared (and the probes into 5 clear its receiver),
+    so the link is left, 6>5 explained as held back by it. With the NIC slow its probe crawled at 2.2 MB/s."""
+    assert [(k, s) for k, s, *_ in where(judge_flows(FLAT_5))] == [("source", 5)]
+    (kind, src, dst, conf, ev), = where(judge_flows(FLAT_5), probes=PROBES_LINK_54)
+    assert (kind, src, dst) == ("link", 5, 4) and "probe 5>1" in ev["cleared_by"] and ev["explained"] == "5>4 alone"
+    assert 0.3 <= conf < 0.9  # shown, and not certain: one of the two slow flows was set aside
+    (kind, src, dst, conf, ev), = where(judge_flows(FLAT_5), probes=PROBES_EGRESS_5)
+    assert (kind, src) == ("source", 5) and "probe 5>1" not in ev["cleared_by"]
+
+
+def test_probes_alone_find_nothing_in_a_healthy_ring():
+    """Probes only clear: a slow one in a healthy window (a burst scheduled late on a shared core) names nothing."""
+    probes = [_probe(r, (r + 4) % 8, 2.0 if r == 3 else 50.0) for r in range(8)]
+    assert where(judge_flows(HEALTHY), probes=probes) == []

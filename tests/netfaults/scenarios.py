@@ -26,9 +26,9 @@ transfer was the bottleneck, and where its data queued
 - ``flat``: data parallel over one all-reduce of 8 ranks (the zoo's
   ``plain``), the most common job there is: gloo's ring sends from each rank
   to the one before it only. A slow receiver is told from the sender's side
-  by where the data queued; the sender's NIC and its one link look alike
-  (its NIC is named, at half the confidence, the link as the alternative), so
-  a link fault there counts as wrong.
+  by where the data queued; the sender's NIC from its one link by the path
+  probe (``ingest/path_probe.py``): once a window each rank sends 256 KB to
+  the rank half the ring away, through the same NIC and another link.
 - ``ring``: a hand-written bidirectional ring (``ring_job.py``): every rank
   sends to both neighbours.
 """

@@ -18,11 +18,13 @@ from tests.netfaults.scenarios import WINDOW, Outcome, Scenario, run, scenarios
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-# The pipeline's every class, a data-parallel NIC, and a late rank of a hand-written ring (each rank trades with
+# The pipeline's every class, a data-parallel NIC, a late rank of a hand-written ring (each rank trades with
 # both neighbours at once: every receiver waits for somebody, and only its arrival against its two peers,
-# step by step, names it; analyzers/links/measured.exchange_arrivals).
+# step by step, names it; analyzers/links/measured.exchange_arrivals), and a slow link of a flat ring, where a
+# rank sends to one peer only and its path probe (ingest/path_probe.py) tells the link from its NIC.
 CASES = (scenarios("pipe", "severe") + [s for s in scenarios("hier", "severe") if s.cls == "source"]
-         + [s for s in scenarios("ring", "severe") if s.cls == "noncomm_slow"])
+         + [s for s in scenarios("ring", "severe") if s.cls == "noncomm_slow"]
+         + [s for s in scenarios("flat", "severe") if s.cls == "link"])
 
 
 @pytest.fixture(scope="module")

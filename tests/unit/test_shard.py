@@ -364,6 +364,8 @@ def test_ccl_records_of_a_window_get_link_diagnosis():
     assert row["verdict"] == "no_op_spans"
     top = max(sink.rows["link_fault"], key=lambda r: r["confidence"])
     assert (top["kind"], top["src"]) == ("source", inc.truth["src"])
+    # The job's first window: nothing before it confirms the finding, so it is stored at low confidence.
+    assert top["confidence"] <= 0.5 and json.loads(top["evidence_json"])["persistence"]["first_seen"]
     assert [a["rule"] for a in sink.rows["alert"]] == ["link"]
 
 

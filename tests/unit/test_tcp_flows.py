@@ -62,7 +62,8 @@ def test_a_reading_has_every_connection_by_its_two_ends_and_their_counters():
         mine = rows[ends]
         assert mine["bytes_acked"] >= 1 << 20 and mine["elapsed_ns"] > 0 and mine["rtt_us"] >= 0
         assert rows[(ends[1], ends[0])]["bytes_received"] >= 1 << 20
-        assert set(mine) | {"job_id", "attempt", "rank", "window_id", "step"} == set(S.TCP_FLOW.names)
+        # Every field but the identity, and "probe" (the path probe's rows set it; these are the job's own).
+        assert set(mine) | {"job_id", "attempt", "rank", "window_id", "step", "probe"} == set(S.TCP_FLOW.names)
     finally:
         client.close()
         server.close()

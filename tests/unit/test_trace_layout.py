@@ -2,6 +2,7 @@
 backward, pipeline transfers outside torch.distributed.pipelining, the layout-conflict verdict. No processes."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import types
@@ -54,6 +55,10 @@ def test_a_claim_survives_its_bytes():
                 flops=1.5e15, tokens=4096.0, params=7e9, problem="something ünusual")
     data = c.encode()
     assert len(data) == L.Claim.SIZE and L.Claim.decode(data) == c
+    # With its path probe's address (ingest/path_probe.py), and a problem long enough to fill its room.
+    c = dataclasses.replace(c, probe="[fd00::12]:43121", problem="x" * 1000)
+    back = L.Claim.decode(c.encode())
+    assert back.probe == "[fd00::12]:43121" and back.problem == "x" * len(back.problem) and len(back.problem) > 300
 
 
 def test_the_issues_layout_is_two_ranks_on_one_worker():
