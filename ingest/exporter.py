@@ -725,7 +725,9 @@ class RankExporter:
 
     def attach_probe(self, probe) -> None:
         """Fire ``probe`` (``ingest.path_probe.PathProbe``) once a window, in the window's first profiled step,
-        and send what it measured with the connections' records; it is closed with the exporter."""
+        and send what it measured with the connections' records; it is closed with the exporter. Its own
+        connections are left out of the job's (they are measured by the probe, and marked so)."""
+        self._tcp.ignore = frozenset(probe.endpoints())
         self.probe = probe
 
     def _tcp_loop(self) -> None:

@@ -133,6 +133,10 @@ class PathProbe:
         host, _, port = peer.rpartition(":")
         self._peer = (host.strip("[]"), int(port))
 
+    def endpoints(self) -> set[str]:
+        """Its listener's address and the one it sends to: every connection of the probe has one of them."""
+        return {self.address} | ({endpoint(self._peer)} if self._peer is not None else set())
+
     def fire(self, window: int, step: int) -> None:
         """Send one probe, labelled with the step it is sent in (non-blocking; the sender thread sends)."""
         if self._peer is not None and not self._closed.is_set():

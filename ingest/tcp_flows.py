@@ -92,6 +92,9 @@ class TcpFlowSampler:
         # IDLE_READS readings, until the next scan (a 1,024-rank job's rank holds 1,023 connections).
         self._last_bytes: dict[int, tuple[int, int]] = {}
         self._idle: dict[int, int] = {}
+        # Endpoints whose connections are not the job's (the path probe's listener and the peer listener it
+        # sends to, ingest/path_probe.py, which measures its own): a connection with either end here is skipped.
+        self.ignore: frozenset[str] = frozenset()
 
     def _rescan(self) -> None:
         """Find the connected TCP sockets among the descriptors (a socket's descriptor may have been reused)."""
@@ -140,8 +143,9 @@ class TcpFlowSampler:
             self._rescan()
         out: dict[tuple[str, str], Reading] = {}
         gone = []
+        ignore = self.ignore
         for fd, ends in self._fds.items():
-            if self._idle.get(fd, 0) >= IDLE_READS:
+            if self._idle.get(fd, 0) >= IDLE_READS or (ignore and (ends[0] in ignore or ends[1] in ignore)):
                 continue
             try:
                 dup = socket.socket(fileno=os.dup(fd))

@@ -84,3 +84,18 @@ def test_idle_connections_and_a_short_answer_give_nothing():
     finally:
         client.close()
         server.close()
+
+
+def test_the_path_probes_connections_are_not_read_as_the_jobs():
+    """The probe (ingest/path_probe.py) measures its own transfers and marks them: the sampler leaves out every
+    connection with an end in ``ignore`` (its listener, the peer listener it sends to), both directions."""
+    client, server, drained = _pair()
+    try:
+        sampler = TcpFlowSampler(rescan_s=0)
+        ends = (endpoint(client.getsockname()), endpoint(client.getpeername()))
+        assert ends in sampler.read()
+        sampler.ignore = frozenset({ends[1]})  # the listening side's address, as the probe's listener would be
+        assert ends not in sampler.read() and (ends[1], ends[0]) not in sampler.read()
+    finally:
+        client.close()
+        server.close()
