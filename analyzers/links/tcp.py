@@ -372,7 +372,9 @@ def _sender_side(f: Flow, best: list[tuple], fl: list[Flow], params: TcpParams, 
         if faster:
             evidence["sender_elsewhere"] = max(faster, key=lambda g: g.rate).evidence()
             return [("link", f.src, f.dst)], conf * 0.8
-        mine = [g for g in probes if g.src == f.src and g.rate == g.rate]
+        # (A probe to the bottleneck's own receiver crossed the same link: it says nothing here. In a pipeline
+        # of 4 ranks, half the world away is the rank's pipeline peer.)
+        mine = [g for g in probes if g.src == f.src and g.dst != f.dst and g.rate == g.rate]
         if mine and max(g.rate for g in mine) <= params.probe_as_slow * f.rate:
             # Its probe to another rank, through the same NIC and another link, crawled as the bottleneck did.
             evidence["probe"] = max(mine, key=lambda g: g.rate).evidence()

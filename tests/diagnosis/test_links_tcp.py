@@ -240,3 +240,14 @@ def test_probes_alone_find_nothing_in_a_healthy_ring():
     """Probes only clear: a slow one in a healthy window (a burst scheduled late on a shared core) names nothing."""
     probes = [_probe(r, (r + 4) % 8, 2.0 if r == 3 else 50.0) for r in range(8)]
     assert where(judge_flows(HEALTHY), probes=probes) == []
+
+
+def test_a_probe_over_the_bottlenecks_own_link_does_not_name_the_nic():
+    """dp=2 x pp=2: half the world away from rank 0 is its pipeline peer 2, so its probe crosses link 0>2 as the
+    job's transfers do. With that link slow the probe crawls too, which says nothing of rank 0's NIC."""
+    fl = [_flow(0, 2, 0.9, 2.3, 1.2), _flow(2, 0, 0.2, 30.0, 0.5), _flow(1, 3, 0.2, 32.0, 0.5),
+          _flow(3, 1, 0.2, 31.0, 0.5)]
+    probes = [_probe(0, 2, 2.0), _probe(1, 3, 40.0), _probe(2, 0, 45.0), _probe(3, 1, 50.0)]
+    (kind, src, dst, conf, ev), = where(judge_flows(fl), probes=probes)
+    assert "probe" not in ev and ev["alternative"].startswith("link 0>2")  # undecided, as without probes
+    assert [(kind, src, dst, conf)] == [f[:4] for f in where(judge_flows(fl))] and conf <= 0.5
