@@ -20,8 +20,9 @@ ZOO = ROOT / "tests" / "training" / "zoo.py"
 
 
 def run(framework: str, ranks: int, args: list[str], *, bootstrap: str | None = None, job_id: str = "",
-        sample: str = "10/100", timeout: float = 600) -> dict:
-    """One torchrun of the zoo; returns rank 0's {'losses', 'step_times'}. Armed when ``bootstrap`` is given."""
+        sample: str = "10/100", timeout: float = 600, probe_kb: int = 256) -> dict:
+    """One torchrun of the zoo; returns rank 0's {'losses', 'step_times'}. Armed when ``bootstrap`` is given
+    (``probe_kb``: the path probe's size, as ``trace --probe-kb``)."""
     from ingest.autotrace.session import TraceSettings, parse_sample
     from services.ports import free_fixed_port
     from stragglerscope.trace import child_env
@@ -30,7 +31,7 @@ def run(framework: str, ranks: int, args: list[str], *, bootstrap: str | None = 
         env = None
         if bootstrap:
             env = child_env(TraceSettings(job_id=job_id, bootstrap=bootstrap, sampling=parse_sample(sample),
-                                          run_dir=run_dir).to_env())
+                                          run_dir=run_dir, probe_kb=probe_kb).to_env())
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
                "127.0.0.1", "--master-port", str(free_fixed_port()), str(ZOO), "--framework", framework, "--out", out,
                *args]
