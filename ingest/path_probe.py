@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import queue
 import selectors
 import socket
@@ -34,7 +33,7 @@ import struct
 import threading
 import time
 
-from ingest.tcp_flows import TCP_INFO_LEN, endpoint, parse_tcp_info
+from ingest.tcp_flows import TCP_INFO_LEN, TcpFlowSampler, counters, endpoint, parse_tcp_info
 
 log = logging.getLogger(__name__)
 
@@ -51,34 +50,12 @@ def peer_of(rank: int, world: int) -> int | None:
     return (rank + world // 2) % world
 
 
-def job_host(fd_dir: str = "/proc/self/fd", exclude_ports: set[int] | None = None) -> str | None:
+def job_host(fd_dir: str = "/proc/self/fd") -> str | None:
     """The local address most of this process's established TCP connections use (the job's own network), or
     None without any. Read once, when the probe is made."""
-    counts: collections.Counter = collections.Counter()
-    try:
-        names = os.listdir(fd_dir)
-    except OSError:
-        return None
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            if not os.readlink(os.path.join(fd_dir, name)).startswith("socket:["):
-                continue
-            s = socket.socket(fileno=os.dup(int(name)))
-        except OSError:
-            continue
-        try:
-            if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
-                host, port = s.getsockname()[:2]
-                s.getpeername()  # connected ones only
-                if port not in (exclude_ports or ()):
-                    counts[host] += 1
-        except OSError:
-            pass
-        finally:
-            s.close()
-    return counts.most_common(1)[0][0] if counts else None
+    hosts = collections.Counter(local.rpartition(":")[0].strip("[]")
+                                for local, _ in TcpFlowSampler(fd_dir=fd_dir).connections())
+    return hosts.most_common(1)[0][0] if hosts else None
 
 
 def _tcp_info(sock: socket.socket) -> dict[str, int] | None:
@@ -95,14 +72,8 @@ def _row(local: str, remote: str, window: int, step: int, before: dict, after: d
     The sender's busy time is the transfer's own wall time, from its first byte written to the receiver's
     word that it read the last (one round trip more than the data took): the kernel keeps busy time in
     jiffies, and a 300 KB probe over loopback came out 0 or 4,000 us."""
-    def d(k):
-        return max(0, after[k] - before[k])
-    busy_us = max(1, elapsed_ns // 1000) if sent else 0
-    return dict(window_id=window, step=step, local=local, remote=remote, elapsed_ns=max(0, elapsed_ns),
-                bytes_acked=d("bytes_acked"), bytes_received=d("bytes_received"), busy_us=busy_us,
-                rwnd_limited_us=d("rwnd_limited_us"), sndbuf_limited_us=d("sndbuf_limited_us"),
-                rtt_us=after["rtt_us"], min_rtt_us=after["min_rtt_us"], retrans=d("total_retrans"),
-                notsent_bytes=after["notsent_bytes"], probe=True)
+    row = counters(local, remote, before, after, elapsed_ns)
+    return dict(row, window_id=window, step=step, busy_us=max(1, elapsed_ns // 1000) if sent else 0, probe=True)
 
 
 class PathProbe:

@@ -133,6 +133,13 @@ class TcpFlowSampler:
         finally:
             dup.close()
 
+    def connections(self) -> list[tuple[str, str]]:
+        """(local, remote) of every connected TCP socket of this process now (a fresh scan)."""
+        if self.unavailable:
+            return []
+        self._rescan()
+        return list(self._fds.values())
+
     def read(self) -> dict[tuple[str, str], Reading]:
         """Every established TCP connection of this process now: (local, remote) -> its counters."""
         if self.unavailable:
@@ -173,24 +180,26 @@ class TcpFlowSampler:
         return out
 
 
+def counters(local: str, remote: str, a: dict[str, int], b: dict[str, int], elapsed_ns: int) -> dict:
+    """TCP_FLOW fields (less job, rank, window and step) of one connection between two TCP_INFO readings
+    ``a`` and ``b``: the counters are differences, RTT and unsent bytes as of ``b``."""
+    def d(k: str) -> int:
+        return max(0, b[k] - a[k])
+    return dict(local=local, remote=remote, elapsed_ns=max(0, elapsed_ns), bytes_acked=d("bytes_acked"),
+                bytes_received=d("bytes_received"), busy_us=d("busy_us"), rwnd_limited_us=d("rwnd_limited_us"),
+                sndbuf_limited_us=d("sndbuf_limited_us"), rtt_us=b["rtt_us"], min_rtt_us=b["min_rtt_us"],
+                retrans=d("total_retrans"), notsent_bytes=b["notsent_bytes"])
+
+
 def delta(before: dict[tuple[str, str], Reading], after: dict[tuple[str, str], Reading]) -> list[dict]:
-    """TCP_FLOW fields (less job, rank, window and step) of the connections in both readings that carried data
-    in between; the counters are differences, RTT and unsent bytes as of the second reading."""
+    """``counters`` of the connections in both readings that carried data in between."""
     rows = []
     for ends, b in after.items():
         a = before.get(ends)
         if a is None:
             continue
-        acked = b.values["bytes_acked"] - a.values["bytes_acked"]
-        received = b.values["bytes_received"] - a.values["bytes_received"]
-        if acked <= 0 and received <= 0:
+        now, was = b.values, a.values
+        if now["bytes_acked"] <= was["bytes_acked"] and now["bytes_received"] <= was["bytes_received"]:
             continue  # idle: gloo keeps a connection to every peer, most carry nothing in a ring
-        rows.append(dict(
-            local=ends[0], remote=ends[1], elapsed_ns=max(0, b.at_ns - a.at_ns), bytes_acked=max(0, acked),
-            bytes_received=max(0, received), busy_us=max(0, b.values["busy_us"] - a.values["busy_us"]),
-            rwnd_limited_us=max(0, b.values["rwnd_limited_us"] - a.values["rwnd_limited_us"]),
-            sndbuf_limited_us=max(0, b.values["sndbuf_limited_us"] - a.values["sndbuf_limited_us"]),
-            rtt_us=b.values["rtt_us"], min_rtt_us=b.values["min_rtt_us"],
-            retrans=max(0, b.values["total_retrans"] - a.values["total_retrans"]),
-            notsent_bytes=b.values["notsent_bytes"]))
+        rows.append(counters(ends[0], ends[1], a.values, b.values, b.at_ns - a.at_ns))
     return rows
