@@ -8,6 +8,9 @@ slow link are named as on gloo, the control stays silent, and a rank stuck in a 
 hang detector from the collective its peers' GPUs are inside. (Grouped p2p, ``batch_isend_irecv``, is one
 NCCL kernel: every op of a group ends with the group, so a ring's slow link couples its neighbours'
 records; per-peer times there need the collective library's own timing, ``analyzers/links/reported.py``.)
+The last two tests run a job under the whole trace session of ``stragglerscope trace`` on the same device
+(``nccl_fake_trace_worker.py``): compute and DP-communication spans from the GPU's events, analysed as the
+pipeline analyses a window.
 """
 from __future__ import annotations
 
@@ -27,13 +30,14 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("nccl_fake_worker.py")
 
 
-def run_job(tmp_path, scenario: str, timing: str = "gpu", world: int = 4) -> pa.Table:
+def _launch(worker: Path, world: int, *args: str) -> None:
+    """``world`` real processes of ``worker`` (RANK WORLD PORT ARGS...), each of which must succeed."""
     pytest.importorskip("torch")
     from services.ports import free_fixed_port
 
     port = free_fixed_port()
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(port), str(tmp_path), scenario,
-                               timing], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), str(world), str(port), *args], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
     outs = []
     try:
@@ -44,6 +48,10 @@ def run_job(tmp_path, scenario: str, timing: str = "gpu", world: int = 4) -> pa.
             p.kill()
     for p, (_out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
+
+
+def run_job(tmp_path, scenario: str, timing: str = "gpu", world: int = 4) -> pa.Table:
+    _launch(WORKER, world, str(tmp_path), scenario, timing)
     if scenario == "clock":
         return pa.table({"offset": [int((tmp_path / f"rank{r}.offset").read_text()) for r in range(world)]})
     return pa.concat_tables([pa.ipc.open_file(tmp_path / f"rank{r}.arrow").read_all() for r in range(world)])
@@ -106,3 +114,68 @@ def test_clocks_are_compared_over_a_gloo_group_of_our_own(tmp_path):
     trace session measures the offsets over its side gloo group instead (rank 1's clock 5 s ahead)."""
     offsets = run_job(tmp_path, "clock", world=2)["offset"].to_pylist()
     assert offsets[0] == 0 and abs(offsets[1] + 5_000_000_000) < 50_000_000, offsets
+
+
+# -- the whole tracer of `stragglerscope trace` on the fake device -------------------------------------------
+
+TRACED = Path(__file__).with_name("nccl_fake_trace_worker.py")
+
+
+def run_traced(tmp_path, scenario: str, world: int = 4) -> dict[str, pa.Table]:
+    """A DP job on the fake device under the real trace session; its op spans, collective records and
+    registration, and the analysis of its last profiled window (the first has the warm-up step) as the
+    pipeline runs it."""
+    from analyzers.window import analyze_window
+    from core.registration import Registration
+
+    _launch(TRACED, world, str(tmp_path), scenario)
+    got = {name: pa.concat_tables([pa.ipc.open_file(tmp_path / f"rank{r}.{name}.arrow").read_all()
+                                   for r in range(world)]) for name in ("op", "ccl", "job")}
+    assert got["job"].num_rows, "no registration was sent"
+    reg = Registration.from_row(got["job"].to_pylist()[-1])
+    ops = got["op"]
+    assert ops.num_rows and set(ops["rank"].to_pylist()) == set(range(world)), ops["rank"].to_pylist()
+    window = max(ops["window_id"].to_pylist())
+    ops = ops.filter(pa.compute.equal(ops["window_id"], window))
+    ccl = got["ccl"].filter(pa.compute.equal(got["ccl"]["window_id"], window))
+    got.update(analyze_window(ops, reg, (reg.job_id, 0, window), True, "", ccl))
+    return got
+
+
+def span_ms(ops: pa.Table, optype: str) -> dict[int, float]:
+    """Median duration of ``optype`` per rank, in ms."""
+    t = ops.filter(pa.compute.equal(ops["optype"], optype))
+    ranks, ms = np.asarray(t["rank"].to_pylist()), t["duration_ns"].to_numpy() / 1e6
+    return {int(r): float(np.median(ms[ranks == r])) for r in np.unique(ranks)}
+
+
+def test_the_tracer_times_compute_and_dp_communication_on_the_gpu_and_names_the_late_rank(tmp_path):
+    """Rank 2's backward kernels take 90 ms longer (150 against 60). The host queues every kernel and
+    collective and goes on, so its own times would say nothing; the tracer's spans are the GPU's: rank 2's
+    backward, and its peers' gradient all-reduce waiting for it on their GPUs (the DP communication comes
+    from the events, not from the host). The what-if names DP rank 2 alone, and so does the link analysis."""
+    got = run_traced(tmp_path, "late")
+    bwd, comm = span_ms(got["op"], "backward-compute"), span_ms(got["op"], "grads-reduce-scatter")
+    assert bwd[2] >= 140.0 and all(55.0 <= bwd[r] <= 95.0 for r in (0, 1, 3)), bwd
+    assert all(comm[r] >= 70.0 for r in (0, 1, 3)) and comm[2] < 30.0, comm
+    fwd = span_ms(got["op"], "forward-compute")
+    assert all(m >= 28.0 for m in fwd.values()), fwd  # the 30 ms kernel (the host's part is ~0.1 ms)
+    row = got["window"].to_pylist()[0]
+    assert row["verdict"] == "worker" and row["slowdown"] >= 1.3, row
+    s_w = {w["dp_rank"]: w["s_w"] for w in got["worker_slowdown"].to_pylist() if w["step"] == -1}
+    assert s_w[2] >= 1.3 and all(s_w[r] <= 1.1 for r in (0, 1, 3)), s_w
+    top = got["link_fault"].to_pylist()[0] if got["link_fault"].num_rows else None
+    assert top is not None and (top["kind"], top["src"]) == ("noncomm_slow", 2), got["link_fault"].to_pylist()
+
+
+def test_the_tracer_on_a_healthy_gpu_job_names_no_one(tmp_path):
+    """The same job, no rank slowed. On 2 shared cores the fake device's kernels overrun by its thread's
+    scheduling and the real gloo all-reduce under them varies, so S is 1.08-1.13 here (1.56 with the late
+    rank); what a healthy job must not get is a worker standing out or a link finding."""
+    got = run_traced(tmp_path, "control")
+    row = got["window"].to_pylist()[0]
+    assert row["verdict"] not in ("worker", "analysis_failed", "no_op_spans", "layout_conflict"), row
+    assert row["slowdown"] < 1.25, row
+    s_w = {w["dp_rank"]: w["s_w"] for w in got["worker_slowdown"].to_pylist() if w["step"] == -1}
+    assert len(s_w) == 4 and max(s_w.values()) < 1.2, s_w
+    assert not [f for f in got["link_fault"].to_pylist() if f["confidence"] >= 0.3], got["link_fault"].to_pylist()

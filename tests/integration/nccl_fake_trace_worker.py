@@ -1,0 +1,123 @@
+"""One rank of a data-parallel job on the fake NCCL device, under the tracer ``stragglerscope trace`` installs.
+
+Where ``nccl_fake_worker.py`` drives the exporter and the collective wrappers by hand, this one leaves
+everything to the real trace session (``ingest.autotrace.session.arm``, as ``trace``'s sitecustomize does):
+the module, autograd and optimizer hooks, the wrapped collectives, the layout claims and the registration.
+The job is written as a GPU job is: each step queues its forward and backward kernels (``Launch``: the host
+returns at once, the device runs them), copies the gradients into one flat buffer, all-reduces it (NCCL's
+call returns at once too) and steps the optimizer; the host waits for the GPU once a step (``loss.item()``).
+
+Stand-ins, and why: the fake device (``tests/nccl_fake.py``) for the GPU, and a producer that keeps what the
+session sends in memory instead of writing to Kafka (the transport is tested for real elsewhere; here the
+subject is what the tracer records on a GPU). The tables are written to ``<out>/rank<r>.<schema>.arrow``.
+
+    python nccl_fake_trace_worker.py RANK WORLD PORT OUT SCENARIO
+
+SCENARIO: ``late`` (rank 2's backward kernels take LATE_MS longer than its peers') or ``control``.
+"""
+import os
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+import ingest.producer  # noqa: E402
+from core import schema as S  # noqa: E402
+from ingest.autotrace import session as trace_session  # noqa: E402
+from ingest.exporter import RankExporter, Sampling  # noqa: E402
+from tests import nccl_fake  # noqa: E402
+
+STEPS, PROFILED, EVERY = 16, 6, 8   # windows at steps 0 and 8: the second is judged (the first warms up)
+FWD_MS, BWD_MS, LATE_MS = 30.0, 60.0, 90.0
+
+
+class KeptProducer:
+    """The producer's place in the session: every table sent is kept, in order."""
+
+    def __init__(self, *_args, **_kwargs) -> None:
+        self.tables: list[pa.Table] = []
+        self.stats = ingest.producer.ProducerStats()
+        self.spooled = 0
+        KeptProducer.made = self
+
+    def send(self, table: pa.Table, key: str | None = None) -> int:
+        self.tables.append(table)
+        self.stats.records_sent += table.num_rows
+        return table.num_rows
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        pass
+
+
+def main(rank: int, world: int, port: int, out: str, scenario: str) -> None:
+    device = nccl_fake.FakeDevice()
+    # Before init_process_group: the session wraps whatever torch.distributed holds when it starts, as it
+    # wraps NCCL's calls on a GPU.
+    undo_fake = nccl_fake.install(device, rank)
+    RankExporter._cuda_module = staticmethod(lambda use_cuda: device.module)
+    ingest.producer.TelemetryProducer = KeptProducer
+    trace_session.arm(trace_session.TraceSettings(job_id=f"fake-nccl-{scenario}", bootstrap="127.0.0.1:9",
+                                                  sampling=Sampling(PROFILED, EVERY), run_dir=out, probe_kb=0))
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    session = trace_session._session
+    if session is None:
+        raise SystemExit("the trace session did not start")
+
+    backward_ms = BWD_MS + (LATE_MS if scenario == "late" and rank == 2 else 0.0)
+
+    class Launch(torch.autograd.Function):
+        """The layer's kernels: queued on the device stream, the host goes on at once."""
+
+        @staticmethod
+        def forward(ctx, x):
+            device.launch(FWD_MS)
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            device.launch(backward_ms)
+            return grad
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+
+        def forward(self, x):
+            return Launch.apply(self.proj(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.01)
+    x = torch.randn(16, 32)
+    for _ in range(STEPS):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        flat = nccl_fake.DeviceTensor(torch.cat([p.grad.reshape(-1) for p in params]))
+        dist.all_reduce(flat)
+        opt.step()
+        opt.zero_grad()
+        device.synchronize()  # loss.item(): the host waits for the step's GPU work
+    session.close()
+    undo_fake()
+    sent = KeptProducer.made.tables
+    for name, schema in (("op", S.OP_SPAN), ("ccl", S.CCL_RECORD), ("job", S.JOB)):
+        tables = [t for t in sent if t.schema.equals(schema, check_metadata=False)]
+        table = pa.concat_tables(tables) if tables else schema.empty_table()
+        with pa.OSFile(os.path.join(out, f"rank{rank}.{name}.arrow"), "wb") as f, \
+                pa.ipc.new_file(f, table.schema) as w:
+            w.write_table(table)
+    print(f"rank {rank}: {sum(t.num_rows for t in sent)} records, {session.exporter.stats.errors} errors",
+          flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
