@@ -25,6 +25,10 @@ import types
 from typing import Any, Callable
 
 
+ACK_TAG = 7919
+"""Tag of a receiver's acknowledgement of a transfer (the job's own tags are left to it)."""
+
+
 class FakeDevice:
     def __init__(self) -> None:
         self._work: queue.Queue = queue.Queue()
@@ -113,6 +117,7 @@ def install(device: FakeDevice, rank: int,
     """Fake NCCL ``all_reduce``, ``isend`` and ``irecv`` on device tensors (others go to the real ones);
     returns a function that puts the real ones back. ``link_delay``: (src, dst) -> extra ms of each transfer
     src -> dst (both ends wait for it, as both wait for a slow link)."""
+    import torch
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
@@ -132,8 +137,15 @@ def install(device: FakeDevice, rank: int,
             extra = delays.get(src_of(peer), 0.0)
 
             def transfer():
-                # An ungrouped send or receive: a kernel that completes when the data is across.
+                # An ungrouped send or receive: a kernel that completes when the data is across, on both
+                # ends (NCCL's send waits for its receiver; gloo's returns once the data is buffered, so the
+                # receiver acknowledges it).
                 real[name](tensor.data, peer, group, tag).wait()
+                ack = torch.zeros(1)
+                if name == "isend":
+                    real["irecv"](ack, peer, group, ACK_TAG).wait()
+                else:
+                    real["isend"](ack, peer, group, ACK_TAG).wait()
                 time.sleep(extra / 1000)
             device.submit(transfer)
             return FakeWork(device)

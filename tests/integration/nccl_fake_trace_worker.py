@@ -13,7 +13,11 @@ subject is what the tracer records on a GPU). The tables are written to ``<out>/
 
     python nccl_fake_trace_worker.py RANK WORLD PORT OUT SCENARIO
 
-SCENARIO: ``late`` (rank 2's backward kernels take LATE_MS longer than its peers') or ``control``.
+SCENARIO: ``late`` (rank 2's backward kernels take LATE_MS longer than its peers') or ``control``: the DP
+job; ``pipe-link`` (transfers 1 -> 2 LINK_MS slower) or ``pipe``: the same layers as a 4-stage pipeline of
+MICROBATCHES microbatches (GPipe order), its transfers isend/irecv over the pipeline group the job made, as
+a hand-written or Megatron-style pipeline does, and the gradients' norm all-reduced over every stage before
+the optimizer (clipping).
 """
 import os
 import sys
@@ -34,7 +38,7 @@ from ingest.exporter import RankExporter, Sampling  # noqa: E402
 from tests import nccl_fake  # noqa: E402
 
 STEPS, PROFILED, EVERY = 16, 6, 8   # windows at steps 0 and 8: the second is judged (the first warms up)
-FWD_MS, BWD_MS, LATE_MS = 30.0, 60.0, 90.0
+FWD_MS, BWD_MS, LATE_MS, LINK_MS, MICROBATCHES = 30.0, 60.0, 90.0, 40.0, 2
 
 
 class KeptProducer:
@@ -55,11 +59,32 @@ class KeptProducer:
         pass
 
 
+def pipeline_step(model, x, rank: int, world: int, group) -> None:
+    """One GPipe step of stage ``rank``: every microbatch forward, then every one backward. The data of a
+    transfer arrives on the device stream; the host, which never waits for it, computes on its own copy."""
+    outs = []
+    for _ in range(MICROBATCHES):
+        if rank > 0:
+            dist.irecv(nccl_fake.DeviceTensor(torch.empty_like(x)), rank - 1, group=group).wait()
+        out = model(x)
+        if rank < world - 1:
+            dist.isend(nccl_fake.DeviceTensor(out.detach()), rank + 1, group=group).wait()
+        outs.append(out)
+    for out in outs:
+        if rank < world - 1:
+            dist.irecv(nccl_fake.DeviceTensor(torch.empty_like(out)), rank + 1, group=group).wait()
+            out.backward(torch.ones_like(out))
+        else:
+            out.pow(2).mean().backward()
+        if rank > 0:
+            dist.isend(nccl_fake.DeviceTensor(torch.ones_like(x)), rank - 1, group=group).wait()
+
+
 def main(rank: int, world: int, port: int, out: str, scenario: str) -> None:
     device = nccl_fake.FakeDevice()
     # Before init_process_group: the session wraps whatever torch.distributed holds when it starts, as it
     # wraps NCCL's calls on a GPU.
-    undo_fake = nccl_fake.install(device, rank)
+    undo_fake = nccl_fake.install(device, rank, {(1, 2): LINK_MS} if scenario == "pipe-link" else None)
     RankExporter._cuda_module = staticmethod(lambda use_cuda: device.module)
     ingest.producer.TelemetryProducer = KeptProducer
     trace_session.arm(trace_session.TraceSettings(job_id=f"fake-nccl-{scenario}", bootstrap="127.0.0.1:9",
@@ -97,11 +122,17 @@ def main(rank: int, world: int, port: int, out: str, scenario: str) -> None:
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=0.01)
     x = torch.randn(16, 32)
+    pipeline = dist.new_group(list(range(world))) if scenario.startswith("pipe") else None
     for _ in range(STEPS):
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        flat = nccl_fake.DeviceTensor(torch.cat([p.grad.reshape(-1) for p in params]))
-        dist.all_reduce(flat)
+        if pipeline is None:
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            flat = nccl_fake.DeviceTensor(torch.cat([p.grad.reshape(-1) for p in params]))
+            dist.all_reduce(flat)
+        else:
+            pipeline_step(model, x, rank, world, pipeline)
+            # gradient clipping: the norm over every stage's gradients, as Megatron's optimizer takes it
+            dist.all_reduce(nccl_fake.DeviceTensor(torch.stack([p.grad.norm() for p in params]).norm()))
         opt.step()
         opt.zero_grad()
         device.synchronize()  # loss.item(): the host waits for the step's GPU work
