@@ -25,6 +25,18 @@ import types
 from typing import Any, Callable
 
 
+def write_sent(path: str, tables: list, schema) -> int:
+    """The tables of ``schema`` among ``tables`` (what an exporter sent), as one Arrow IPC file at ``path``;
+    returns its rows. The fake-device workers hand their records to the tests this way."""
+    import pyarrow as pa
+
+    rows = [r for t in tables if t.schema.equals(schema, check_metadata=False) for r in t.to_pylist()]
+    table = pa.Table.from_pylist(rows, schema=schema) if rows else schema.empty_table()
+    with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table)
+    return table.num_rows
+
+
 ACK_TAG = 7919
 """Tag of a receiver's acknowledgement of a transfer (the job's own tags are left to it)."""
 

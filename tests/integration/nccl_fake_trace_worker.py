@@ -41,17 +41,19 @@ STEPS, PROFILED, EVERY = 16, 6, 8   # windows at steps 0 and 8: the second is ju
 FWD_MS, BWD_MS, LATE_MS, LINK_MS, MICROBATCHES = 30.0, 60.0, 90.0, 40.0, 2
 
 
+SENT: list[pa.Table] = []
+"""Every table the session sent, in order."""
+
+
 class KeptProducer:
-    """The producer's place in the session: every table sent is kept, in order."""
+    """The producer's place in the session: what is sent is kept in ``SENT``."""
 
     def __init__(self, *_args, **_kwargs) -> None:
-        self.tables: list[pa.Table] = []
         self.stats = ingest.producer.ProducerStats()
         self.spooled = 0
-        KeptProducer.made = self
 
     def send(self, table: pa.Table, key: str | None = None) -> int:
-        self.tables.append(table)
+        SENT.append(table)
         self.stats.records_sent += table.num_rows
         return table.num_rows
 
@@ -138,14 +140,9 @@ def main(rank: int, world: int, port: int, out: str, scenario: str) -> None:
         device.synchronize()  # loss.item(): the host waits for the step's GPU work
     session.close()
     undo_fake()
-    sent = KeptProducer.made.tables
     for name, schema in (("op", S.OP_SPAN), ("ccl", S.CCL_RECORD), ("job", S.JOB)):
-        tables = [t for t in sent if t.schema.equals(schema, check_metadata=False)]
-        table = pa.concat_tables(tables) if tables else schema.empty_table()
-        with pa.OSFile(os.path.join(out, f"rank{rank}.{name}.arrow"), "wb") as f, \
-                pa.ipc.new_file(f, table.schema) as w:
-            w.write_table(table)
-    print(f"rank {rank}: {sum(t.num_rows for t in sent)} records, {session.exporter.stats.errors} errors",
+        nccl_fake.write_sent(os.path.join(out, f"rank{rank}.{name}.arrow"), SENT, schema)
+    print(f"rank {rank}: {sum(t.num_rows for t in SENT)} records, {session.exporter.stats.errors} errors",
           flush=True)
     dist.destroy_process_group()
 

@@ -19,7 +19,6 @@ import threading
 import time
 from pathlib import Path
 
-import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -32,14 +31,6 @@ from ingest.torch_ccl import instrument_distributed  # noqa: E402
 from tests import nccl_fake  # noqa: E402
 
 STEPS, COMPUTE_MS, LATE_MS, LINK_MS, STUCK_AT = 8, 20.0, 40.0, 30.0, 6
-
-
-def write(path: str, tables: list, schema) -> int:
-    rows = [r for t in tables if t.schema.equals(schema, check_metadata=False) for r in t.to_pylist()]
-    table = pa.Table.from_pylist(rows, schema=schema) if rows else schema.empty_table()
-    with pa.OSFile(path, "wb") as f, pa.ipc.new_file(f, table.schema) as w:
-        w.write_table(table)
-    return table.num_rows
 
 
 def main(rank: int, world: int, port: int, out: str, scenario: str, timing: str) -> None:
@@ -83,8 +74,8 @@ def main(rank: int, world: int, port: int, out: str, scenario: str, timing: str)
             # sent (records and heartbeats) is written and the process leaves (its threads cannot).
             while time.monotonic() - synced[0] < 3.0:
                 time.sleep(0.1)
-            write(f"{out}/rank{rank}.arrow", list(sent), S.CCL_RECORD)
-            write(f"{out}/rank{rank}.hb.arrow", list(sent), S.HEARTBEAT)
+            nccl_fake.write_sent(f"{out}/rank{rank}.arrow", list(sent), S.CCL_RECORD)
+            nccl_fake.write_sent(f"{out}/rank{rank}.hb.arrow", list(sent), S.HEARTBEAT)
             os._exit(0)
         threading.Thread(target=watchdog, daemon=True).start()
     grad = nccl_fake.DeviceTensor(torch.ones(64 * 1024))
@@ -109,7 +100,7 @@ def main(rank: int, world: int, port: int, out: str, scenario: str, timing: str)
     exp.close()
     undo()
     undo_fake()
-    n = write(f"{out}/rank{rank}.arrow", sent, S.CCL_RECORD)
+    n = nccl_fake.write_sent(f"{out}/rank{rank}.arrow", sent, S.CCL_RECORD)
     print(f"rank {rank}: {n} records, {exp.stats.errors} errors", flush=True)
     dist.destroy_process_group()
 

@@ -141,12 +141,11 @@ def run_traced(tmp_path, scenario: str, world: int = 4) -> dict[str, pa.Table]:
     assert len(windows) == 2, windows
     for window in windows:
         key = (reg.job_id, 0, window)
-        tables = analyze_window(ops.filter(pa.compute.equal(ops["window_id"], window)), reg, key, True, "",
+        window_ops = ops.filter(pa.compute.equal(ops["window_id"], window))
+        tables = analyze_window(window_ops, reg, key, True, "",
                                 got["ccl"].filter(pa.compute.equal(got["ccl"]["window_id"], window)))
         tables["link_fault"] = history.weigh(key, tables["link_fault"])
-    got.update(tables)
-    got["op"] = ops.filter(pa.compute.equal(ops["window_id"], window))
-    return got
+    return {**got, **tables, "op": window_ops}
 
 
 def span_ms(ops: pa.Table, optype: str) -> dict[int, float]:
