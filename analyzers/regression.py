@@ -111,6 +111,7 @@ class RegressionDetector:
         self.points: list[WindowPoint] = []   # since the baseline began (bounded: the baseline and the run)
         self.baseline: float | None = None    # log step time
         self.base_start = 0                   # index in points where the baseline's windows begin
+        self.settling = False                 # the baseline is still taking in windows after a change
         self.cusum = 0.0
         self.run_start: int | None = None     # index where the current excursion began
         self.regressed_from: float | None = None  # log baseline before the last regression (for recoveries)
@@ -133,6 +134,15 @@ class RegressionDetector:
             if len(self.points) - self.base_start >= prm.baseline_windows:
                 self.baseline = _median([math.log(q.step_s) for q in self.points[self.base_start:]])
             return events
+        if self.settling:
+            # After a change the new level is read from the windows that follow it, up to baseline_windows
+            # of them, before anything is held against it: set from the first settled one or two alone, a
+            # level still moving made a second, spurious regression (+30%, then "+11% since" three windows
+            # later on the same slowdown, tests/autotrace/test_trace_regression).
+            logs = [math.log(q.step_s) for q in self.points[self.base_start:]]
+            self.baseline = _median(logs)
+            self.settling = len(logs) < prm.baseline_windows
+            return events + self._recovery(x)
         # Up: a slowdown; after a regression, down to where it came from: a recovery.
         self.cusum = max(0.0, self.cusum + x - self.baseline - prm.k)
         if self.cusum > 0 and self.run_start is None:
@@ -178,10 +188,12 @@ class RegressionDetector:
                    f"{b:.3f} s -> {a:.3f} s; {moved}; {scope}")
         ev = Event("regression", after[-1].window_id, after[0].window_id, after[0].first_step, change, b, a, shares,
                    scope, summary)
-        # The new level is the job's from now on; the old one is remembered to see it come back.
+        # The new level is the job's from now on, read on the settled windows and on those to come (add);
+        # the old one is remembered to see it come back.
         self.regressed_from = self.baseline
-        self.base_start = start
-        self.baseline = _median([math.log(q.step_s) for q in after[-self.params.k_windows:]])
+        self.base_start = start + len(after) - len(settled)
+        self.baseline = _median([math.log(q.step_s) for q in settled])
+        self.settling = len(settled) < self.params.baseline_windows
         self.cusum, self.run_start = 0.0, None
         self._trim()
         return ev
@@ -202,6 +214,7 @@ class RegressionDetector:
                                    f"{q.first_step}), from {before:.3f} s")
         self.baseline, self.regressed_from = _median(tail), None
         self.base_start = len(self.points) - self.params.k_windows
+        self.settling = self.params.k_windows < self.params.baseline_windows
         self.cusum, self.run_start = 0.0, None
         self._trim()
         return [ev]

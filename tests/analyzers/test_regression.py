@@ -70,3 +70,20 @@ def test_the_state_is_plain_data_for_a_shard_to_save():
     again.restore(pickle.loads(pickle.dumps(det.state())))
     later = [_point(i, rng, scale=1.2) for i in range(30, 40)]
     assert [e.kind for p in later for e in again.add(p)] == [e.kind for p in later for e in det.add(p)]
+
+
+def test_a_slowdown_still_settling_when_confirmed_is_one_regression_and_a_second_one_later_is_another():
+    """The shape of a real run (tests/autotrace/test_trace_regression, CI of 2026-11-28): a mixed onset window,
+    +30% at confirmation, then +40% while the new level settled. Held against a level read from the first
+    two windows, it made a second regression, "+11% since window 44", of the same slowdown."""
+    rng = np.random.default_rng(6)
+    base = [_point(i, rng) for i in range(12)]
+    settling = [_point(12, rng, scale=1.18), _point(13, rng, scale=1.30)]
+    settling += [_point(i, rng, scale=s) for i, s in zip(range(14, 20), (1.45, 1.38, 1.40, 1.39, 1.41, 1.40))]
+    found = [e for e in _run(base + settling) if e.kind == "regression"]
+    assert [e.began_window for e in found] == [1200], [e.summary for e in found]
+    # a second step after the first has settled is its own regression, measured from the settled level
+    later = [_point(i, rng, scale=1.40) for i in range(20, 30)] + [_point(i, rng, scale=1.75) for i in range(30, 40)]
+    found = [e for e in _run(base + settling + later) if e.kind == "regression"]
+    assert [e.began_window for e in found] == [1200, 3000], [e.summary for e in found]
+    assert 0.2 < found[1].change < 0.3, found[1].summary

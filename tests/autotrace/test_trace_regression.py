@@ -13,8 +13,10 @@ communication in the other.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -56,6 +58,8 @@ def test_a_job_slower_on_every_rank_is_alerted_with_what_moved(case, fleet, tmp_
            "--slower-from", str(ONSET), *extra, "--out", str(tmp_path)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=420, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
+    # every message was delivered: no spool folder is left behind in the temporary directory
+    assert not (Path(tempfile.gettempdir()) / f"stragglerscope-spool-{job}").exists(), r.stderr[-3000:]
     times = json.loads((tmp_path / "rank0.json").read_text())["step_times"]
     before, after = sorted(times[8:ONSET])[(ONSET - 8) // 2], sorted(times[ONSET:])[(STEPS - ONSET) // 2]
     measured = after / before - 1
@@ -81,7 +85,12 @@ def test_a_job_slower_on_every_rank_is_alerted_with_what_moved(case, fleet, tmp_
 
     settled_from = reg["began_step"] + (EVERY if reg["window_id"] > reg["began_window"] else 0)
     seen = level(settled_from, reg["window_id"] + EVERY) / level(8, ONSET) - 1
-    assert abs(reg["change"] - seen) <= 0.5 * seen, f"{report}; rank 0 over the same steps: {seen:+.1%}"
+    # Levels, not changes, are compared: the job's step (the what-if's, first start to last end over every
+    # rank) is not rank 0's own, and in the all-reduce's first steps the two parted by 15% (CI of
+    # 2026-11-28: +64% against rank 0's +42%, one window of four steps). Reading a window's mean with its
+    # one-off 2.5x step, the bug this guards, was 28% off (+25% read +60%).
+    off = abs(math.log((1 + reg["change"]) / (1 + seen)))
+    assert off <= math.log(1.2), f"{report}; rank 0 over the same steps: {seen:+.1%}"
     shares = json.loads(reg["optypes_json"])
     assert max(shares, key=shares.get) in optypes, report
     assert f": {category}" in reg["summary"] and reg["scope"] == "every worker", report
