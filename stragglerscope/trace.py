@@ -152,6 +152,10 @@ def _trace(cfg: Config, opts: TraceOptions, job_id: str, layout, sampling, ran: 
         say(f"trace      {sent:,} records sent{f', {dropped:,} DROPPED' if dropped else ''}"
             f"{', instrumentation errors: ' + str(sum(r['errors'] for r in reports)) if any(r['errors'] for r in reports) else ''}")
         windows = sorted({w for r in reports for w in r["windows"]})
+        waiting = tidy_spool(spool)
+        if waiting:
+            say(f"trace      {waiting:,} message(s) the broker did not take wait in {spool}: a rerun with "
+                f"--job-id {job_id} delivers them first")
         if not embedded:
             say(f"trace      records are in {bootstrap}; the fleet's pipeline analyses them "
                 f"(stragglerscope sql job_windows --param job_id={job_id})")
@@ -245,6 +249,23 @@ def _pass_on(proc: subprocess.Popen, signum: int, killer: threading.Timer) -> No
         killer.start()
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signum)
+
+
+def tidy_spool(spool: str) -> int:
+    """Remove the ranks' spool folders that hold nothing (every message delivered), and the spool with
+    them; messages left wait there for a rerun of the job. Returns how many are left. (Each traced job
+    left an empty folder in the temporary directory: 140 on a machine after a day of tests.)"""
+    left = 0
+    root = Path(spool)
+    for d in sorted(root.glob("rank*")) if root.is_dir() else []:
+        n = sum(1 for _ in d.glob("*.msg"))
+        left += n
+        if not n:
+            with contextlib.suppress(OSError):  # a crash's *.tmp, or a rank still writing: keep it
+                d.rmdir()
+    with contextlib.suppress(OSError):
+        root.rmdir()
+    return left
 
 
 def _read_reports(run_dir: str) -> list[dict]:

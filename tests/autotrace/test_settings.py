@@ -10,7 +10,7 @@ from core.layout import JobLayout
 from ingest.autotrace.session import (SettingsError, TraceSettings, coords_of, mesh_layout, parse_layout, parse_sample,
                                       resolve_layout)
 from ingest.exporter import Sampling
-from stragglerscope.trace import BOOT_DIR, child_env, default_job_id
+from stragglerscope.trace import BOOT_DIR, child_env, default_job_id, tidy_spool
 
 
 def test_layout_and_sampling_parse_and_refuse():
@@ -198,3 +198,17 @@ def test_relayout_keeps_what_the_processes_report_and_warns_on_a_contradiction()
     sess.settings = TraceSettings(job_id="j", bootstrap="")
     sess.relayout(pp=2, vpp=1, mesh={"dp_size": 2, "tp_size": 4})
     assert sess.layout == JobLayout(4, 2) and "the DeviceMesh's sizes are not used" in sess.warnings[-1]
+
+
+def test_a_spool_that_delivered_everything_is_removed_and_one_that_did_not_is_kept(tmp_path):
+    spool = tmp_path / "stragglerscope-spool-job"
+    for r in range(3):
+        (spool / f"rank{r}").mkdir(parents=True)
+    assert tidy_spool(str(spool)) == 0 and not spool.exists()
+    (spool / "rank0").mkdir(parents=True)
+    (spool / "rank1").mkdir()
+    (spool / "rank1" / "00000000000000000001.msg").write_bytes(b"x")
+    (spool / "rank1" / "00000000000000000002.msg").write_bytes(b"x")
+    assert tidy_spool(str(spool)) == 2
+    assert sorted(p.name for p in spool.iterdir()) == ["rank1"]  # the undelivered wait for a rerun
+    assert tidy_spool(str(tmp_path / "never-made")) == 0
