@@ -153,9 +153,11 @@ def _trace(cfg: Config, opts: TraceOptions, job_id: str, layout, sampling, ran: 
             f"{', instrumentation errors: ' + str(sum(r['errors'] for r in reports)) if any(r['errors'] for r in reports) else ''}")
         windows = sorted({w for r in reports for w in r["windows"]})
         waiting = tidy_spool(spool)
-        if waiting:
+        if waiting and not embedded:
             say(f"trace      {waiting:,} message(s) the broker did not take wait in {spool}: a rerun with "
                 f"--job-id {job_id} delivers them first")
+        elif waiting:  # the embedded broker and its run folder go with this run
+            say(f"trace      {waiting:,} message(s) the embedded broker did not take are lost")
         if not embedded:
             say(f"trace      records are in {bootstrap}; the fleet's pipeline analyses them "
                 f"(stragglerscope sql job_windows --param job_id={job_id})")
