@@ -75,7 +75,7 @@ def test_the_state_is_plain_data_for_a_shard_to_save():
 def test_a_slowdown_still_settling_when_confirmed_is_one_regression_and_a_second_one_later_is_another():
     """The shape of a real run (tests/autotrace/test_trace_regression, CI of 2026-11-28): a mixed onset window,
     +30% at confirmation, then +40% while the new level settled. Held against a level read from the first
-    two windows, it made a second regression, "+11% since window 44", of the same slowdown."""
+    two windows, it made a second regression, "+8% since window 44", of the same slowdown."""
     rng = np.random.default_rng(6)
     base = [_point(i, rng) for i in range(12)]
     settling = [_point(12, rng, scale=1.18), _point(13, rng, scale=1.30)]
