@@ -111,7 +111,7 @@ class RegressionDetector:
         self.points: list[WindowPoint] = []   # since the baseline began (bounded: the baseline and the run)
         self.baseline: float | None = None    # log step time
         self.base_start = 0                   # index in points where the baseline's windows begin
-        self.settling = False                 # the baseline is still taking in windows after a change
+        self.settling = False                 # the baseline is still taking in windows
         self.cusum = 0.0
         self.run_start: int | None = None     # index where the current excursion began
         self.regressed_from: float | None = None  # log baseline before the last regression (for recoveries)
@@ -130,18 +130,16 @@ class RegressionDetector:
         events = self._workers(p)
         x = math.log(p.step_s)
         prm = self.params
-        if self.baseline is None:
-            if len(self.points) - self.base_start >= prm.baseline_windows:
-                self.baseline = _median([math.log(q.step_s) for q in self.points[self.base_start:]])
-            return events
-        if self.settling:
-            # After a change the new level is read from the windows that follow it, up to baseline_windows
-            # of them, before anything is held against it: set from the first settled one or two alone, a
-            # level still moving made a second, spurious regression (+30%, then "+11% since" three windows
-            # later on the same slowdown, tests/autotrace/test_trace_regression).
+        if self.baseline is None or self.settling:
+            # The level is read from the job's first baseline_windows windows, and after a change from the
+            # windows that follow it, before anything is held against it: set from the first settled one or
+            # two alone, a level still moving made a second, spurious regression (+30%, then "+8% since"
+            # three windows later on the same slowdown, tests/autotrace/test_trace_regression). After a
+            # change the level so far is the baseline meanwhile (a recovery is said against it).
             logs = [math.log(q.step_s) for q in self.points[self.base_start:]]
-            self.baseline = _median(logs)
             self.settling = len(logs) < prm.baseline_windows
+            if self.baseline is not None or not self.settling:
+                self.baseline = _median(logs)
             return events + self._recovery(x)
         # Up: a slowdown; after a regression, down to where it came from: a recovery.
         self.cusum = max(0.0, self.cusum + x - self.baseline - prm.k)

@@ -31,7 +31,12 @@ class Spool:
         self._bytes = sum(f.stat().st_size for f in self.dir.glob("*.msg"))
 
     def __len__(self) -> int:
-        return sum(1 for _ in self.dir.glob("*.msg"))
+        return self.waiting(self.dir)
+
+    @staticmethod
+    def waiting(directory: str | os.PathLike) -> int:
+        """Messages spooled in ``directory``, without opening it (a closed spool's, a folder never made: 0)."""
+        return sum(1 for _ in Path(directory).glob("*.msg"))
 
     @property
     def bytes(self) -> int:

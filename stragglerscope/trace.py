@@ -257,10 +257,12 @@ def tidy_spool(spool: str) -> int:
     """Remove the ranks' spool folders that hold nothing (every message delivered), and the spool with
     them; messages left wait there for a rerun of the job. Returns how many are left. (Each traced job
     left an empty folder in the temporary directory: 140 on a machine after a day of tests.)"""
+    from ingest.spool import Spool
+
     left = 0
     root = Path(spool)
-    for d in sorted(root.glob("rank*")) if root.is_dir() else []:
-        n = sum(1 for _ in d.glob("*.msg"))
+    for d in sorted(root.glob("rank*")):
+        n = Spool.waiting(d)
         left += n
         if not n:
             with contextlib.suppress(OSError):  # a crash's *.tmp, or a rank still writing: keep it
