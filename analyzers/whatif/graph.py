@@ -16,6 +16,14 @@ Model details fixed by the golden results:
   latest start of its group;
 - a launch delay below -10 ms is clamped to 0.
 
+A ``params-all-gather`` or ``grads-reduce-scatter`` recorded with a microbatch
+(``mb_id`` >= 0; the golden traces have none) is a wait of the compute stream,
+split off the forward or backward that blocked in it (FSDP's all-gathers,
+DDP's and FSDP's gradient reduction, once per microbatch where gradients are
+accumulated): it sits between the compute-stream op that started before it
+and the one that starts after it, and groups with the DP ranks' waits after
+the same compute op. It takes no part in the chunk and post-compute rules.
+
 Raises ``WhatIfInputError`` naming the ops of a dependency cycle.
 """
 from __future__ import annotations
@@ -52,6 +60,7 @@ class Graph:
     step: np.ndarray  # int32, index into PreparedOps.steps (B = 1 graphs)
     is_comm: np.ndarray
     in_group: np.ndarray  # member of a group of two or more (its duration is a transfer)
+    is_wait: np.ndarray  # a wait of the compute stream (``inline_waits``): its group shares its least transfer
     g_off: np.ndarray  # starts of the groups in level order, then n (int64)
     sg_off: np.ndarray  # starts of the pair mode's sub-groups in level order, then n
     sg_wide: np.ndarray  # bool per sub-group: part of a DP-wide group
@@ -91,7 +100,8 @@ class Graph:
                 while True:
                     over = (np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.float64))
                     neg, clamped, n_over = kernels.measure(
-                        self.pred_ptr, self.pred_idx, self.g_off, self.in_group, self.is_comm, self.row_local,
+                        self.pred_ptr, self.pred_idx, self.g_off, self.in_group, self.is_comm, self.is_wait,
+                        self.row_local,
                         self.row_base, p.start, p.dur, DELAY_CLAMP_NS, c_lo, c_hi, self.orig, self.delay, *over)
                     if n_over <= cap:
                         break
@@ -216,6 +226,42 @@ def _p2p_mapping(code, ws, fb, is_f_fb, gmc_fb, kind: int, direction_f: bool, el
     return rows, target, int((~ok).sum())
 
 
+def inline_waits(code: np.ndarray, ws: np.ndarray, start: np.ndarray, mb: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The DP collectives that are waits of the compute stream (see the module docstring), in row order.
+
+    Rows are sorted by worker-step, stream, start. Returns (their rows, the row of the compute-stream op
+    that started before each and of the one that starts at or after it (-1: none in its worker-step), the
+    ordinal of the one before among its worker-step's compute-stream ops (-1: none)).
+    """
+    waits = np.flatnonzero(((code == T.PAG) | (code == T.RS)) & (mb >= 0))
+    none = np.zeros(0, np.int64)
+    if len(waits) == 0:
+        return waits, none, none, none
+    comp = np.flatnonzero(T.STREAM_OF_CODE[code] == T.S_COMPUTE)
+    rows = np.concatenate([comp, waits])
+    is_wait = np.concatenate([np.zeros(len(comp), bool), np.ones(len(waits), bool)])
+    # Merged by worker-step and start; a wait comes before a compute op that starts with it (that op waited).
+    o = np.lexsort((rows, ~is_wait, start[rows], ws[rows]))
+    rows, is_wait, wss = rows[o], is_wait[o], ws[rows[o]]
+    idx = np.arange(len(rows))
+    last = np.maximum.accumulate(np.where(~is_wait, idx, -1))
+    nxt = np.minimum.accumulate(np.where(~is_wait, idx, len(rows))[::-1])[::-1]
+    w = np.flatnonzero(is_wait)
+    before, after = last[w], nxt[w]
+    ok_b = before >= 0
+    ok_b[ok_b] = wss[before[ok_b]] == wss[w[ok_b]]
+    ok_a = after < len(rows)
+    ok_a[ok_a] = wss[after[ok_a]] == wss[w[ok_a]]
+    comp_ord = np.full(len(rows), -1, np.int64)
+    comp_ord[~is_wait] = _ordinal(wss[~is_wait])  # compute rows are in time order within their worker-step
+    prev_row = np.where(ok_b, rows[np.maximum(before, 0)], -1)
+    next_row = np.where(ok_a, rows[np.minimum(after, len(rows) - 1)], -1)
+    prev_ord = np.where(ok_b, comp_ord[np.maximum(before, 0)], -1)
+    back = np.argsort(rows[w], kind="stable")  # row order
+    return rows[w][back], prev_row[back], next_row[back], prev_ord[back]
+
+
 def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool, measure: bool = True) -> Graph:
     """Dependency graph of rows [lo, hi) of ``p`` (whole steps)."""
     lay = p.layout
@@ -310,6 +356,13 @@ def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool, measur
         ok = s_t >= 0
         edges.add(fb[s_t[ok]], nr(s_rows[ok]))
 
+    # Waits of the compute stream: between the compute op before them and the one after.
+    w_rows, w_prev, w_next, w_prev_ord = inline_waits(code, ws, p.start[rows], p.mb[rows])
+    inline = np.zeros(n, bool)
+    inline[w_rows] = True
+    edges.add(w_prev, w_rows)
+    edges.add(w_rows, w_next)
+
     # params-all-gather -> first forward of its chunk (first forward of the worker if none).
     f_rows = fb[is_f]
     big = np.iinfo(np.int64).max
@@ -317,7 +370,7 @@ def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool, measur
     np.minimum.at(tmp, ws[f_rows], f_rows)
     first_f_ws = np.where(tmp == big, -1, tmp)
     mc_span = int(seq_mc.max(initial=0)) + 1
-    pag = np.flatnonzero(code == T.PAG)
+    pag = np.flatnonzero((code == T.PAG) & ~inline)
     if len(pag):
         tmp = np.full(n_ws * mc_span, big, np.int64)
         np.minimum.at(tmp, ws[f_rows] * mc_span + seq_mc[f_rows], f_rows)
@@ -338,10 +391,11 @@ def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool, measur
         np.maximum.at(lst, ws[r], r)
         return np.where(fst == big, -1, fst), lst
 
-    _, rs_last = first_last(code == T.RS)
+    chain_rs = (code == T.RS) & ~inline
+    _, rs_last = first_last(chain_rs)
     if overlapped_dp:
         cats = [code == T.GC, code == T.LN, code == T.EMB, code == T.SAR, code == T.CLIP, code == T.OPT]
-        rs = np.flatnonzero(code == T.RS)
+        rs = np.flatnonzero(chain_rs)
         if len(rs):
             b_rows = fb[~is_f]
             tmp = np.full(n_ws * mc_span, -1, np.int64)
@@ -349,7 +403,7 @@ def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool, measur
             src = tmp[ws[rs] * mc_span + np.minimum(seq_mc[rs], mc_span - 1)]
             edges.add(src, rs)
     else:
-        cats = [code == T.GC, code == T.LN, code == T.EMB, code == T.RS, code == T.CLIP, code == T.OPT]
+        cats = [code == T.GC, code == T.LN, code == T.EMB, chain_rs, code == T.CLIP, code == T.OPT]
     prev_last = last_fb.copy()
     pending_rs = rs_last.copy() if overlapped_dp else np.full(n_ws, -1, np.int64)
     for ci, mask in enumerate(cats):
@@ -376,7 +430,16 @@ def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool, measur
     wide = np.zeros(n, bool)
     coll = np.flatnonzero(np.isin(code, (T.PAG, T.RS, T.SAR, T.EMB, T.CLIP)))
     if len(coll):
-        ordn[coll] = _ordinal(ws[coll] * 16 + code[coll])
+        # The k-th collective of its type on the worker-step; a wait of the compute stream is the one after
+        # the same compute op on every DP rank, whatever other waits a rank recorded (it records none where
+        # it never waited).
+        lone_c = coll[~inline[coll]]
+        ordn[lone_c] = _ordinal(ws[lone_c] * 16 + code[lone_c])
+        if len(w_rows):
+            base = int(ordn[lone_c].max(initial=-1)) + 1
+            sub = _ordinal((ws[w_rows] * 16 + code[w_rows]) * (n + 1) + w_prev_ord + 1)
+            per = int(sub.max()) + 1
+            ordn[w_rows] = base + (w_prev_ord + 1) * per + sub
         m_ord = int(ordn[coll].max()) + 1
         c = code[coll]
         # DP collectives: one stage, all DP ranks.  Embedding: one pipeline.  Clip: all.
@@ -447,7 +510,7 @@ def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool, measur
     g = Graph(
         n=n, row_local=rows[order].astype(np.int64), code=code_o.astype(np.int8), dp=dp[order].astype(np.int32),
         pp=pp[order].astype(np.int32), step=(step_o + s0).astype(np.int32), is_comm=T.IS_COMM[code_o],
-        in_group=(gsize[gid] > 1)[order], g_off=np.append(g_off_all, n).astype(np.int64),
+        in_group=(gsize[gid] > 1)[order], is_wait=inline[order], g_off=np.append(g_off_all, n).astype(np.int64),
         sg_off=np.append(sg_start, n).astype(np.int64), sg_wide=wide[order][sg_start],
         pred_idx=pred_idx, pred_ptr=pred_ptr,
         end_pos=end_pos, end_off=end_off, end_steps=(es[end_off] + s0).astype(np.int64),

@@ -155,16 +155,23 @@ def pass_pairs(pred_ptr, pred_idx, sg_off, sg_wide, ideal, orig, b0, E):  # prag
                 out[2 * c + 1] = gm[2 * c + 1] + di
 
 
-@_entry(outputs=(12, 13, 14, 15, 16))
-def measure(pred_ptr, pred_idx, g_off, in_group, is_comm, row_local, row_base, start, dur, clamp_ns, c_lo, c_hi,
-            orig, delay, over_r, over_c, over_v):  # pragma: no cover - compiled
+@_entry(outputs=(13, 14, 15, 16, 17))
+def measure(pred_ptr, pred_idx, g_off, in_group, is_comm, is_wait, row_local, row_base, start, dur, clamp_ns, c_lo,
+            c_hi, orig, delay, over_r, over_c, over_v):  # pragma: no cover - compiled
     """Original durations ``orig`` and launch delays ``delay`` [n, B] of every op and batch columns
     [c_lo, c_hi), read from the trace (``start``/``dur`` at row ``row_base[c] + row_local[i]``).
 
     A grouped op's original duration is its transfer: its end minus the group's latest start (below 0
-    counts as negative and becomes 0). A delay is the op's start minus its predecessors' latest actual
-    end; below ``clamp_ns`` it counts as clamped and becomes 0; past int32 it goes to ``over_*`` (as
-    many as fit; the returned count says how many there were). Returns (negative, clamped, over).
+    counts as negative and becomes 0). The members of a group of waits of the compute stream
+    (``is_wait``, one flag per group's first op) transfer at most as long as the member that came last,
+    and end, for the delays of what follows them, that long after its start: such a wait folds every
+    blocking of its compute op into one, and what the others waited beyond the last one's transfer was
+    for later collectives of that compute op (FSDP's next layers), not transfer (with their own
+    transfers, a slowed rank's lateness there went into the ideal's median transfer: S -6% against its
+    control). None ends later than it did, so what follows it starts no earlier than its model end. A delay is the op's start
+    minus its predecessors' latest end; below ``clamp_ns`` it counts as clamped and becomes 0; past int32
+    it goes to ``over_*`` (as many as fit; the returned count says how many there were). Returns
+    (negative, clamped, over).
     """
     n = orig.shape[0]
     cap = over_r.shape[0]
@@ -205,7 +212,9 @@ def measure(pred_ptr, pred_idx, g_off, in_group, is_comm, row_local, row_base, s
                     if is_comm[i]:
                         t = en[i + 1, j] - gmax[j] if in_group[i] else du
                         if t < 0:
-                            neg += 1
+                            # A wait that ended before the last member started was for a collective its
+                            # rank joined earlier (FSDP prefetches the next layer's): none of it is transfer.
+                            neg += 0 if is_wait[i] else 1
                             t = 0
                         orig[i, c0 + j] = np.float64(t)
                     else:
@@ -222,6 +231,16 @@ def measure(pred_ptr, pred_idx, g_off, in_group, is_comm, row_local, row_base, s
                         n_over += 1
                         d = 0
                     delay[i, c0 + j] = np.int32(d)
+            if is_wait[a] and b - a > 1:
+                for j in range(cb):
+                    least = np.inf
+                    for i in range(a, b):
+                        if st[i, j] == gmax[j]:
+                            least = min(least, orig[i, c0 + j])
+                    for i in range(a, b):
+                        t = min(orig[i, c0 + j], least)
+                        orig[i, c0 + j] = t
+                        en[i + 1, j] = gmax[j] + np.int64(t)
     return neg, clamped, n_over
 
 
@@ -382,8 +401,8 @@ def warm() -> None:
         for dur_t in (i16, i32, i64):
             orig, delay = np.zeros((2, 1), f64), np.zeros((2, 1), i32)
             over = (np.zeros(1, i64), np.zeros(1, i64), np.zeros(1, f64))
-            measure(ptr, pidx, bounds, flags, flags, rows, np.zeros(1, i64), np.zeros(2, i64), np.zeros(2, dur_t),
-                    -1, 0, 1, orig, delay, *over)
+            measure(ptr, pidx, bounds, flags, flags, flags, rows, np.zeros(1, i64), np.zeros(2, i64),
+                    np.zeros(2, dur_t), -1, 0, 1, orig, delay, *over)
             E = np.zeros((3, 1, 2), f64)
             replay_gap(E, 1, rows, np.zeros(1, i64), 0, np.zeros(2, i64), np.zeros(2, dur_t))
         E = np.zeros((3, 1, 2), f64)

@@ -26,7 +26,7 @@ from core import parallel
 from core.optypes import OPTYPES
 
 from . import opcodes as T
-from .graph import Graph, build_graph
+from .graph import Graph, build_graph, inline_waits
 from .load import PreparedOps
 from .simulate import (
     Scenarios,
@@ -96,8 +96,18 @@ def _regular(p: PreparedOps) -> bool:
     n_t = int(bounds[1] - bounds[0]) if n_s else 0
     if n_s < 2 or p.n != n_s * n_t:
         return False
-    return all(np.array_equal(a.reshape(n_s, n_t), np.broadcast_to(a[:n_t], (n_s, n_t)))
-               for a in (p.code, p.dp, p.pp, p.mc, p.gmc))
+    if not all(np.array_equal(a.reshape(n_s, n_t), np.broadcast_to(a[:n_t], (n_s, n_t)))
+               for a in (p.code, p.dp, p.pp, p.mc, p.gmc)):
+        return False
+    # Waits of the compute stream follow the compute op they were recorded after: the same one in every step.
+    lay = p.layout
+    ws = (p.step_idx.astype(np.int64) * lay.dp_size + p.dp) * lay.pp_size + p.pp
+    w_rows, _, _, w_prev_ord = inline_waits(p.code.astype(np.int64), ws, p.start, p.mb)
+    if len(w_rows) == 0:
+        return True
+    anchor = np.full(p.n, -2, np.int64)
+    anchor[w_rows] = w_prev_ord
+    return np.array_equal(anchor.reshape(n_s, n_t), np.broadcast_to(anchor[:n_t], (n_s, n_t)))
 
 
 def build_graphs(p: PreparedOps, *, overlapped_dp: bool, chunk_ops: int = CHUNK_OPS,

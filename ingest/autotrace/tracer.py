@@ -88,7 +88,8 @@ class Tracer:
         self.fwd_in_step = 0
         self.bwd_in_step = 0
         self.last_grad_perf = 0
-        self.blocked_ns = 0           # waits for other ranks inside the compute span in progress
+        self.blocked_ns = 0           # waits for other ranks inside the compute span in progress (but gathers)
+        self.blocked_gather_ns = 0    # waits in all-gathers inside it (FSDP's parameters)
         self.last_compute_end = 0     # perf_counter_ns when the last compute span ended
         self.open_sends: list[Call] = []
         self.p2p_tags: dict[int, tuple[str, int, int]] = {}
@@ -120,6 +121,7 @@ class Tracer:
         self._gc_start = 0
         self.gc_pause: tuple[int, int] | None = None  # (first pause start, total pause) in this step
         self.after_backward = False                     # a backward ended and no forward began since
+        self.chain_started = False                      # a DP collective began since the last compute op
         self.gc_done = False                            # this step's gc op is recorded
         self._span: tuple = (None, 0)
         self._span_module = None
@@ -149,7 +151,7 @@ class Tracer:
             self.saw_optimizer_in_step = False
             self.fwd_in_step = self.bwd_in_step = 0
             self.p2p_counts = {}
-            self.gc_pause, self.after_backward, self.gc_done = None, False, False
+            self.gc_pause, self.after_backward, self.gc_done, self.chain_started = None, False, False, False
             self.exp.start_step(self.step)
             if self.exp.profiling:
                 self.windows.add(self.exp.window)
@@ -411,7 +413,9 @@ class Tracer:
                 if not self.roots:
                     return  # no forward seen yet: keep looking
                 for root in list(self.roots):
-                    pre = root.register_forward_pre_hook(self._fwd_pre)
+                    # Ahead of the module's own pre-hooks, as the global hook was: FSDP2's root all-gathers
+                    # in one, which ran outside the forward span from step 1 (a second all-gather a forward).
+                    pre = root.register_forward_pre_hook(self._fwd_pre, prepend=True)
                     post = root.register_forward_hook(self._fwd_post, always_call=True)
                     self._undo += [pre.remove, post.remove]
             hooks, self._global_fwd_hooks = self._global_fwd_hooks, []
@@ -460,7 +464,7 @@ class Tracer:
                 self.tokens0 += _tokens(_inputs)
             self.active = "forward-compute"
             self.after_backward = False
-            self.blocked_ns = 0
+            self.blocked_ns = self.blocked_gather_ns = 0
             self._span = (self.exp.begin_op("forward-compute", mb_id=self.fwd_in_step), time.perf_counter_ns())
             self.fwd_in_step += 1
             self._span_module = module
@@ -515,7 +519,7 @@ class Tracer:
         self.roots.add(module)
         if not self.model_name:
             inner = _uncompiled(module)
-            self.model_name = type(getattr(inner, "module", inner)).__name__
+            self.model_name = _class_name(getattr(inner, "module", inner))
         self.params = max(self.params, sum(p.numel() for p in module.parameters()))
         for p in module.parameters():
             if p.requires_grad and p not in self.hooked_params and hasattr(p, "register_post_accumulate_grad_hook"):
@@ -534,7 +538,7 @@ class Tracer:
             self._ensure_step()
             self._close_sends()
             self.active = "backward-compute"
-            self.last_grad_perf = self.blocked_ns = 0
+            self.last_grad_perf = self.blocked_ns = self.blocked_gather_ns = 0
             t0 = time.perf_counter_ns()
             token = self.exp.begin_op("backward-compute", mb_id=self.bwd_in_step)
             self.bwd_in_step += 1
@@ -558,24 +562,32 @@ class Tracer:
     def _end_compute(self, token, t0: int, optype: str, tail_from: int = 0) -> None:
         """End a compute span, with the time it waited for other ranks split off as communication.
 
-        A forward's waits (FSDP's all-gathers) become a leading ``params-all-gather``, a backward's
-        (the gradient reduction of DDP or FSDP) a trailing ``grads-reduce-scatter``: the what-if model's
-        DP collectives before the first forward and after the last backward.
+        Waits in all-gathers (FSDP's parameters, in the forward and, resharded after it, in the backward)
+        become a leading ``params-all-gather``; a backward's other waits (the gradient reduction of DDP or
+        FSDP, where gradients are synced) a trailing ``grads-reduce-scatter``; a forward's are all leading.
+        Both carry the span's microbatch and chunk: the what-if model puts such a wait between the compute
+        op before it and the one after (``analyzers/whatif/graph.py``), one per microbatch where gradients
+        are accumulated. Split off as one trailing reduce-scatter per backward, an FSDP2 job's backward
+        all-gathers were put after the whole backward pass, and its window was a dependency cycle.
         """
         t1 = self.last_compute_end = time.perf_counter_ns()
-        wait = self.blocked_ns
+        self.chain_started = False
+        lead, tail = self.blocked_gather_ns, self.blocked_ns
+        if optype == "forward-compute":
+            lead, tail = lead + tail, 0
         if tail_from and t0 < tail_from < t1:
-            wait = max(wait, t1 - tail_from)
-        self.blocked_ns = 0
-        if token is None or wait <= 0 or not isinstance(token[0], int) or wait >= t1 - t0:
+            tail = max(tail, t1 - tail_from)
+        self.blocked_ns = self.blocked_gather_ns = 0
+        if token is None or lead + tail <= 0 or not isinstance(token[0], int) or lead + tail >= t1 - t0:
             self.exp.end_op(token)  # nothing to split (or CUDA-timed: GPU time excludes host waits)
             return
-        if optype == "forward-compute":
-            self.exp.record_op("params-all-gather", t0, t0 + wait)
-            self.exp.end_op((t0 + wait, token[1]))
-        else:
-            self.exp.end_op(token, end_perf_ns=t1 - wait)
-            self.exp.record_op("grads-reduce-scatter", t1 - wait, t1)
+        meta = token[1]
+        mb, mc, gmc = max(0, int(meta[4])), meta[2], meta[3]
+        if lead:
+            self.exp.record_op("params-all-gather", t0, t0 + lead, mb_id=mb, mc=mc, gmc=gmc)
+        self.exp.end_op((t0 + lead, meta), end_perf_ns=t1 - tail)
+        if tail:
+            self.exp.record_op("grads-reduce-scatter", t1 - tail, t1, mb_id=mb, mc=mc, gmc=gmc)
 
     # -- optimizer ------------------------------------------------------------
     def _opt_pre(self, _opt, _args, _kwargs) -> None:
@@ -621,6 +633,7 @@ class Tracer:
             return  # nested in a span: its blocking time is what counts (on_blocked); or shapes only
         optype = self._dp_optype(call)
         if optype is not None:
+            self.chain_started = True
             call.note = ("span", self.exp.begin_op(optype))
 
     def _on_p2p(self, call: Call) -> None:
@@ -741,7 +754,10 @@ class Tracer:
         vanished from the model (S +14.5% on a DTensor job with a worker's second rank slowed)."""
         if self.active in ("forward-compute", "backward-compute") and self._mine() and not call.is_p2p \
                 and self._is_dp_group(call.ranks):
-            self.blocked_ns += ns
+            if call.op in _GATHERS:
+                self.blocked_gather_ns += ns
+            else:
+                self.blocked_ns += ns
 
     def _is_dp_group(self, ranks: list[int]) -> bool:
         """A group orthogonal to this rank's pipeline (no other member of it is a pipeline peer)."""
@@ -766,14 +782,18 @@ class Tracer:
 
     # -- gc ---------------------------------------------------------------------
     def _gc(self, phase: str, _info: dict) -> None:
-        """Collections between the last backward and the optimizer: the model's one ``gc`` op per step
-        (its post-compute chain). Pauses elsewhere stay in the span they interrupt or in a launch delay."""
+        """Collections between the last backward and the first DP collective after it (or the optimizer):
+        the model's one ``gc`` op per step, which its post-compute chain puts before that collective. Pauses
+        elsewhere stay in the span they interrupt or in a launch delay: a pause after a gradient-norm
+        all-reduce, taken into the gc op, put that op after the all-reduce the model starts after it (a
+        launch delay of -30 ms, clamped, on an FSDP2 job)."""
         if not self._mine() or not self.exp.profiling:
             return
         try:
             if phase == "start":
                 self._gc_start = time.perf_counter_ns()
-            elif phase == "stop" and self._gc_start and self.active is None and self.open and self.after_backward:
+            elif phase == "stop" and self._gc_start and self.active is None and self.open and self.after_backward \
+                    and not self.chain_started:
                 now = time.perf_counter_ns()
                 first, total = self.gc_pause or (self._gc_start, 0)
                 self.gc_pause = (first, total + now - self._gc_start)
@@ -856,7 +876,7 @@ class Tracer:
             self._close_sends()
             mc, gmc = self._stage_chunk(stage)
             self.active = optype
-            self.blocked_ns = 0
+            self.blocked_ns = self.blocked_gather_ns = 0
             if optype == "forward-compute":
                 self.fwd_in_step += 1
             t0 = time.perf_counter_ns()
@@ -1309,6 +1329,15 @@ def _peak_of(gpu: str) -> float:
 def _uncompiled(module):
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) stands for; any other module itself."""
     return getattr(module, "_orig_mod", module) if type(module).__name__ == "OptimizedModule" else module
+
+
+def _class_name(module) -> str:
+    """The model's own class name: FSDP2's ``fully_shard`` swaps a module's class for one of its own,
+    ``FSDP<Name>`` deriving from ``FSDPModule`` and the model's class, which is the one named."""
+    for cls in type(module).__mro__:
+        if not cls.__module__.startswith("torch.distributed.fsdp") and cls.__name__ != "FSDPModule":
+            return cls.__name__
+    return type(module).__name__
 
 
 def _syncs_grads(roots) -> bool:
