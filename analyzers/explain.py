@@ -39,6 +39,8 @@ TITLES = {
     "comm_hang": "Communication hang",
     "noncomm_hang": "Non-communication hang",
     "node_loss": "Node loss",
+    "process_loss": "Process loss",
+    "hang_ended": "Stall ended",
 }
 """What each kind is called where a person reads it (the stored kinds are identifiers)."""
 
@@ -375,8 +377,35 @@ def _waiting_in(group: str, seq: Any, rows: list[dict]) -> int:
                if r.get("group") == group and r.get("seq") == seq)
 
 
+_STATE_WORDS = {"stopped": "is stopped (SIGSTOP, a debugger or the scheduler's suspend)",
+                "exited": "exited without finishing (killed, or it crashed)",
+                "finished": "finished its work and left (uneven data, or fewer steps than its peers)",
+                "silent": "fell silent (no heartbeat, nor its watch's)",
+                "unresponsive": "runs but its heartbeat thread cannot (its interpreter lock held in C code)"}
+"""What a rank's state (``analyzers.hang``: its watch, its last heartbeat, its silence) says, in words."""
+
+
+def _states(evidence: Mapping, ranks: list[int]) -> str:
+    """' It is stopped (...).' for the named ranks whose state is known; empty when none is."""
+    states = evidence.get("states") or {}
+    by: dict[str, list[int]] = {}
+    for r in ranks:
+        st = states.get(str(r)) if isinstance(states, Mapping) else None
+        if st:
+            by.setdefault(str(st), []).append(r)
+    if not by:
+        return ""
+    from core.layout import fold_ranks
+
+    parts = [(f"rank {rs[0]}" if len(rs) == 1 else f"ranks {fold_ranks(rs)}") + " " + _STATE_WORDS.get(st, st)
+             for st, rs in by.items()]
+    text = "; ".join(parts)
+    return f" {text[0].upper()}{text[1:]}."
+
+
 def explain_hang(row: Mapping, layout: Mapping | None = None) -> Explanation:
-    """A HANG row in words: who waits where, who never came (the culprits) and for how long.
+    """A HANG row in words: who waits where, who never came (the culprits), what state they are in and for how
+    long; for a stall that ended, how long it lasted and what it was.
 
     ``layout``: the job's registration (JOB row) to place ranks as dp/pp/tp; without it ranks are named only.
     """
@@ -393,7 +422,16 @@ def explain_hang(row: Mapping, layout: Mapping | None = None) -> Explanation:
     on = f" on {_listed(hosts, 3)}" if hosts else ""
     for_ = duration(row.get("duration_s"))
     op, group, seq = row.get("op") or "", row.get("group") or "", row.get("seq")
-    coll = f"{op} #{seq} of group {group}" if group else (op or "an op")
+    numbered = isinstance(seq, int) and seq >= 0
+    coll = (f"{op} #{seq} of group {group}" if numbered else f"{op} of group {group}") if group else (op or "an op")
+    named = _states(evidence, missing or stuck)
+    if kind == "hang_ended":
+        from analyzers.hang import ended_sentence
+
+        sentence = ended_sentence(dict(row)).capitalize() + "."
+        if missing:
+            sentence += f" It waited for {_ranks_named(missing, sizes)}{on}."
+        return Explanation(kind, title(kind), sentence)
     if kind == "comm_hang" and missing:
         last = _last_op(missing, rows)
         n_c = "it is the culprit" if len(missing) == 1 else "they are the culprits"
@@ -407,28 +445,43 @@ def explain_hang(row: Mapping, layout: Mapping | None = None) -> Explanation:
                         f"{_ranks_named(missing, sizes)}{on} never entered: {n_c}.")
         if last and last != "(none)":
             sentence += f" Last seen in {last}."
+        sentence += named
     elif kind == "comm_hang":
         sentence = (f"Every member entered {coll} and none has left it for {for_}: the collective itself is "
                     "stuck (a link or NIC of the group, or the library).")
+    elif kind == "node_loss" and op not in ("", "host silent"):
+        kind = "process_loss"
+        sentence = (f"{_ranks_named(missing, sizes)}{on} {'has' if len(missing) == 1 else 'have'} been gone for "
+                    f"{for_} ({op}) while {_plural(len(stuck), 'rank')} of the job still report: its process is "
+                    f"lost, not its host.{named} The others cannot go on without "
+                    f"{'it' if len(missing) == 1 else 'them'}.")
     elif kind == "node_loss":
         sentence = (f"{_ranks_named(missing, sizes)}{on} stopped sending heartbeats {for_} ago: "
                     f"{'its host is' if len(hosts) == 1 else 'their hosts are'} lost. "
                     f"The other {_plural(len(stuck), 'rank')} cannot go on without "
                     f"{'it' if len(missing) == 1 else 'them'}.")
+    elif kind == "noncomm_hang" and missing:
+        sentence = (f"No rank is inside a collective and none has made progress for {for_}; "
+                    f"{_ranks_named(missing, sizes)}{on} {'is' if len(missing) == 1 else 'are'} gone while "
+                    f"the others wait: {'it is the culprit' if len(missing) == 1 else 'they are the culprits'}."
+                    f"{named}")
     elif kind == "noncomm_hang" and op:
         sentence = (f"No rank is inside a collective and none has made progress for {for_}; "
                     f"{_ranks_named(stuck, sizes)}{on} {'has' if len(stuck) == 1 else 'have'} been in {op} "
-                    f"the longest: the suspect{'s' if len(stuck) > 1 else ''} (compute, data loading or I/O).")
+                    f"the longest: the suspect{'s' if len(stuck) > 1 else ''} (compute, data loading or I/O).{named}")
     elif kind == "noncomm_hang":
         sentence = (f"No rank is inside a collective or reports an op in flight, and none has made progress for "
                     f"{for_}: the whole job is suspect.")
     else:
         sentence = f"{coll}: stuck {row.get('stuck_ranks') or '–'}, missing {row.get('missing_ranks') or '–'}."
     def doing(r: dict) -> str:
-        where_ = f"{r.get('op')} #{r.get('seq')} ({r.get('group')})" if r.get("group") else (r.get("op") or "(none)")
-        if set(parse_ranks(str(r.get("ranks", "")))) <= set(missing) and kind in ("comm_hang", "node_loss"):
-            return f"last seen in {where_}"  # a culprit's own row is where it was before it went missing
-        return f"waits in {where_}" if r.get("group") else f"in {where_}"
+        num = f" #{r.get('seq')}" if isinstance(r.get("seq"), int) and r["seq"] >= 0 else ""
+        where_ = f"{r.get('op')}{num} ({r.get('group')})" if r.get("group") else (r.get("op") or "(none)")
+        state = f"{r['state']}, " if r.get("state") else ""
+        if set(parse_ranks(str(r.get("ranks", "")))) <= set(missing) and kind in ("comm_hang", "node_loss",
+                                                                                    "process_loss", "noncomm_hang"):
+            return f"{state}last seen in {where_}"  # a culprit's own row is where it was before it went missing
+        return state + (f"waits in {where_}" if r.get("group") else f"in {where_}")
 
     table = tuple((r.get("ranks", ""), doing(r), r.get("waits_for") or "–") for r in rows[:8])
     return Explanation(kind, title(kind), sentence, ("ranks", "doing", "waiting for"), table)

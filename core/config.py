@@ -145,13 +145,30 @@ class AlertConfig:
 
 @dataclasses.dataclass(frozen=True)
 class HangConfig:
+    """When no progress is a hang, and when a silent rank is lost (``analyzers.hang``: the detector's own
+    parameters, as set here)."""
+
+    min_s: float = 8.0
+    """Once the job's pace is known, no progress (no op ended on any rank) for quiet_factor times its longest
+    normal wait between two ops, and at least this long, is a hang: a job whose steps take 0.5-5 s is named
+    within about 15 s."""
+    quiet_factor: float = 2.5
+    """... that many times the median rank's longest wait between two ops over its recent steps (each rank
+    reports it from its third step on)."""
     floor_s: float = 45.0
-    """No progress (no op ended on any rank) for at least this long can be a hang: a job whose steps take
-    under 5 s is named within a minute (a checkpoint save gets checkpoint_s)."""
+    """Until the ranks report their pace (the job's first steps), no progress for at least this long can be a
+    hang (a checkpoint save gets checkpoint_s)."""
     k_steps: float = 10.0
     """... and for at least this many median step times of the job."""
+    silent_s: float = 6.0
+    """In a stall, a rank that sent no heartbeat (nor its watch) for this long, or three of its heartbeat
+    periods, is missing: the one the others wait for."""
     heartbeat_timeout_s: float = 30.0
-    """Ranks silent this long while others report are lost (six missed 5 s heartbeats)."""
+    """Ranks silent this long while others report, or stopped (SIGSTOP) this long, are lost: node loss, or
+    process loss where their host's other ranks still report."""
+    exit_grace_s: float = 5.0
+    """A rank whose process exited without finishing is lost when its peers still report this long after (a
+    launcher that stops a job stops every rank within moments: that is the job's end)."""
     startup_s: float = 600.0
     """Before any rank begins its first step, no progress for this long is a hang (start-up takes minutes)."""
     checkpoint_s: float = 900.0
@@ -345,6 +362,12 @@ def check_kafka_transport(cfg: Config) -> Config:
         cfg.kafka.conn().check()
     except KafkaConnError as e:
         raise ConfigError(str(e)) from None
+    h = cfg.hang
+    if not (h.min_s > 0 and h.quiet_factor >= 1 and h.silent_s > 0 and h.heartbeat_timeout_s > h.silent_s
+            and min(h.floor_s, h.k_steps, h.exit_grace_s, h.startup_s, h.checkpoint_s) >= 0):
+        raise ConfigError(f"hang: min_s, silent_s over 0, quiet_factor at least 1, heartbeat_timeout_s over "
+                          f"silent_s and the other keys at least 0 (got min_s {h.min_s:g}, quiet_factor "
+                          f"{h.quiet_factor:g}, silent_s {h.silent_s:g}, heartbeat_timeout_s {h.heartbeat_timeout_s:g})")
     r = cfg.regression
     if not (0 < r.min_change < 10 and r.k_windows >= 1 and r.baseline_windows >= 1):
         raise ConfigError(f"regression: min_change must be in (0, 10), k_windows and baseline_windows at least 1 "

@@ -30,7 +30,7 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """Bump on any change of a schema below; add a forward migration in storage/ where a table changes.
 
 2: CHECKPOINT records, DOWNTIME and REMEDY results; JOB ``params``,
@@ -47,6 +47,10 @@ duration for every peer).
 what contradicts it); TCP_FLOW records (per-connection TCP counters of profiled steps); HEARTBEAT ``gpu_*``
 (the rank's GPU as NVML reports it) and GPU_SAMPLE results (those samples, stored per rank).
 6: HEARTBEAT ``flight_recorder`` (PyTorch's Flight Recorder, summarised, with a stack dump). No table changed.
+7: TCP_FLOW ``probe`` rows (the path probe's own connection).
+8: HEARTBEAT ``proc_state`` (what the rank's watch process sees of it: stopped, exited, unresponsive, finished),
+``heartbeat_s`` (the period the rank reports at) and ``quiet_ns`` (its longest wait between two ops of its recent
+steps: the hang threshold adapts to it); HANG kind ``hang_ended`` (a stall that ended, and what it was).
 """
 MIN_READ_VERSION = 1
 """The oldest version ``decode`` still reads (fields added since get their defaults)."""
@@ -201,6 +205,13 @@ HEARTBEAT = _schema(
         _f("gpu_pcie_replays", pa.int64(), "", "PCIe replays; -1 unknown", since=5, default=-1),
         _f("flight_recorder", pa.string(), "", "PyTorch's Flight Recorder summarised (JSON; ingest.flight_recorder), "
            "with a stack dump only", since=6, default=""),
+        _f("proc_state", pa.string(), "", "the process as its watch sees it when the rank's own heartbeats cannot "
+           "tell (ingest.rank_watch): stopped, exited, unresponsive; finished in a rank's last heartbeat; "
+           "empty while it reports itself", since=8, default=""),
+        _f("heartbeat_s", pa.float64(), "s", "the period the rank sends heartbeats at; 0 unknown", since=8,
+           default=0.0),
+        _f("quiet_ns", pa.int64(), "ns", "the longest time between two ops ending on this rank over its recent "
+           "steps (ingest.exporter); -1 until it completed a few steps", since=8, default=-1),
     ],
 )
 
@@ -363,7 +374,7 @@ HANG = _schema(
         _JOB,
         _ATTEMPT,
         _f("hang_id", pa.int64(), "ns", "detection time; unique per job"),
-        _f("kind", pa.string(), "", "comm_hang, noncomm_hang or node_loss"),
+        _f("kind", pa.string(), "", "comm_hang, noncomm_hang, node_loss, or hang_ended (a stall that ended)"),
         _f("group", pa.string(), "", "communication group, empty if none"),
         _f("seq", pa.int64(), "", "sequence number of the collective, -1 if none"),
         _f("op", pa.string(), "", "the collective or op the ranks are stuck in"),

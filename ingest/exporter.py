@@ -19,15 +19,22 @@ Contract with the training loop: nothing here blocks it or raises into it.
   downtime accounting needs where a restarted job resumes from.
 - A heartbeat thread reports progress (the last completed step and when its
   ``step()`` block exited, host time; the last op) and the op in flight every
-  ``heartbeat_s``; ``close()`` sends a last one, so the final progress of a
-  process that exits is exact. When an op has been in flight longer than
-  ``hang_dump_s`` (or ``request_stacks()`` was called) it attaches the
-  Python stacks of every thread, folded, so a hang can be localised even
-  when the main thread sits inside a C call, and what PyTorch's Flight
-  Recorder holds of the process groups' last collectives
-  (``ingest.flight_recorder``). On a GPU the op in flight is also the
-  collective the GPU reached and has not finished (NCCL's calls return at
-  once, the host is elsewhere).
+  ``heartbeat_s`` (2 s); ``close()`` sends a last one, marked ``finished``,
+  so the final progress of a process that exits is exact and a rank that
+  ended early is not taken for a lost one. Each heartbeat also carries the
+  rank's pace: the longest time between two of its ops ending over its
+  recent steps (``quiet_ns``), which the hang threshold adapts to. When no op
+  has ended on this rank for 1.5 times that (at least ``dump_min_s``; before
+  the pace is known, ``hang_dump_s``), or ``request_stacks()`` was called, it
+  attaches the Python stacks of every thread, folded, so a hang can be
+  localised even when the main thread sits inside a C call, and what
+  PyTorch's Flight Recorder holds of the process groups' last collectives
+  (``ingest.flight_recorder``): once per stall, before the hang is named. On a
+  GPU the op in flight is also the collective the GPU reached and has not
+  finished (NCCL's calls return at once, the host is elsewhere). A watch
+  process (``ingest.rank_watch``), when one is attached, hears every
+  heartbeat and speaks for the rank when it cannot: stopped, exited, its
+  heartbeat thread held.
 
 Times are int64 ns on the job clock: this process's wall clock plus
 ``clock_offset_ns``, which ``estimate_clock_offset`` measures against rank 0
@@ -60,6 +67,12 @@ log = logging.getLogger(__name__)
 
 _STEP_END = object()
 """Queued behind a sampled step's last CUDA event pair: the resolver then sends the step."""
+
+QUIET_STEPS = 64
+"""Steps over which a rank's pace (the longest wait between two of its ops) is taken."""
+QUIET_SKIP_STEPS = 2
+"""Its first steps are left out: compilation, DDP's bucket rebuild and first communicator set-up are not its
+pace."""
 
 _CHAIN_MAX_NS = 10 * 10**9
 """Anchors are carried from one step to the next by GPU time only across gaps shorter than this: the GPU's
@@ -162,8 +175,8 @@ class RankExporter:
     (a ``TelemetryProducer.send``); it must not block. Call ``close()`` at the end of training."""
 
     def __init__(self, job_id: str, rank: int, dp_rank: int, pp_rank: int, sink: Callable[[pa.Table], Any], *,
-                 attempt: int = 0, sampling: Sampling = Sampling(), heartbeat_s: float = 5.0,
-                 hang_dump_s: float = 60.0, use_cuda: bool | None = None, mc: int = 0, gmc: int | None = None,
+                 attempt: int = 0, sampling: Sampling = Sampling(), heartbeat_s: float = 2.0,
+                 hang_dump_s: float = 30.0, dump_min_s: float = 4.0, use_cuda: bool | None = None, mc: int = 0, gmc: int | None = None,
                  host: str | None = None, send_every_s: float = 1.0, tcp_flows: bool = True, nvml=None,
                  peer_timings=None):
         """``tcp_flows``: read this process's TCP connections at the start and end of every profiled step and send
@@ -177,6 +190,7 @@ class RankExporter:
         self.sampling = sampling
         self.heartbeat_s = heartbeat_s
         self.hang_dump_s = hang_dump_s
+        self.dump_min_s = dump_min_s
         self.send_every_s = send_every_s
         self.mc = mc
         self.gmc = pp_rank if gmc is None else gmc
@@ -201,6 +215,13 @@ class RankExporter:
         # (``gpu_mark``, ``_gpu_inflight``): what a rank's GPU is inside while its host has moved on.
         self._gpu_calls: collections.deque[_GpuMark] = collections.deque(maxlen=4096)
         self._last_op = ("", -1)
+        # The rank's pace: the longest gap between two progress events (an op ending) in the step in progress,
+        # and those of its recent completed steps; a high quantile of them is its heartbeats' quiet_ns.
+        self._gap_in_step = 0
+        self._step_gaps: collections.deque[int] = collections.deque(maxlen=QUIET_STEPS)
+        self._steps_done = 0
+        self._quiet_ns = -1
+        self._watch = None  # ingest.rank_watch.RankWatch, when the session started one (attach_watch)
         self._stacks_requested = threading.Event()
         self._dumped_for: tuple | None = None
         self._closed = threading.Event()
@@ -233,6 +254,26 @@ class RankExporter:
         if self._cuda is not None:
             self._resolver = threading.Thread(target=self._resolve_loop, name="ss-cuda-events", daemon=True)
             self._resolver.start()
+
+    # -- progress -----------------------------------------------------------
+    def _progress(self, op: str, now_ns: int | None = None, counts: bool = True) -> None:
+        """An op ended: the rank made progress (what the hang detector watches). ``counts`` False for the end
+        of a pause the job makes on purpose (a checkpoint save), which is not its pace."""
+        now = self.now_ns() if now_ns is None else now_ns
+        prev = self._last_op[1]
+        if counts and prev >= 0 and now - prev > self._gap_in_step:
+            self._gap_in_step = now - prev
+        self._last_op = (op, now)
+
+    def _step_paced(self) -> None:
+        """A step completed: its longest gap joins the rank's pace (its first steps are left out)."""
+        self._steps_done += 1
+        if self._steps_done > QUIET_SKIP_STEPS:
+            self._step_gaps.append(self._gap_in_step)
+            if len(self._step_gaps) >= 3:
+                gaps = sorted(self._step_gaps)
+                self._quiet_ns = gaps[int(0.9 * (len(gaps) - 1))]  # p90: a checkpoint or two do not set it
+        self._gap_in_step = 0
 
     # -- clocks -------------------------------------------------------------
     def now_ns(self) -> int:
@@ -288,11 +329,17 @@ class RankExporter:
         """End the current step; ``completed`` False when it raised (it then does not count as done)."""
         if completed:
             self._step_done = (self._step, self.now_ns())
+            self._step_paced()
         if self._window is not None:
             if self._tcp_marks is not None:
                 self._tcp_marks.put((self._window, self._step, True))
             self._flush_step()
         self._window = None
+
+    @property
+    def last_step_done(self) -> int:
+        """The last step this rank completed, -1 before its first."""
+        return self._step_done[0]
 
     @property
     def profiling(self) -> bool:
@@ -346,10 +393,10 @@ class RankExporter:
         """Finish the op of ``token``; ``end_perf_ns`` (CPU timing only) ends it earlier than now."""
         self._inflight = None
         if token is None:
-            self._last_op = (self._last_op[0], self.now_ns())
+            self._progress(self._last_op[0])
             return
         start, meta = token
-        self._last_op = (meta[0], self.now_ns())
+        self._progress(meta[0])
         if self._cuda is not None:
             end = self._event()
             end.record()
@@ -384,7 +431,7 @@ class RankExporter:
             yield
         finally:
             self._inflight = None
-            self._last_op = (optype, self.now_ns())
+            self._progress(optype)
 
     # -- collectives (called by the wrappers of instrument_distributed) ------
     def ccl_enter(self, op: str, group: str, group_ranks: list[int], seq: int) -> int:
@@ -447,7 +494,7 @@ class RankExporter:
             raise ValueError(f"{len(peer_transfer_ns)} per-peer transfer times for {len(peers)} peers")
         exit_ns = self.now_ns()
         self._inflight = None
-        self._last_op = (op, exit_ns)
+        self._progress(op, exit_ns)
         end = None
         if gpu_enter is not None:
             end = self._event() if gpu_enter.timed else self._cuda.Event()
@@ -686,14 +733,27 @@ class RankExporter:
             yield
         finally:
             self._inflight = before
-            self._last_op = (op, self.now_ns())
+            self._progress(op, counts=not op.startswith("checkpoint-"))
+
+    def waiting_in(self, op: str, group: str) -> None:
+        """Tell the heartbeats this rank now waits in collective ``op`` of ``group`` whose sequence number it
+        cannot know (DDP's gradient all-reduce, run by its C++ reducer after the last gradient is ready),
+        until the op in flight ends (``end_op``): a rank that never comes is then the one awaited."""
+        self._inflight = (op, group, -1, self.now_ns())
 
     # -- heartbeats ---------------------------------------------------------
     def request_stacks(self) -> None:
         """Attach stacks to the next heartbeat (e.g. when the pipeline suspects a hang)."""
         self._stacks_requested.set()
 
-    def heartbeat(self) -> pa.Table:
+    def _dump_after_ns(self) -> float:
+        """No op ended on this rank for this long: its stacks go with the next heartbeat, once per stall, so
+        that they are there when the pipeline names the hang (at 2.5 times the job's pace, at least 8 s)."""
+        if self._quiet_ns < 0:
+            return self.hang_dump_s * 1e9
+        return max(self.dump_min_s * 1e9, 1.5 * self._quiet_ns)
+
+    def heartbeat(self, proc_state: str = "") -> pa.Table:
         inflight = self._inflight
         if inflight is None or not inflight[1]:
             # Not blocked in a collective on the host (NCCL's calls return at once): the one the GPU is
@@ -701,12 +761,14 @@ class RankExporter:
             inflight = self._gpu_inflight() or inflight
         now = self.now_ns()
         stack = recorder = ""
-        stuck = inflight is not None and now - inflight[3] > self.hang_dump_s * 1e9
-        if self._stacks_requested.is_set() or (stuck and self._dumped_for != inflight):
+        last_end = self._last_op[1]
+        quiet_since = last_end if last_end >= 0 else (inflight[3] if inflight is not None else -1)
+        stuck = quiet_since >= 0 and now - quiet_since > self._dump_after_ns()
+        if self._stacks_requested.is_set() or (stuck and self._dumped_for != (last_end, inflight)):
             stack = folded_stacks(skip_thread=threading.get_ident())
             recorder = flight_recorder.summary()
             self._stacks_requested.clear()
-            self._dumped_for = inflight
+            self._dumped_for = (last_end, inflight)
         op, group, seq, since = inflight or ("", "", -1, -1)
         step_done, step_done_ns = self._step_done
         gpu = self._gpu.sample() if self._gpu is not None else None
@@ -715,8 +777,21 @@ class RankExporter:
             step=self._step, last_op=self._last_op[0], last_op_end_ns=self._last_op[1], inflight_op=op,
             inflight_group=group, inflight_seq=seq, inflight_since_ns=since, clock_offset_ns=self.clock_offset_ns,
             stack=stack, step_done=step_done, step_done_ns=step_done_ns, **(gpu.fields() if gpu else NO_SAMPLE),
-            flight_recorder=recorder,
+            flight_recorder=recorder, proc_state=proc_state, heartbeat_s=float(self.heartbeat_s),
+            quiet_ns=self._quiet_ns,
         )])
+
+    def attach_watch(self, watch) -> None:
+        """Tell ``watch`` (``ingest.rank_watch.RankWatch``) of every heartbeat from now on; it is closed with
+        the exporter, after the last one."""
+        self._watch = watch
+
+    def _beat(self, proc_state: str = "") -> None:
+        hb = self.heartbeat(proc_state)
+        self.stats.heartbeats += 1
+        self.send(hb)
+        if self._watch is not None:
+            self._watch.beat(hb)
 
     @property
     def probing(self) -> bool:
@@ -770,8 +845,11 @@ class RankExporter:
 
     def _heartbeat_loop(self) -> None:
         while not self._closed.wait(self.heartbeat_s):
-            self.stats.heartbeats += 1
-            self.send(self.heartbeat())
+            try:
+                self._beat()
+            except Exception as e:  # telemetry must never take training down, nor stop its heartbeats
+                self.stats.errors += 1
+                log.warning("heartbeat failed: %s", e)
 
     def close(self, timeout: float = 10.0) -> None:
         """Flush what is buffered (waiting up to ``timeout`` s for pending CUDA events) and send a last
@@ -788,8 +866,9 @@ class RankExporter:
         if self.probe is not None:
             self.probe.close()
         self._emit_buffered()
-        self.stats.heartbeats += 1
-        self.send(self.heartbeat())
+        self._beat("finished")
+        if self._watch is not None:
+            self._watch.close()
 
 
 def estimate_clock_offset(exporter: RankExporter, rounds: int = 5, group=None) -> int:

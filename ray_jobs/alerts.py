@@ -88,13 +88,14 @@ class AlertRules:
 
 
     def evaluate_hang(self, row: dict, now: float, now_ns: int) -> list[dict]:
-        """The alert of one HANG row (``ray_jobs.hang_monitor``): critical, cooled down per (job, kind)."""
-        rule = "node_loss" if row["kind"] == "node_loss" else "hang"
+        """The alert of one HANG row (``ray_jobs.hang_monitor``): critical, cooled down per (job, kind); the end
+        of a stall that was reported is an ``info`` alert of its own (``hang_ended``), so the page is closed."""
+        rule = {"node_loss": "node_loss", "hang_ended": "hang_ended"}.get(row["kind"], "hang")
         if not self._fire(row["job_id"], rule, now):
             return []
         return [dict(
             alert_id=f"{row['job_id']}/{row['attempt']}/{rule}/{row['hang_id']}", job_id=row["job_id"],
-            attempt=row["attempt"], ts_ns=now_ns, rule=rule, severity="critical",
+            attempt=row["attempt"], ts_ns=now_ns, rule=rule, severity="info" if rule == "hang_ended" else "critical",
             summary=hang_summary(row),
             details_json=jsonutil.dumps({k: row[k] for k in (
                 "kind", "group", "seq", "op", "stuck_ranks", "missing_ranks", "suspect_hosts", "duration_s")}),

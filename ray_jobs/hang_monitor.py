@@ -23,6 +23,11 @@ GPU_FIELDS = ("gpu_sm_mhz", "gpu_mem_mhz", "gpu_power_w", "gpu_power_limit_w", "
               "gpu_ecc_uncorrected", "gpu_pcie_replays")
 
 _NS = 1_000_000_000
+INPUT_GRACE_S = 3.0
+"""How far past the newest heartbeat of any job the hang clock runs when no more arrive. Heartbeats come every
+2 s from every rank (their watches speak for stopped ones), so an input silent for longer has stopped (a
+broker or consumer outage): judged as of its last records, a job whose longest normal wait is q is then
+stalled at most q + 3 s, under its threshold max(8 s, 2.5 q)."""
 
 
 class HangReducer:
@@ -139,11 +144,12 @@ class HangReducer:
             # restart, a slow consumer) the newest records are older than the wall clock, and
             # measuring stalls against the wall would call every job hung on stale state. The clock
             # runs on from the newest heartbeat as the wall has since it arrived (so a steady lag of
-            # 45 s pages nobody: every rank is judged 45 s behind), and at most a heartbeat timeout
-            # past it (an input that stopped proves nothing about the jobs).
+            # 45 s pages nobody: every rank is judged 45 s behind), and at most INPUT_GRACE_S past it:
+            # an input that stopped proves nothing about the jobs, and a clock that ran on further
+            # would turn the stop into a stall of every job (thresholds are 8 s and up).
             since = max(0, now_ns - self._freshest_arrived_ns)
-            timeout_ns = int(self.params.heartbeat_timeout_s * 1e9)
-            wall_ns, now_ns = now_ns, min(now_ns, self._freshest_ns + min(since, timeout_ns))
+            grace_ns = int(min(self.params.heartbeat_timeout_s, INPUT_GRACE_S) * 1e9)
+            wall_ns, now_ns = now_ns, min(now_ns, self._freshest_ns + min(since, grace_ns))
             self.clock_held_back_s = (wall_ns - now_ns) / _NS
         input_alive = now - self.last_input < self.params.heartbeat_timeout_s
         hangs = []

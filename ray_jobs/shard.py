@@ -36,7 +36,6 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from analyzers.hang import HangParams
 from core import codec, topics
 from core import schema as S
 from core.config import Config
@@ -181,9 +180,7 @@ class ShardWorker:
             cfg.kafka.conn(), topics.INPUT_TOPICS, self.partitions, on_lost_log=cfg.kafka.on_lost_log)
         self.limits = cfg.validation
         self.clocks = B.ClockGuard(self.limits)
-        h = cfg.hang
-        self.hangs = HangReducer(HangParams(h.floor_s, h.k_steps, h.heartbeat_timeout_s, h.startup_s, h.checkpoint_s),
-                                 clock=clock)
+        self.hangs = HangReducer(cfg.hang, clock=clock)
         self.windows = WindowReducer(cfg.pipeline, clock, self.sink.window_stored, self._submit,
                                       self.limits.max_world_size, name=f"shard {self.index}",
                                       gpu_of=self.hangs.gpu_of)

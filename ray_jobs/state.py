@@ -39,11 +39,15 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
-"""Version of the snapshot's encoding and of the state classes it holds; bump it when either changes."""
+FORMAT = 2
+"""Version of the snapshot's encoding and of the state classes it holds; bump it when either changes.
+
+2: the hang monitor's parameters are the ``[hang]`` configuration (``core.config.HangConfig``); its trackers
+keep each rank's watch state and pace, and the job's ended pauses."""
 
 _ALLOWED = {
-    "analyzers.hang": {"HangTracker", "HangParams", "_Rank"},
+    "analyzers.hang": {"HangTracker", "_Rank", "Hang"},
+    "core.config": {"HangConfig"},
     "analyzers.downtime": {"DowntimeAccountant", "AccountantStats", "Signal", "_Save", "_Attempt", "_Job"},
     "analyzers.regression": {"WindowPoint"},
     "builtins": {"set", "frozenset"},

@@ -117,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", default="10/100", metavar="K/N",
                    help="profile K consecutive steps of every N (default 10/100); each K steps are one window")
     p.add_argument("--attempt", type=int, default=0, help="job attempt, for a restarted job (default 0)")
-    p.add_argument("--heartbeat-s", type=float, default=5.0, help="seconds between heartbeats (default 5)")
+    p.add_argument("--heartbeat-s", type=float, default=2.0,
+                   help="seconds between heartbeats (default 2: a hang of a job whose steps take 0.5-5 s is named "
+                        "within about 15 s)")
     p.add_argument("--probe-kb", type=int, default=256, metavar="KB",
                    help="KB each rank sends once a window to the rank half the world away, over a connection "
                         "of its own, so that a slow NIC is told from a slow link where the job's ring sends to "

@@ -45,7 +45,7 @@ class TraceOptions:
     sample: str = "10/100"
     attempt: int = 0
     timeout_s: float = 300.0
-    heartbeat_s: float = 5.0
+    heartbeat_s: float = 2.0
     probe_kb: int = 256
 
 

@@ -121,10 +121,13 @@ def picture(hang: Mapping, registration: Mapping | None = None, max_columns: int
         r_age = duration(row["age_s"]) if row.get("age_s") is not None else age
         last = (f"; last seen in {r_op}" + (f" #{r_seq} ({r_group})" if r_group else "")
                 if r_op and r_op != "(none)" else "")
+        gone = f" ({row['state']})" if row.get("state") else ""  # stopped, exited, finished, silent (its watch)
         if kind == "comm_hang" and rank in missing:
-            state, culprit, what = "never_entered", True, f"never entered {coll or op}{last}"
+            state, culprit, what = "never_entered", True, f"never entered {coll or op}{gone}{last}"
         elif kind == "node_loss" and rank in missing:
-            state, culprit, what = "lost", True, f"lost: its heartbeats stopped {age} ago{last}"
+            state, culprit, what = "lost", True, f"lost{gone}: gone for {age}{last}"
+        elif rank in missing:
+            state, culprit, what = "lost", True, f"gone{gone}: the others wait for it{last}"
         elif kind == "noncomm_hang" and rank in stuck and op:
             state, culprit, what = "suspect", True, f"in {op} the longest, for {r_age} (the suspect)"
         elif r_group and group and (r_group, r_seq) == (group, seq):

@@ -117,7 +117,7 @@ def alert_target(alert: dict) -> dict[str, str]:
 
     q = {"job": str(alert["job_id"]), "attempt": str(int(alert.get("attempt") or 0))}
     tail = str(alert.get("alert_id") or "").rsplit("/", 1)[-1]
-    if alert.get("rule") in ("hang", "node_loss"):
+    if alert.get("rule") in ("hang", "node_loss", "hang_ended"):
         if tail.isdigit():
             q["hang"] = tail
     else:
@@ -139,7 +139,7 @@ def alert_subject(alert: dict) -> str:
     """What of the job an alert is about, for its link: 'window 30', 'the hang', or '' (the job)."""
     q = alert_target(alert)
     if "hang" in q:
-        return "node loss" if alert.get("rule") == "node_loss" else "hang"
+        return {"node_loss": "node loss", "hang_ended": "stall"}.get(alert.get("rule"), "hang")
     return f"window\u00a0{q['window']}" if "window" in q else ""  # 'window' and its number on one line
 
 

@@ -70,7 +70,8 @@ def heatmap(df: pd.DataFrame, x: str, y: str, value: str, title: str = "", schem
 
 
 SEVERITY_COLOURS = {"critical": "red", "warning": "orange", "info": "blue"}
-RULE_NAMES = {"slowdown": "straggling", "hang": "hang", "node_loss": "node loss", "link": "slow link",
+RULE_NAMES = {"slowdown": "straggling", "hang": "hang", "node_loss": "node loss", "hang_ended": "stall ended",
+              "link": "slow link",
               "fidelity": "simulation fidelity", "analysis_failed": "analysis failed",
               "regression": "slower than before", "degraded_worker": "worker over its best",
               "lemon_host": "lemon host"}

@@ -106,13 +106,14 @@ class TraceSettings:
     attempt: int = 0
     spool_dir: str = ""
     run_dir: str = ""          # where each rank writes its report at exit (the launcher reads them)
-    heartbeat_s: float = 5.0
-    hang_dump_s: float = 60.0
+    heartbeat_s: float = 2.0
+    hang_dump_s: float = 30.0
     team: str = ""
     model: str = ""
     kafka_transport: str = ""  # KafkaConn.to_json(): TLS/SASL settings, no secret; empty = plaintext
     peak_flops: float = 0.0    # peak FLOP/s of one device for MFU; 0: from the device's name (analyzers.mfu)
     probe_kb: int = 256        # KB each rank's path probe sends a window (ingest/path_probe.py); 0: no probe
+    watch: bool = True         # a watch process beside each rank speaks for it when it cannot (ingest/rank_watch.py)
 
     def conn(self) -> KafkaConn:
         """The producer's Kafka connection."""
@@ -131,7 +132,8 @@ class TraceSettings:
                 f"{ENV}_ATTEMPT": str(self.attempt), f"{ENV}_SPOOL_DIR": self.spool_dir,
                 f"{ENV}_RUN_DIR": self.run_dir, f"{ENV}_HEARTBEAT_S": str(self.heartbeat_s),
                 f"{ENV}_HANG_DUMP_S": str(self.hang_dump_s), f"{ENV}_TEAM": self.team, f"{ENV}_MODEL": self.model,
-                f"{ENV}_KAFKA_TRANSPORT": self.kafka_transport, f"{ENV}_PROBE_KB": str(self.probe_kb)}
+                f"{ENV}_KAFKA_TRANSPORT": self.kafka_transport, f"{ENV}_PROBE_KB": str(self.probe_kb),
+                f"{ENV}_WATCH": "1" if self.watch else "0"}
 
     @classmethod
     def from_env(cls, env=os.environ) -> "TraceSettings":
@@ -141,10 +143,10 @@ class TraceSettings:
             raise SettingsError(f"{ENV}_JOB_ID and {ENV}_BOOTSTRAP must be set")
         return cls(job_id=get("JOB_ID"), bootstrap=get("BOOTSTRAP"), layout=parse_layout(get("LAYOUT")),
                    sampling=parse_sample(get("SAMPLE", "10/100")), attempt=int(get("ATTEMPT", "0")),
-                   spool_dir=get("SPOOL_DIR"), run_dir=get("RUN_DIR"), heartbeat_s=float(get("HEARTBEAT_S", "5")),
-                   hang_dump_s=float(get("HANG_DUMP_S", "60")), team=get("TEAM"), model=get("MODEL"),
+                   spool_dir=get("SPOOL_DIR"), run_dir=get("RUN_DIR"), heartbeat_s=float(get("HEARTBEAT_S", "2")),
+                   hang_dump_s=float(get("HANG_DUMP_S", "30")), team=get("TEAM"), model=get("MODEL"),
                    kafka_transport=get("KAFKA_TRANSPORT"), peak_flops=_peak(get("PEAK_FLOPS", "0")),
-                   probe_kb=_probe_kb(get("PROBE_KB", "256")))
+                   probe_kb=_probe_kb(get("PROBE_KB", "256")), watch=get("WATCH", "1") != "0")
 
 
 def _probe_kb(text: str) -> int:
@@ -302,6 +304,13 @@ class TraceSession:
                                      attempt=settings.attempt, sampling=settings.sampling,
                                      heartbeat_s=settings.heartbeat_s, hang_dump_s=settings.hang_dump_s)
         self.exporter.worker_spans = speaks
+        if settings.watch:
+            from ingest.rank_watch import RankWatch
+
+            watch = RankWatch.start(bootstrap=settings.bootstrap, transport=settings.kafka_transport,
+                                    period_s=settings.heartbeat_s)
+            if watch is not None:
+                self.exporter.attach_watch(watch)
         self.side_group = self._side_group(dist)
         # Every rank is inside init_process_group now, so a collective here cannot deadlock. With a GPU
         # backend the default group's would touch a device the script may not have chosen yet: the clocks
@@ -316,6 +325,10 @@ class TraceSession:
         self.tracer = Tracer(self)
         self.undo_ccl = instrument_distributed(self.exporter, observer=self.tracer)
         self.tracer.install()
+        from ingest.autotrace.checkpoints import CheckpointWatch
+
+        self.checkpoints = CheckpointWatch(self.exporter, self.tracer._failed)
+        self.checkpoints.install()
         self._closed = False
         # Flush before the Kafka client's own atexit handler closes it: threading's exit hooks run
         # before atexit's.
@@ -395,6 +408,7 @@ class TraceSession:
             return
         self._closed = True
         try:
+            self.checkpoints.undo()
             self.tracer.close()
             self.exporter.close()
             self.producer.close(30)

@@ -79,8 +79,10 @@ def test_merged_stacks_name_ranks_in_and_out():
 
 
 def test_a_silent_job_is_not_node_loss_while_our_input_may_be_down():
+    """Every rank silent while our input may be down proves nothing: no loss, and no stall of silent ranks."""
     inc = hang_incident("node_loss", 8, 0)  # one host: every rank silent
-    assert tracker_for(inc).evaluate(inc.now_ns, input_alive=False).kind != "node_loss"
+    assert tracker_for(inc).evaluate(inc.now_ns, input_alive=False) is None
+    assert tracker_for(inc).evaluate(inc.now_ns, input_alive=True).kind == "node_loss"
 
 
 @pytest.mark.parametrize("name, members", [("world", {0, 1, 2, 3}), ("ranks:0-1,3", {0, 1, 3}), ("p2p:2>3", {2, 3})])
@@ -90,20 +92,32 @@ def test_group_members_from_exporter_names(name, members):
     assert group_members(name, [0, 1, 2, 3]) == members
 
 
-def test_a_silent_process_on_a_live_host_is_a_hung_rank_not_node_loss():
+def test_a_silent_process_on_a_live_host_is_the_missing_rank_then_a_process_loss():
     import pyarrow as pa
 
-    # A SIGSTOPped rank: its heartbeats stop, but its host's other ranks still report.
+    # A SIGSTOPped rank without its watch: its heartbeats stop, but its host's other ranks still report.
     inc = hang_incident("comm_hang", 16, 2, ranks_per_host=16)
     culprit = inc.truth["missing"][0]
     hb = inc.heartbeats
-    ts = hb["ts_ns"].to_numpy().copy()
-    ts[culprit] = inc.now_ns - 200 * 10**9
-    t = HangTracker("hangjob", params=PARAMS)
-    t.add_ccl(inc.ccl)
-    t.add_heartbeats(hb.set_column(hb.schema.get_field_index("ts_ns"), "ts_ns", pa.array(ts)))
-    hang = t.evaluate(inc.now_ns, input_alive=True)
+
+    def silent_for(seconds):
+        ts = hb["ts_ns"].to_numpy().copy()
+        ts[culprit] = inc.now_ns - seconds * 10**9
+        t = HangTracker("hangjob", params=PARAMS)
+        t.add_ccl(inc.ccl)
+        t.add_heartbeats(hb.set_column(hb.schema.get_field_index("ts_ns"), "ts_ns", pa.array(ts)))
+        return t.evaluate(inc.now_ns, input_alive=True)
+
+    # Silent 20 s (over three of the 5 s periods these ranks report at), within the heartbeat timeout: the
+    # stall names it, and says it is silent.
+    hang = silent_for(20)
     assert hang.kind == "comm_hang" and hang.missing_ranks == [culprit]
+    assert hang.evidence["states"] == {str(culprit): "silent"}
+    assert f"missing ranks {culprit} (silent)" in hang.summary()
+    # Silent past the timeout: a process loss (its host still reports), the docs' node or process loss.
+    hang = silent_for(200)
+    assert hang.kind == "node_loss" and hang.missing_ranks == [culprit] and hang.op == "process silent"
+    assert "process loss" in hang.summary()
 
 
 def test_the_chain_is_followed_to_the_rank_that_waits_for_nobody():
@@ -120,7 +134,7 @@ def test_the_chain_is_followed_to_the_rank_that_waits_for_nobody():
                     last_op_end_ns=now - 200 * s, inflight_op=op if group else "", inflight_group=group,
                     inflight_seq=seq, inflight_since_ns=since, clock_offset_ns=0, stack="")
     rows = [hb(0, now, "ranks:0-1", 12, now - 190 * s, "all_reduce"),
-            hb(1, now - 195 * s, "ranks:0-1", 11, now - 196 * s, "all_reduce"),  # stopped: stale
+            hb(1, now - 10 * s, "ranks:0-1", 11, now - 196 * s, "all_reduce"),  # stopped: silent 10 s
             hb(2, now, "p2p:0>2", 40, now - 199 * s),
             hb(3, now, "p2p:1>3", 40, now - 198 * s)]
     t = HangTracker("j", params=PARAMS)

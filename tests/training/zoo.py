@@ -20,7 +20,8 @@ and backward of rank R; ``--control`` spreads it as D / W over every rank.
 between backward and the optimizer; ``--gc-between-chunks-rank R`` after each of
 its backward chunks (pipelining). ``--out DIR``: each rank writes its losses
 and step times to DIR/rankN.json. ``--crash-at-step N``: rank 0 raises there.
-``--mesh-tp N`` (plain): the ranks form a DeviceMesh ('dp', 'tp'), as
+``--stall-rank R --stall-at-step N --stall-s S``: rank R's compute in step N
+takes S seconds longer (a rank stuck in a kernel). ``--mesh-tp N`` (plain): the ranks form a DeviceMesh ('dp', 'tp'), as
 torchtitan lays them out, and only the mesh says that N of them are TP.
 """
 from __future__ import annotations
@@ -80,12 +81,15 @@ class TPMean(nn.Module):
 class Busy(nn.Module):
     """Simulated accelerator time: forward sleeps fwd_s, backward sleeps 2 * fwd_s (plus the injected delay)."""
 
+    stall_s = 0.0  # set for one step by --stall-at-step: the next forward is stuck this long
+
     def __init__(self, fwd_s: float, delay_s: float):
         super().__init__()
         self.fwd_s, self.bwd_s = fwd_s + delay_s, 2 * fwd_s + delay_s
 
     def forward(self, x):
-        return _Sleep.apply(x, self.fwd_s, self.bwd_s)
+        extra, Busy.stall_s = Busy.stall_s, 0.0
+        return _Sleep.apply(x, self.fwd_s + extra, self.bwd_s)
 
 
 def mlp(hidden: int, layers: int, busy: Busy) -> nn.Sequential:
@@ -122,6 +126,9 @@ def main() -> int:
     p.add_argument("--gc-between-chunks-rank", type=int, default=-1,
                    help="pipelining: this rank collects garbage after each backward chunk (between chunks)")
     p.add_argument("--crash-at-step", type=int, default=-1)
+    p.add_argument("--stall-rank", type=int, default=-1)
+    p.add_argument("--stall-at-step", type=int, default=-1)
+    p.add_argument("--stall-s", type=float, default=0.0)
     p.add_argument("--node-size", type=int, default=4, help="ranks per node of --framework hier")
     p.add_argument("--mesh-tp", type=int, default=0,
                    help="plain: lay the ranks out in a DeviceMesh ('dp', 'tp') with this TP size; activations are "
@@ -189,6 +196,8 @@ def main() -> int:
         for step in range(args.steps):
             if step == args.crash_at_step and rank == 0:
                 raise RuntimeError("crash requested by --crash-at-step")
+            if step == args.stall_at_step and rank == args.stall_rank:
+                Busy.stall_s = args.stall_s
             t0, c0 = time.perf_counter(), time.process_time()
             mb_losses: list = []
             x, y = data[step], target[step]
@@ -255,6 +264,8 @@ def main() -> int:
         for step in range(args.steps):
             if step == args.crash_at_step and rank == 0:
                 raise RuntimeError("crash requested by --crash-at-step")
+            if step == args.stall_at_step and rank == args.stall_rank:
+                Busy.stall_s = args.stall_s
             t0, c0 = time.perf_counter(), time.process_time()
             x, y = data[step][shard], target[step][shard]
             loss = loss_fn(model(x), y)
