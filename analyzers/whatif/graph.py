@@ -61,6 +61,7 @@ class Graph:
     is_comm: np.ndarray
     in_group: np.ndarray  # member of a group of two or more (its duration is a transfer)
     is_wait: np.ndarray  # a wait of the compute stream (``inline_waits``): its group shares its least transfer
+    early: np.ndarray  # may end before its group's last start unremarked (sends, waits): see kernels.measure
     g_off: np.ndarray  # starts of the groups in level order, then n (int64)
     sg_off: np.ndarray  # starts of the pair mode's sub-groups in level order, then n
     sg_wide: np.ndarray  # bool per sub-group: part of a DP-wide group
@@ -101,7 +102,7 @@ class Graph:
                     over = (np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.float64))
                     neg, clamped, n_over = kernels.measure(
                         self.pred_ptr, self.pred_idx, self.g_off, self.in_group, self.is_comm, self.is_wait,
-                        self.row_local,
+                        self.early, self.row_local,
                         self.row_base, p.start, p.dur, DELAY_CLAMP_NS, c_lo, c_hi, self.orig, self.delay, *over)
                     if n_over <= cap:
                         break
@@ -510,7 +511,8 @@ def build_graph(p: PreparedOps, lo: int, hi: int, *, overlapped_dp: bool, measur
     g = Graph(
         n=n, row_local=rows[order].astype(np.int64), code=code_o.astype(np.int8), dp=dp[order].astype(np.int32),
         pp=pp[order].astype(np.int32), step=(step_o + s0).astype(np.int32), is_comm=T.IS_COMM[code_o],
-        in_group=(gsize[gid] > 1)[order], is_wait=inline[order], g_off=np.append(g_off_all, n).astype(np.int64),
+        in_group=(gsize[gid] > 1)[order], is_wait=inline[order],
+        early=(inline | (code == T.FS) | (code == T.BS))[order], g_off=np.append(g_off_all, n).astype(np.int64),
         sg_off=np.append(sg_start, n).astype(np.int64), sg_wide=wide[order][sg_start],
         pred_idx=pred_idx, pred_ptr=pred_ptr,
         end_pos=end_pos, end_off=end_off, end_steps=(es[end_off] + s0).astype(np.int64),

@@ -155,14 +155,16 @@ def pass_pairs(pred_ptr, pred_idx, sg_off, sg_wide, ideal, orig, b0, E):  # prag
                 out[2 * c + 1] = gm[2 * c + 1] + di
 
 
-@_entry(outputs=(13, 14, 15, 16, 17))
-def measure(pred_ptr, pred_idx, g_off, in_group, is_comm, is_wait, row_local, row_base, start, dur, clamp_ns, c_lo,
-            c_hi, orig, delay, over_r, over_c, over_v):  # pragma: no cover - compiled
+@_entry(outputs=(14, 15, 16, 17, 18))
+def measure(pred_ptr, pred_idx, g_off, in_group, is_comm, is_wait, early, row_local, row_base, start, dur, clamp_ns,
+            c_lo, c_hi, orig, delay, over_r, over_c, over_v):  # pragma: no cover - compiled
     """Original durations ``orig`` and launch delays ``delay`` [n, B] of every op and batch columns
     [c_lo, c_hi), read from the trace (``start``/``dur`` at row ``row_base[c] + row_local[i]``).
 
     A grouped op's original duration is its transfer: its end minus the group's latest start (below 0
-    counts as negative and becomes 0). The members of a group of waits of the compute stream
+    counts as negative and becomes 0; ``early`` ops may end so without being counted: a send that
+    completed before its receive was posted, buffered or eager, and a wait of the compute stream that
+    ended before the last member came, its rank having joined that collective earlier). The members of a group of waits of the compute stream
     (``is_wait``, one flag per group's first op) transfer at most as long as the member that came last,
     and end, for the delays of what follows them, that long after its start: such a wait folds every
     blocking of its compute op into one, and what the others waited beyond the last one's transfer was
@@ -212,9 +214,7 @@ def measure(pred_ptr, pred_idx, g_off, in_group, is_comm, is_wait, row_local, ro
                     if is_comm[i]:
                         t = en[i + 1, j] - gmax[j] if in_group[i] else du
                         if t < 0:
-                            # A wait that ended before the last member started was for a collective its
-                            # rank joined earlier (FSDP prefetches the next layer's): none of it is transfer.
-                            neg += 0 if is_wait[i] else 1
+                            neg += 0 if early[i] else 1
                             t = 0
                         orig[i, c0 + j] = np.float64(t)
                     else:
@@ -401,7 +401,7 @@ def warm() -> None:
         for dur_t in (i16, i32, i64):
             orig, delay = np.zeros((2, 1), f64), np.zeros((2, 1), i32)
             over = (np.zeros(1, i64), np.zeros(1, i64), np.zeros(1, f64))
-            measure(ptr, pidx, bounds, flags, flags, flags, rows, np.zeros(1, i64), np.zeros(2, i64),
+            measure(ptr, pidx, bounds, flags, flags, flags, flags, rows, np.zeros(1, i64), np.zeros(2, i64),
                     np.zeros(2, dur_t), -1, 0, 1, orig, delay, *over)
             E = np.zeros((3, 1, 2), f64)
             replay_gap(E, 1, rows, np.zeros(1, i64), 0, np.zeros(2, i64), np.zeros(2, dur_t))

@@ -26,8 +26,12 @@ What is recorded, and where it comes from (op types of docs/whatif.md):
   spans. Outside ``torch.distributed.pipelining`` (Megatron's batched
   ``P2POp``s, plain ``isend``/``irecv``/``send``/``recv``), a transfer with a
   neighbour in the rank's pipeline group is one too: to the next stage or from
-  the previous one it is the forward's, else the backward's, its microbatch
-  the count of such transfers in the step. A receive ends when its wait
+  the previous one it is the forward's, else the backward's; between two
+  stages, what it carries or what its buffer becomes says (``transfers.py``);
+  its chunk is that of the compute op that made or used it, its microbatch the
+  count of such transfers in the step. Each outermost module of a hand-written
+  pipeline is a model chunk (an interleaved schedule's virtual stages). A
+  receive ends when its wait
   returns and, posted early, starts when the compute before its consumer
   ended; an async send ends when the rank moves on (gloo says nothing of a
   send's completion before its wait, which schedules do late): the
@@ -37,7 +41,8 @@ What is recorded, and where it comes from (op types of docs/whatif.md):
   ``grads-reduce-scatter``, over the whole world of a pipelined job
   ``optimizer-clip-main-grad``, a gather ``params-all-gather``.
 - **optimizer**, **gc** (``gc.callbacks``: one op per step, the pauses between
-  the last backward and the optimizer, empty when there were none) and
+  the last backward and the first DP collective or the optimizer after it,
+  empty when there were none) and
   **checkpoints** (``torch.distributed.checkpoint`` save and load).
 
 - **layout**: where the rank sits, (dp, pp) and whether it sends its worker's
@@ -61,6 +66,7 @@ import time
 import weakref
 
 from ingest.autotrace import layout as L
+from ingest.autotrace import transfers as X
 from ingest.torch_ccl import Call
 
 log = logging.getLogger(__name__)
@@ -98,6 +104,17 @@ class Tracer:
         self.stage_info: tuple[int, int, int] | None = None  # (pp_size, pp_rank, vpp)
         self.p2p_pipe: list[int] | None = None      # the pipeline group learned from transfers (no pipelining)
         self.p2p_counts: dict[str, int] = {}        # transfers of each direction so far in the step
+        self.pending_recvs = X.PendingRecvs()        # receives whose direction waits for their use
+        self.settled_recvs: list[tuple] = []          # ... and those their use settled: (recv, optype, chunk)
+        self.root_chunk: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # outermost module -> chunk
+        self.param_chunk: dict[int, int] = {}       # id of each of their parameters -> chunk (tensors compare
+                                                    # elementwise: no weak dictionary of them)
+        self.root_params: list[int] = []            # parameters of each chunk
+        self.chunk_fwds: dict[int, int] = {}        # forwards of each model chunk so far in the step
+        self.chunk_bwds: dict[int, int] = {}        # backwards of each model chunk so far in the step
+        self.chunks_seen = 1                        # model chunks whose forward ran in step 0
+        self.fwd_chunk = self.bwd_chunk = 0         # chunks of the last forward and backward
+        self.bwd_chunk_now: int | None = None       # the chunk of the backward in progress, once a gradient says
         self.mesh_sizes: dict[str, int] = {}        # what a DeviceMesh over the job says (see _learn_mesh)
         self.mesh_info: dict | None = None          # that mesh: names, shape, coordinates, this rank's groups
         self.non_dp_groups: list[frozenset[int]] = []     # this rank's TP and CP groups
@@ -150,7 +167,7 @@ class Tracer:
             self.open = True
             self.saw_optimizer_in_step = False
             self.fwd_in_step = self.bwd_in_step = 0
-            self.p2p_counts = {}
+            self.p2p_counts, self.chunk_fwds, self.chunk_bwds = {}, {}, {}
             self.gc_pause, self.after_backward, self.gc_done, self.chain_started = None, False, False, False
             self.exp.start_step(self.step)
             if self.exp.profiling:
@@ -162,6 +179,7 @@ class Tracer:
             return
         self._count_stop()  # a forward that never came back to its post-hook (it raised past it) counts no more
         self._close_sends()
+        self._settle_recvs(self.pending_recvs.drain(), None)
         self._emit_gc()
         if not self.saw_optimizer_in_step and self.exp.profiling:
             # The analyzer ends a step at its optimizer: a step without one gets an empty one, where the
@@ -169,7 +187,9 @@ class Tracer:
             at = self.pending_since if self.pending_close and self.pending_since else time.perf_counter_ns()
             self.exp.record_op("optimizer", at, at)
         if self.num_microbatches == 0:
-            self.num_microbatches = max(self.fwd_in_step, 1)
+            self.num_microbatches = max(max(self.chunk_fwds.values(), default=0), 1)
+        if not self.settled:
+            self.chunks_seen = max(1, len(self.chunk_fwds))
         if not self.settled:
             # Before the step's spans go out: they carry the coordinates settled here.
             self.settled = True
@@ -465,8 +485,14 @@ class Tracer:
             self.active = "forward-compute"
             self.after_backward = False
             self.blocked_ns = self.blocked_gather_ns = 0
-            self._span = (self.exp.begin_op("forward-compute", mb_id=self.fwd_in_step), time.perf_counter_ns())
+            chunk = self.root_chunk.get(module, 0) if self.p2p_pipe is not None else 0
+            mb = self.chunk_fwds.get(chunk, 0)
+            self.chunk_fwds[chunk], self.fwd_chunk = mb + 1, chunk
+            mc, gmc = self._chunk_ids(chunk)
+            self._span = (self.exp.begin_op("forward-compute", mb, mc, gmc), time.perf_counter_ns())
             self.fwd_in_step += 1
+            if self.pending_recvs:
+                self._settle_recvs(self.pending_recvs.used_in(_inputs), X.FORWARD_RECV, chunk)
             self._span_module = module
             if not self.settled and self.fwd_flops is None and type(module).__name__ != "OptimizedModule":
                 self._count_start(_tokens(_inputs))
@@ -516,7 +542,10 @@ class Tracer:
             self._failed("counting a forward's FLOPs", e)
 
     def _learn_root(self, module) -> None:
+        chunk = len(self.root_params)  # its place among the outermost modules, in the order of their first call
         self.roots.add(module)
+        self.root_chunk[module] = chunk
+        self.root_params.append(sum(p.numel() for p in module.parameters()))
         if not self.model_name:
             inner = _uncompiled(module)
             self.model_name = _class_name(getattr(inner, "module", inner))
@@ -525,13 +554,23 @@ class Tracer:
             if p.requires_grad and p not in self.hooked_params and hasattr(p, "register_post_accumulate_grad_hook"):
                 p.register_post_accumulate_grad_hook(self._grad_ready)
                 self.hooked_params.add(p)
+            self.param_chunk.setdefault(id(p), chunk)
 
-    def _grad_ready(self, _param) -> None:
+    def _grad_ready(self, param) -> None:
         if self.active == "backward-compute":
             self.last_grad_perf = time.perf_counter_ns()
+            if self.bwd_chunk_now is None:
+                self.bwd_chunk_now = self.param_chunk.get(id(param))
+
+    def _chunk_ids(self, chunk: int) -> tuple[int | None, int | None]:
+        """(mc, gmc) of a model chunk of this rank (None, None: the exporter's own, chunk 0's): chunk c of
+        stage p is global chunk c * pp + p, as Megatron numbers virtual stages."""
+        if chunk <= 0 or self.p2p_pipe is None:
+            return None, None
+        return chunk, chunk * len(self.p2p_pipe) + int(self.exp.pp_rank)
 
     # -- backward -------------------------------------------------------------
-    def _bwd_begin(self):
+    def _bwd_begin(self, grad_tensors=None):
         if not self._mine() or self.active is not None:
             return None
         try:
@@ -539,10 +578,12 @@ class Tracer:
             self._close_sends()
             self.active = "backward-compute"
             self.last_grad_perf = self.blocked_ns = self.blocked_gather_ns = 0
+            self.bwd_chunk_now = None
+            fed = self.pending_recvs.used_in(grad_tensors) if self.pending_recvs else []
             t0 = time.perf_counter_ns()
             token = self.exp.begin_op("backward-compute", mb_id=self.bwd_in_step)
             self.bwd_in_step += 1
-            return (token, t0, _syncs_grads(self.roots))
+            return (token, t0, _syncs_grads(self.roots), fed)
         except Exception as e:
             self._failed("backward begin", e)
             return None
@@ -551,11 +592,24 @@ class Tracer:
         if span is None:
             return
         try:
-            token, t0, ddp_sync = span
+            token, t0, ddp_sync, fed = span
             self.active = None
             self.after_backward = True
+            # Its chunk is the one whose parameters it gave gradients to (a pipeline's; 0 elsewhere), its
+            # microbatch the count of that chunk's backwards.
+            chunk = self.bwd_chunk_now if self.bwd_chunk_now is not None and self.p2p_pipe is not None else 0
+            mb = self.chunk_bwds.get(chunk, 0)
+            self.chunk_bwds[chunk], self.bwd_chunk = mb + 1, chunk
+            if token is not None:
+                mc, gmc = self._chunk_ids(chunk)
+                meta = token[1]
+                token = (token[0], meta[:2] + (meta[2] if mc is None else mc, meta[3] if gmc is None else gmc, mb)
+                         + meta[5:])
             tail_from = self.last_grad_perf if ddp_sync else 0  # DDP waits inside C++: the last gradient marks it
             self._end_compute(token, t0, "backward-compute", tail_from)
+            self._settle_recvs(fed, X.BACKWARD_RECV, chunk)
+            if self.pending_recvs:
+                self._settle_recvs(self.pending_recvs.given_a_grad(), X.FORWARD_RECV, chunk)
         except Exception as e:
             self._failed("backward end", e)
 
@@ -647,19 +701,28 @@ class Tracer:
                 return
             if not self.open and self.active is None:
                 self._ensure_step()  # a stage's first receive comes before its first forward
-            mb = self.p2p_counts.get(optype, 0)
-            self.p2p_counts[optype] = mb + 1
-            mc, gmc = None, None
+            mb, mc, gmc = -1, None, None
+            if optype != X.AMBIGUOUS:
+                mb = self.p2p_counts.get(optype, 0)
+                self.p2p_counts[optype] = mb + 1
+                # A send carries what the last compute op of its direction made.
+                chunk = self.fwd_chunk if optype == X.FORWARD_SEND else \
+                    self.bwd_chunk if optype == X.BACKWARD_SEND else 0
+                mc, gmc = self._chunk_ids(chunk)
         if not self.exp.profiling:
             return
         self._close_sends()
+        if optype == X.AMBIGUOUS:
+            call.note = ("recv?", self.exp.begin_op(X.FORWARD_RECV, -1))  # its type once its buffer is used
+            return
         call.note = ("send" if call.is_send else "recv", self.exp.begin_op(optype, mb, mc, gmc))
         if call.is_send and call.is_async and call.note[1] is not None:
             self.open_sends.append(call)
 
     def _transfer_optype(self, call: Call) -> str | None:
         """forward-/backward-send/-recv for a transfer between neighbour stages of this rank's pipeline,
-        outside ``torch.distributed.pipelining`` (whose stages tag their own); None for any other."""
+        outside ``torch.distributed.pipelining`` (whose stages tag their own), ``transfers.AMBIGUOUS`` for a
+        receive whose direction its use will tell; None for any other (``ingest/autotrace/transfers.py``)."""
         if self.stage_info is not None or not call.peers:
             return None
         pipe = self.p2p_pipe or self._learn_transfer_pipeline(call)
@@ -668,10 +731,22 @@ class Tracer:
         me, peer = self.session.rank, call.peers[0]
         if peer not in pipe or me not in pipe:
             return None
-        step = pipe.index(peer) - pipe.index(me)  # stage order, no wrap-around: stage 0 has no previous
-        if call.is_send:
-            return "forward-send" if step == 1 else "backward-send" if step == -1 else None
-        return "forward-recv" if step == -1 else "backward-recv" if step == 1 else None
+        activation = bool(getattr(call.tensor, "requires_grad", False)) or self.bwd_in_step == 0
+        return X.direction(pipe.index(me), pipe.index(peer), len(pipe), call.is_send, activation=activation)
+
+    def _settle_recvs(self, recvs: list, optype: str | None, chunk: int = 0) -> None:
+        """Receives whose direction their use told (``optype``, of ``chunk``); None: the step ends, the rest
+        are read without wrap-around, and all are recorded, numbered in the order they began."""
+        self.settled_recvs += [(r, optype, chunk) for r in recvs]
+        if optype is not None:
+            return
+        done, self.settled_recvs = sorted(self.settled_recvs, key=lambda x: x[0].start), []
+        for r, kind, chunk in done:
+            mc, gmc = self._chunk_ids(chunk) if kind else (None, None)
+            kind = kind or X.unwrapped(r.me, r.peer, False)
+            mb = self.p2p_counts.get(kind, 0)
+            self.p2p_counts[kind] = mb + 1
+            self.exp.record_op(kind, r.start, r.end, mb, mc, gmc)
 
     def _learn_transfer_pipeline(self, call: Call) -> list[int] | None:
         """This rank's pipeline group from its first transfer: the group the transfer names (Megatron's
@@ -694,6 +769,8 @@ class Tracer:
         stage = pipe.index(me)
         self.session.relayout(pp=len(pipe), mesh=self._mesh_sizes_now())
         self._provisional()
+        if self.exp.gmc != stage:
+            self.exp.relabel_buffered(0, stage)  # what came before it (a first stage's forward) is chunk 0's
         self.exp.pp_rank, self.exp.mc, self.exp.gmc = stage, 0, stage
         return pipe
 
@@ -732,10 +809,23 @@ class Tracer:
         if note is None or note[1] is None:
             return
         token = note[1]
-        if note[0] == "recv" and isinstance(token[0], int):
+        if note[0] in ("recv", "recv?") and isinstance(token[0], int):
             # A receive posted early (schedules post them ahead) starts, for the model, when the compute
             # before its consumer ended: recv i sits between compute i-1 and compute i.
             token = (max(token[0], self.last_compute_end), token[1])
+        if note[0] == "recv?":
+            pipe = self.p2p_pipe or []
+            me, peer = pipe.index(self.session.rank), pipe.index(call.peers[0])
+            if isinstance(token[0], int):
+                self.exp.end_op(None)  # out of flight; recorded once its buffer's use says what it was
+                self.pending_recvs.add(X.PendingRecv(call.tensor, token[0], time.perf_counter_ns(), me, peer))
+                return
+            # GPU-timed: its end is an event queued now, so it is read now, as a pipeline without wrap-around
+            meta = token[1]
+            kind = X.unwrapped(me, peer, False)
+            mb = self.p2p_counts.get(kind, 0)
+            self.p2p_counts[kind] = mb + 1
+            token = (token[0], (kind, self.exp.next_seq(kind)) + meta[2:4] + (mb,) + meta[5:])
         self.exp.end_op(token)
 
     def _close_sends(self) -> None:
@@ -1071,6 +1161,11 @@ class Tracer:
             pipe, pp_rank, vpp, src = self.pp_ranks, self.stage_info[1], self.stage_info[2], L.SRC_STAGE
         elif self.p2p_pipe is not None:
             pipe, pp_rank, src = self.p2p_pipe, self.p2p_pipe.index(me), L.SRC_P2P
+            if self.chunks_seen > 1:
+                # Model chunks of an interleaved schedule: the outermost modules its forwards ran in, each a
+                # virtual stage (torch.distributed.pipelining's schedules say theirs, above).
+                vpp = self.chunks_seen
+                self.params = sum(self.root_params[:vpp])
         mg = _megatron_state()
         if mg is not None:
             src |= L.SRC_MEGATRON
@@ -1200,7 +1295,8 @@ class _EngineProxy:
         tracer = self._ss_tracer
         # A backward over meta tensors computes nothing (torch.distributed.pipelining infers its shapes so).
         tensors = args[0] if args else kwargs.get("tensors")
-        span = None if _is_meta(tensors) else tracer._bwd_begin()
+        grads = args[1] if len(args) > 1 else kwargs.get("grad_tensors")
+        span = None if _is_meta(tensors) else tracer._bwd_begin(grads)
         try:
             return self._ss_engine.run_backward(*args, **kwargs)
         finally:
