@@ -248,9 +248,10 @@ def _signed(seconds: float) -> str:
     return ("+" if seconds >= 0 else "-") + duration(abs(seconds))
 
 
-def _reason(note: str, limit: int = 300) -> str:
+def _reason(note: str, limit: int | None = 300) -> str:
+    """A stored note on one line, cut at ``limit`` characters (None: whole)."""
     note = " ".join((note or "").split())
-    return note if len(note) <= limit else note[: limit - 1] + "…"
+    return note if limit is None or len(note) <= limit else note[: limit - 1] + "…"
 
 
 _VERDICTS: dict[str, Callable[[Mapping, Mapping], Explanation]] = {
@@ -296,8 +297,9 @@ def explain_window(row: Mapping) -> list[Explanation]:
     if kind == "clock_skew":
         return [_clock_skew(note)]
     if kind == "analysis_failed":
-        return [Explanation(kind, title(kind), f"The analysis of this window failed: {_reason(note)}. The window "
-                                               "is stored and left out of fleet statistics.")]
+        # Whole: why it failed is what the reader needs (a dependency cycle's ops were cut mid-word).
+        return [Explanation(kind, title(kind), f"The analysis of this window failed: {_reason(note, None)}. The "
+                                               "window is stored and left out of fleet statistics.")]
     if kind == "no_op_spans":
         return [Explanation(kind, title(kind), "No op spans arrived for this window, only collective records: "
                                                "its links were diagnosed, its stragglers were not.")]

@@ -111,9 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config(p)
     p.add_argument("--job-id", help="job id (default: the script name and the UTC time)")
-    p.add_argument("--layout", default="", metavar="dp=D,pp=P,tp=T",
-                   help="parallel sizes the framework does not report (pipeline stages and chunks are read from "
-                        "torch.distributed.pipelining; data parallel is what the world leaves)")
+    p.add_argument("--layout", default="", metavar="dp=D,pp=P,tp=T,cp=C,vpp=V,order=A,B,...",
+                   help="what the job's process groups do not say, comma-separated: sizes dp (data parallel), "
+                        "pp (pipeline stages), tp (tensor parallel), cp (context parallel), vpp (model chunks "
+                        "per stage), and order=A,B,... the rank order, outermost dimension first among dp, pp, "
+                        "tp, cp (order=dp,pp: dp_rank, stage = divmod(rank, pp); Megatron's is order=pp,dp,tp). "
+                        "What the processes report wins: pipeline stages and chunks are read from "
+                        "torch.distributed.pipelining and from hand-written schedules' transfers and modules, "
+                        "data parallel is what the world leaves")
     p.add_argument("--sample", default="10/100", metavar="K/N",
                    help="profile K consecutive steps of every N (default 10/100); each K steps are one window")
     p.add_argument("--attempt", type=int, default=0, help="job attempt, for a restarted job (default 0)")

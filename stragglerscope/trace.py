@@ -19,6 +19,7 @@ import re
 import signal
 import subprocess
 import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -313,6 +314,27 @@ def link_sentence(f: dict) -> str:
            f"{f['confidence']:.2f}, from {f['group'] or 'collectives'}{basis})"
 
 
+def analysed(w: dict) -> bool:
+    """A stored window has a slowdown (layout conflicts, clock skew, failed analyses and windows without op
+    spans have NaN)."""
+    S = w.get("slowdown")
+    return S is not None and S == S
+
+
+def window_header(w: dict) -> str:
+    """A window's first line in the summary: its slowdown and step times, or that it was not analysed (its
+    verdict's sentence follows, with the reason in full). It printed 'S = nan, waste nan%'."""
+    from analyzers.explain import title
+
+    where = f"window {w['window_id']} (steps {w['first_step']}-{w['last_step']}"
+    if not analysed(w):
+        return f"{where}): not analysed ({title(w.get('verdict') or '').lower()})"
+    state = "complete" if w["complete"] else "INCOMPLETE"
+    return (f"{where}, {state}): S = {w['slowdown']:.3f}, waste {100 * (w['waste_fraction'] or 0):.1f}%, "
+            f"step {w['step_time_actual']:.3f} s actual vs {w['step_time_ideal']:.3f} s ideal "
+            f"(fidelity {w['launch_slowdown']:.3f})")
+
+
 def summarize(store, job_id: str, attempt: int, reports: list[dict]) -> str:
     """The job's diagnosis, for a terminal: S per window, verdicts with evidence, top workers, waste, hangs."""
     from analyzers.explain import hang_lines, window_lines
@@ -334,11 +356,7 @@ def summarize(store, job_id: str, attempt: int, reports: list[dict]) -> str:
     for w in sorted(wins, key=lambda r: r["window_id"]):
         wasted += w["wasted_gpu_hours"] or 0.0
         total += w["gpu_hours"] or 0.0
-        state = "complete" if w["complete"] else "INCOMPLETE"
-        lines.append(f"\nwindow {w['window_id']} (steps {w['first_step']}-{w['last_step']}, {state}): "
-                     f"S = {w['slowdown']:.3f}, waste {100 * (w['waste_fraction'] or 0):.1f}%, "
-                     f"step {w['step_time_actual']:.3f} s actual vs {w['step_time_ideal']:.3f} s ideal "
-                     f"(fidelity {w['launch_slowdown']:.3f})")
+        lines.append("\n" + window_header(w))
         lines += window_lines(w)  # the console's words for each verdict (analyzers.explain)
         workers = store.run_named("job_workers", {"job_id": job_id, "window_id": w["window_id"],
                                                   "attempt": attempt}).to_pylist()
@@ -348,8 +366,9 @@ def summarize(store, job_id: str, attempt: int, reports: list[dict]) -> str:
                 f"dp {r['dp_rank']} pp {r['pp_rank']} (S_w {r['s_w']:.3f})" for r in top))
         for f in links_of_window.get(w["window_id"], [])[:2]:
             lines.append(f"  network  {link_sentence(f)}")
-        if w["note"] and not w["complete"]:
-            lines.append(f"  note     {w['note'][:200]}")
+        if w["note"] and not w["complete"] and analysed(w):  # a window not analysed: its verdict said why
+            lines += textwrap.wrap(w["note"], width=110, initial_indent="  note     ", subsequent_indent=" " * 11,
+                                   break_on_hyphens=False)
     if wins:
         lines.append(f"\nwasted {wasted:.6f} of {total:.6f} GPU-hours in the analysed windows")
     hangs = store.run_named("job_hangs", {"job_id": job_id}).to_pylist()
