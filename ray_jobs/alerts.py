@@ -6,6 +6,9 @@ in the shard that owns the job; ``now`` is injected so tests drive it.
 ``AlertReducer`` runs the rules over what the other reducers emit (window
 results, link faults, hangs, regressions) and publishes each alert once it is stored.
 ``WebhookSender`` delivers them to an optional webhook off the shard's loop.
+``AlertOutlet`` is the one way a stored alert leaves, for the shards and for
+the driver's own alerts (lemon hosts, ``DriverAlerts``): the alert topic and
+the webhook.
 """
 from __future__ import annotations
 
@@ -99,6 +102,26 @@ class AlertRules:
             summary=hang_summary(row),
             details_json=jsonutil.dumps({k: row[k] for k in (
                 "kind", "group", "seq", "op", "stuck_ranks", "missing_ranks", "suspect_hosts", "duration_s")}),
+        )]
+
+    def evaluate_lemon(self, score, now: float, now_ns: int, labels: dict | None = None) -> list[dict]:
+        """The alert of a host that became a lemon (``analyzers.lemons.HostScore``): critical, cooled down per
+        host (a host is no job: its key is ``host/NAME``)."""
+        if not self._fire(f"host/{score.host}", "lemon_host", now):
+            return []
+        last = score.evidence[-1]
+        jobs = sorted({e["job_id"] for e in score.evidence})
+        where = f" ({labels[score.host]})" if (labels or {}).get(score.host) else ""
+        return [dict(
+            alert_id=f"host/{score.host}/lemon_host/{now_ns}", job_id=last["job_id"], attempt=last["attempt"],
+            ts_ns=now_ns, rule="lemon_host", severity="critical",
+            summary=(f"host {score.host}{where} is a lemon: {score.jobs} jobs implicated it ({score.incidents} "
+                     f"findings) where {score.expected_jobs:.2f} were expected for its {score.gpu_hours:.1f} "
+                     f"GPU-hours; jobs {', '.join(jobs[:5])}{' and more' if len(jobs) > 5 else ''}; latest: "
+                     f"{last['what']}"),
+            details_json=jsonutil.dumps({"host": score.host, "jobs": score.jobs, "incidents": score.incidents,
+                                         "gpu_hours": score.gpu_hours, "expected_jobs": score.expected_jobs,
+                                         "p_value": score.p_value}),
         )]
 
     def evaluate_regression(self, row: dict, now: float, now_ns: int) -> list[dict]:
@@ -226,6 +249,94 @@ def post_webhook(url: str, alert: dict, timeout_s: float = 3.0) -> bool:
         log.warning("webhook %s failed: %s", url, e)
         return False
 
+
+
+class AlertTopic:
+    """Stored alerts to the alert topic as JSON, keyed by job, through a producer made on first use
+    (``producer()``: a kafka-python ``KafkaProducer``); a failure is logged, never raised."""
+
+    def __init__(self, producer: Callable[[], object]):
+        self._producer = producer
+
+    @classmethod
+    def for_conn(cls, conn, client_id: str) -> "AlertTopic":
+        """Its own producer on ``conn`` (``core.kafka_conn.KafkaConn``), for a process without a shard's."""
+        made: list = []
+
+        def producer():
+            if not made:
+                from kafka import KafkaProducer
+
+                from core.kafka_admin import no_auto_create
+
+                p = KafkaProducer(bootstrap_servers=conn.bootstrap, client_id=client_id, acks=1, linger_ms=5,
+                                  allow_auto_create_topics=False, max_block_ms=3000, **conn.client_options())
+                no_auto_create(p)
+                made.append(p)
+            return made[0]
+        return cls(producer)
+
+    def send(self, alert: dict) -> None:
+        from core import topics
+
+        try:
+            self._producer().send(topics.TOPIC_ALERTS, key=alert["job_id"].encode(), value=json.dumps(alert).encode())
+        except Exception as e:
+            log.warning("alert publish failed: %s", e)
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        try:
+            self._producer().flush(timeout=timeout_s)
+        except Exception as e:
+            log.warning("alert topic flush failed: %s", e)
+
+
+class AlertOutlet:
+    """Where a stored alert leaves: the alert topic and the webhook. One for every alert, the shards' and the
+    driver's, so that what an on-call rotation listens to gets all of them.
+
+    ``topic``: a function that publishes one alert to the alert topic (a transport's ``alert_producer()``,
+    or ``AlertTopic.send``), None where alerts are not published there."""
+
+    def __init__(self, topic: Callable[[dict], None] | None, webhook_url: str = "",
+                 on_close: Callable[[], None] | None = None):
+        self.topic = topic
+        self.webhook = WebhookSender(webhook_url) if webhook_url else None
+        self._on_close = on_close
+
+    def publish(self, alert: dict) -> None:
+        """Off the caller's critical path: the topic's producer buffers, the webhook has its own thread."""
+        if self.topic is not None:
+            self.topic(alert)
+        if self.webhook is not None:
+            self.webhook.submit(alert)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self._on_close is not None:
+            self._on_close()
+        if self.webhook is not None:
+            self.webhook.close(timeout_s)
+
+
+class DriverAlerts:
+    """The driver's own alerts (lemon hosts): the same rules object as a shard's (wording, cool-down), stored
+    in the alert table, then published through the same outlet."""
+
+    def __init__(self, cfg: AlertConfig, store, outlet: AlertOutlet, clock: Clock = Clock()):
+        self.rules = AlertRules(cfg)
+        self.store, self.outlet, self.clock = store, outlet, clock
+        self.sent = 0
+
+    def lemons(self, scores, labels: dict | None = None, now_ns: int | None = None) -> list[dict]:
+        """Alert each host score given (the new lemons of a pass): stored first, then published."""
+        wall_ns = self.clock.wall_ns() if now_ns is None else now_ns
+        alerts = [a for s in scores for a in self.rules.evaluate_lemon(s, wall_ns / 1e9, wall_ns, labels)]
+        if alerts:
+            self.store.insert("alert", codec.from_rows(S.ALERT, alerts))
+            for a in alerts:
+                self.outlet.publish(a)
+                self.sent += 1
+        return alerts
 
 
 class WebhookSender:

@@ -13,7 +13,6 @@ then poll, then close. ``ray_jobs.transports.RecordSource`` is the contract.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from typing import Any, Iterable
@@ -458,13 +457,9 @@ class KafkaSource:
             log.warning("dead-letter publish failed: %s", e)
 
     def alert_producer(self):
-        def publish(alert: dict) -> None:
-            try:
-                self._producer_client().send(topics.TOPIC_ALERTS, key=alert["job_id"].encode(),
-                                             value=json.dumps(alert).encode())
-            except Exception as e:
-                log.warning("alert publish failed: %s", e)
-        return publish
+        from ray_jobs.alerts import AlertTopic
+
+        return AlertTopic(self._producer_client).send
 
     def close(self) -> None:
         for c in (self._consumer, self._producer):

@@ -9,7 +9,9 @@ suspect hosts, a worker over its own best), mapped to machines by the ranks'
 heartbeats (RANK_HOST) and the rank that reported each worker's spans
 (WINDOW_PROFILE), weighs each host by the GPU-hours it ran in any job
 (``analyzers.lemons``), stores the pass (LEMON_HOST rows) and raises one
-``lemon_host`` alert per host that became a lemon since the pass before.
+``lemon_host`` alert per host that became a lemon since the pass before,
+through the driver's alerts (``ray_jobs.alerts.DriverAlerts``: the alert
+table, then the alert topic and webhook every other alert goes to).
 A failing pass is logged and tried again; it never stops the pipeline.
 """
 from __future__ import annotations
@@ -51,6 +53,14 @@ class LemonWatch:
     period_s: float = 7 * 86400.0
     labels: dict = dataclasses.field(default_factory=dict)
     lemons: set = dataclasses.field(default_factory=set)  # hosts that were lemons in the last pass
+    alerts: object = None  # ray_jobs.alerts.DriverAlerts; default: stored only, published nowhere (tests)
+
+    def __post_init__(self) -> None:
+        if self.alerts is None:
+            from core.config import AlertConfig
+            from ray_jobs.alerts import AlertOutlet, DriverAlerts
+
+            self.alerts = DriverAlerts(AlertConfig(), self.store, AlertOutlet(None))
 
     def _rows(self, name: str, since: int, until: int) -> list[dict]:
         return self.store.run_named(name, {"since": since, "until": until}).to_pylist()
@@ -110,23 +120,8 @@ class LemonWatch:
         new = [s for s in scores if s.lemon and s.host not in self.lemons]
         self.lemons = {s.host for s in scores if s.lemon}
         if new:
-            self.store.insert("alert", codec.from_rows(S.ALERT, [_alert(s, now_ns, self.labels) for s in new]))
+            self.alerts.lemons(new, self.labels, now_ns)
         return scores
-
-
-def _alert(s, now_ns: int, labels: dict) -> dict:
-    last = s.evidence[-1]
-    jobs = sorted({e["job_id"] for e in s.evidence})
-    where = f" ({labels[s.host]})" if labels.get(s.host) else ""
-    return dict(
-        alert_id=f"host/{s.host}/lemon_host/{now_ns}", job_id=last["job_id"], attempt=last["attempt"], ts_ns=now_ns,
-        rule="lemon_host", severity="critical",
-        summary=(f"host {s.host}{where} is a lemon: {s.jobs} jobs implicated it ({s.incidents} findings) where "
-                 f"{s.expected_jobs:.2f} were expected for its {s.gpu_hours:.1f} GPU-hours; jobs "
-                 f"{', '.join(jobs[:5])}{' and more' if len(jobs) > 5 else ''}; latest: {last['what']}"),
-        details_json=jsonutil.dumps({"host": s.host, "jobs": s.jobs, "incidents": s.incidents, "gpu_hours": s.gpu_hours,
-                                 "expected_jobs": s.expected_jobs, "p_value": s.p_value}),
-    )
 
 
 def restore_lemons(store) -> set:

@@ -41,7 +41,7 @@ from core import schema as S
 from core.config import Config
 from core.registration import Registration
 from ray_jobs import boundary as B
-from ray_jobs.alerts import AlertReducer, AlertRules, WebhookSender
+from ray_jobs.alerts import AlertOutlet, AlertReducer, AlertRules
 from ray_jobs.checkpoint import Checkpoint, Clock, RetryLater, Unit
 from ray_jobs.crashes import CrashJournal, default_path
 from ray_jobs.dispatch import WindowReducer
@@ -165,7 +165,7 @@ class ShardWorker:
         self.sink: ResultSink | None = None
         self.checkpoint: Checkpoint | None = None
         self.journal: CrashJournal | None = None
-        self.webhook: WebhookSender | None = None
+        self.outlet: AlertOutlet | None = None
 
     # -- lifecycle ----------------------------------------------------------
     def setup(self) -> None:
@@ -209,9 +209,7 @@ class ShardWorker:
                          by=f"shard {self.index}")
         self._audit_resets()
         self._load_jobs()
-        self.alerts_out = self.source.alert_producer()
-        url = cfg.alerts.webhook_url
-        self.webhook = WebhookSender(url) if url else None
+        self.outlet = AlertOutlet(self.source.alert_producer(), cfg.alerts.webhook_url)
 
     def _load_jobs(self) -> None:
         """Registrations stored before; a row that does not validate is skipped and reported, never fatal."""
@@ -244,7 +242,7 @@ class ShardWorker:
                 self.checkpoint.commit(self.clock.monotonic(), force=True)  # the interval may have held them
             except Exception as e:
                 log.warning("final offset store failed: %s", e)
-        for c in (self.source, self.sink, self.webhook, self.journal):
+        for c in (self.source, self.sink, self.outlet, self.journal):
             if c is not None:
                 try:
                     c.close()
@@ -339,9 +337,9 @@ class ShardWorker:
                   ("kafka: " + "; ".join(problems)) if problems else ""]
         st.error = "; ".join(e for e in errors if e)[:500]
         st.clock_corrected_rows = self.clocks.corrected_rows
-        if self.webhook is not None:
-            st.webhook_sent, st.webhook_failed, st.webhook_dropped = (
-                self.webhook.sent, self.webhook.failed, self.webhook.dropped)
+        hook = self.outlet.webhook if self.outlet is not None else None
+        if hook is not None:
+            st.webhook_sent, st.webhook_failed, st.webhook_dropped = hook.sent, hook.failed, hook.dropped
         st.idle = got == 0 and not st.inflight and not st.open_windows and st.lag == 0
 
     def _rewind_lost_logs(self) -> None:
@@ -480,7 +478,5 @@ class ShardWorker:
 
     def _publish(self, alert: dict) -> None:
         """A stored alert to the alert topic and the webhook (both off the loop's critical path)."""
-        if self.alerts_out is not None:
-            self.alerts_out(alert)
-        if self.webhook is not None:
-            self.webhook.submit(alert)
+        if self.outlet is not None:
+            self.outlet.publish(alert)

@@ -256,7 +256,9 @@ def run_service(cfg: Config) -> int:
             native = stack.enter_context(NativeStderr(driver_log_path(cfg)))
             say(f"logs       Ray's own output goes to {native.path}")
             svc = start_services(cfg, stack)
-            lemons = LemonPasses.start(cfg, svc.store)
+            lemons = LemonPasses.start(svc.cfg, svc.store)
+            if lemons is not None:
+                stack.callback(lemons.close)
             say("running; Ctrl-C stops")
             last, problems = time.monotonic(), ()
             while True:
@@ -299,13 +301,23 @@ class LemonPasses:
         if cfg.lemons.every_s <= 0:
             return None
         from analyzers.lemons import LemonParams
+        from ray_jobs.alerts import AlertOutlet, AlertTopic, DriverAlerts
         from ray_jobs.lemon_watch import LemonWatch, read_topology, restore_lemons
 
+        # The same way out as the shards' alerts: the alert table, topic and webhook.
+        topic = AlertTopic.for_conn(cfg.kafka.conn(), "stragglerscope-driver-alerts")
+        alerts = DriverAlerts(cfg.alerts, store, AlertOutlet(topic.send, cfg.alerts.webhook_url, topic.flush))
         watch = LemonWatch(store, LemonParams(cfg.lemons.min_jobs, cfg.lemons.max_p), cfg.lemons.period_days * 86400,
-                           read_topology(cfg.lemons.topology_file), restore_lemons(store))
+                           read_topology(cfg.lemons.topology_file), restore_lemons(store), alerts)
         say(f"lemons     hosts scored across jobs every {cfg.lemons.every_s:g} s over {cfg.lemons.period_days:g} "
             "days (`sql lemon_hosts`)")
         return cls(watch, cfg.lemons.every_s)
+
+    def close(self) -> None:
+        """The pass in progress finishes (bounded), and what its alerts left queued goes out."""
+        if self._thread is not None:
+            self._thread.join(30)
+        self.watch.alerts.outlet.close()
 
     def maybe_run(self) -> None:
         import threading

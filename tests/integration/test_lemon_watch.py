@@ -105,3 +105,64 @@ def test_a_host_implicated_by_three_jobs_is_a_lemon_after_the_third(store, tmp_p
     assert alerts[0]["summary"].startswith("host h07 (switch-3) is a lemon: 3 jobs implicated it"), alerts
     # the hosts that straggled once stay hosts, not lemons
     assert all(not s.lemon for s in passes[-1] if s.host != "h07")
+
+
+def test_a_lemon_alert_leaves_by_the_shards_path_to_the_webhook_and_the_topic(store, broker):
+    """Issue 50: lemon-host alerts were inserted into the table alone and never reached the pager. The driver's
+    alerts now go out as the shards' do: a real webhook receiver on 127.0.0.1 and the real alert topic."""
+    import http.server
+    import threading
+
+    from kafka import KafkaConsumer
+
+    from core import topics
+    from core.config import AlertConfig
+    from core.kafka_admin import ensure_topics
+    from core.kafka_conn import KafkaConn
+    from ray_jobs.alerts import AlertOutlet, AlertTopic, DriverAlerts
+
+    received: list[dict] = []
+    got = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+            got.set()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    ensure_topics(broker.bootstrap, [topics.TOPIC_ALERTS], 1)
+    consumer = KafkaConsumer(topics.TOPIC_ALERTS, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
+                             consumer_timeout_ms=20000, group_id=None)
+    topic = AlertTopic.for_conn(KafkaConn(broker.bootstrap), "test-driver")
+    outlet = AlertOutlet(topic.send, f"http://127.0.0.1:{srv.server_port}/hook", topic.flush)
+    watch = LemonWatch(store, LemonParams(min_jobs=3, max_p=1e-3), period_s=7 * 86400.0,
+                       alerts=DriverAlerts(AlertConfig(), store, outlet))
+    try:
+        t = NOW - 100 * HOUR
+        for j in range(40):
+            add_job(store, j, t + j * HOUR, hours=4.0)
+        for k in range(3):
+            add_job(store, 70 + k, t + (70 + k) * HOUR, slow_host="h07")
+        watch.score(now_ns=NOW)
+        assert got.wait(20), "the webhook got nothing"
+        outlet.close()
+        assert [a["rule"] for a in received] == ["lemon_host"]
+        assert received[0]["summary"].startswith("host h07 is a lemon"), received
+        on_topic = []
+        for m in consumer:  # up to 20 s for the first
+            a = json.loads(m.value)
+            if a["rule"] == "lemon_host":
+                on_topic.append(a)
+                break
+        assert [a["alert_id"] for a in on_topic] == [received[0]["alert_id"]]
+        stored = store.query("SELECT alert_id FROM alerts WHERE rule = 'lemon_host'").to_pylist()
+        assert [r["alert_id"] for r in stored] == [received[0]["alert_id"]]
+    finally:
+        consumer.close()
+        srv.shutdown()
