@@ -446,5 +446,14 @@ class Pipeline:
     def __enter__(self) -> "Pipeline":
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if self.detached and exc_type is not None and not issubclass(exc_type, KeyboardInterrupt):
+            # This driver failed (its start, a port, a store): the detached shards it started or adopted run
+            # on and keep their work; a driver that fails never takes the pipeline down with it.
+            log.warning("leaving %d detached shard actor(s) running: this driver failed (%s)", len(self.actors),
+                        exc_type.__name__)
+            if self._metrics is not None:
+                self._metrics.stop()
+            self.actors = []
+            return
         self.stop()

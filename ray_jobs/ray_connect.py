@@ -97,8 +97,11 @@ def init_ray(cfg: Config) -> None:
                                 ) from None
         return
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set by ray_jobs/__init__.py, before Ray is imported.
+    # address="local": a Ray of our own, whatever else this host has seen. Without it ray.init joins the
+    # cluster RAY_ADDRESS or Ray's marker of the last `ray start` names, even one long stopped (and then
+    # refuses num_cpus: "When connecting to an existing cluster, num_cpus and num_gpus must not be provided").
     ray.init(
-        num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+        address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
         log_to_driver=False, configure_logging=True, logging_level=logging.WARNING,
     )
 

@@ -110,9 +110,41 @@ def start_services(cfg: Config, stack: contextlib.ExitStack) -> Services:
     say(f"analysis   up to {pipeline.max_inflight} in flight per shard")
     sigterm_as_interrupt()
     if cfg.pipeline.metrics_port >= 0:
-        port = pipeline.serve_metrics(cfg.pipeline.metrics_port)
-        say(f"metrics    http://127.0.0.1:{port}/metrics")
+        serve_metrics(pipeline, cfg.pipeline.metrics_port, stack)
     return Services(run_cfg, source_id, store, pipeline, keeper)
+
+
+METRICS_RETRY_S = 2.0
+
+
+def serve_metrics(pipeline, port: int, stack: contextlib.ExitStack) -> None:
+    """The shards' metrics on 127.0.0.1:port. A fixed port still held by another process (in a rolling update,
+    the driver this one takes over from, which steps down within seconds) is taken once it is free: the
+    metrics wait, the pipeline does not, and nothing the driver adopted is given up for it."""
+    import errno
+    import threading
+
+    try:
+        port = pipeline.serve_metrics(port)
+        say(f"metrics    http://127.0.0.1:{port}/metrics")
+        return
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE or port == 0:
+            raise
+    say(f"metrics    port {port} is in use (the driver this one takes over from, or another program): served "
+        "as soon as it is free")
+    stop = threading.Event()
+    stack.callback(stop.set)
+
+    def retry():
+        while not stop.wait(METRICS_RETRY_S):
+            try:
+                pipeline.serve_metrics(port)
+            except OSError:
+                continue
+            say(f"metrics    http://127.0.0.1:{port}/metrics")
+            return
+    threading.Thread(target=retry, name="metrics-port", daemon=True).start()
 
 
 def wait_stored(svc: Services, keys, timeout_s: float) -> set:

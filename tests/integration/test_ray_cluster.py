@@ -128,13 +128,16 @@ def test_run_on_a_two_node_ray_cluster_adopts_survives_a_node_loss_and_stores_ea
     ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, PARTITIONS)
     keys = _produce(broker.bootstrap, f"{tag}-a", n_jobs=12, windows=6)  # more come after the node is lost
 
+    from services.ports import free_fixed_port
+
+    metrics_port = free_fixed_port()  # fixed, as for a scraper: both drivers are given the same
     drivers = []
     with LocalZooKeeper() as zk, ClickHouseCluster(shards=2, replicas=2, zookeeper_port=zk.port) as ch, \
             LocalRayCluster(nodes=2, cpus_per_node=3) as cluster:
         env = dict(os.environ, STRAGGLERSCOPE_RAY_ADDRESS=cluster.address,
                    STRAGGLERSCOPE_KAFKA_BOOTSTRAP=broker.bootstrap, STRAGGLERSCOPE_KAFKA_PARTITIONS=str(PARTITIONS),
                    STRAGGLERSCOPE_KAFKA_SOURCE_ID=tag, STRAGGLERSCOPE_STORE_URL=ch.url,
-                   STRAGGLERSCOPE_PIPELINE_SHARDS="2", STRAGGLERSCOPE_PIPELINE_METRICS_PORT="-1",
+                   STRAGGLERSCOPE_PIPELINE_SHARDS="2", STRAGGLERSCOPE_PIPELINE_METRICS_PORT=str(metrics_port),
                    STRAGGLERSCOPE_PIPELINE_IDLE_TIMEOUT_S="30", STRAGGLERSCOPE_RAY_SHARD_MEMORY_MB="256")
         env.pop("STRAGGLERSCOPE_STORE", None)
         store = open_store(ch.url)
@@ -152,8 +155,16 @@ def test_run_on_a_two_node_ray_cluster_adopts_survives_a_node_loss_and_stores_ea
             drivers.append(second)
             second.wait_for("running", 240)
             assert "2 adopted, 0 started" in second.text, second.text
+            assert f"port {metrics_port} is in use" in second.text, second.text  # the first driver holds it
             assert first.wait(60) == 0, first.text
             assert "a driver started later owns the shards" in first.text, first.text
+            # The port the first gave back is the second's now (issue 50: it died on it, killing the shards).
+            second.wait_for(f"metrics    http://127.0.0.1:{metrics_port}/metrics", 30)
+            import urllib.request
+
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+                assert r.status == 200 and b"ss_shard_up" in r.read()
+            assert "Traceback" not in second.text, second.text
             assert _on_cluster(cluster.address, tag, 2) == placed, "the same shard processes: no second set"
 
             # A node lost mid-stream: its shard comes back on the head, replays from the stored offsets, and
