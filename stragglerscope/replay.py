@@ -116,8 +116,6 @@ def publish_replay(cfg: Config, paths: list[str], wait_s: float | None = None) -
     Starts no driver: a second driver would take the running shards over. With ``wait_s``, waits until the
     store (``store.url``, the one the running pipeline writes) holds every window.
     """
-    import time
-
     from core.kafka_admin import check_reachable, prepare_topics
     from stragglerscope.service import say
 
@@ -136,22 +134,62 @@ def publish_replay(cfg: Config, paths: list[str], wait_s: float | None = None) -
         return 0
     from storage import open_store
 
-    store = open_store(cfg.store.url)
-    try:
-        deadline = time.monotonic() + wait_s
-        pending = set(keys)
-        while pending and time.monotonic() < deadline:
-            pending = {k for k in pending if not store.window_stored(k)}
-            if pending:
-                time.sleep(1.0)
-    finally:
-        store.close()
+    pending = wait_windows(lambda: open_store(cfg.store.url), keys, wait_s)
     if pending:
         say(f"error: {len(pending)} of {len(keys)} windows not stored within {wait_s:.0f} s (is `stragglerscope run` "
             "reading this Kafka and writing this store?)")
         return 1
     say(f"stored     {len(keys)} windows")
     return 0
+
+
+def wait_windows(open_store, keys, wait_s: float, sleep=None, monotonic=None, poll_s: float = 1.0) -> set:
+    """Wait up to ``wait_s`` until the store ``open_store()`` opens holds every window of ``keys``; returns the
+    keys still missing. A store that cannot be opened or does not answer (a server restarted, a network
+    outage) is waited for, said once when it goes and once when it comes back, until the time is up."""
+    import time
+
+    from stragglerscope.service import say
+
+    sleep = sleep or time.sleep
+    monotonic = monotonic or time.monotonic
+    deadline = monotonic() + wait_s
+    pending, store, down = set(keys), None, ""
+    try:
+        while pending:
+            try:
+                if store is None:
+                    store = open_store()
+                pending = {k for k in pending if not store.window_stored(k)}
+                if down:
+                    say(f"waiting    the store answers again; {len(pending)} of {len(keys)} windows to come")
+                down = ""
+            except Exception as e:  # the store's own errors and its driver's (ClickHouse's NetException ...)
+                why = f"{type(e).__name__}: {_first_line(e)}"
+                if not down:
+                    say(f"waiting    the store does not answer ({why}): waiting for it until the timeout")
+                down = why
+                if store is not None:
+                    _close_quietly(store)
+                    store = None
+            if not pending or monotonic() >= deadline:
+                break
+            sleep(poll_s)
+    finally:
+        if store is not None:
+            _close_quietly(store)
+    return pending
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), "")[:200]
+
+
+def _close_quietly(store) -> None:
+    try:
+        store.close()
+    except Exception:
+        pass
 
 
 def run_replay(cfg: Config, paths: list[str], timeout_s: float = 1800.0) -> int:
