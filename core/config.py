@@ -141,6 +141,9 @@ class AlertConfig:
     """The same rule for the same job alerts at most once per cool-down."""
     webhook_url: str = ""
     """POST each alert as JSON here; empty = off."""
+    store_down_s: float = 60.0
+    """A store unreachable this long is a critical store_down alert on the alert topic and the webhook (not in
+    the alert table: it is in the store); its return an info one. 0 = off."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -186,6 +186,14 @@ class Checkpoint:
             self.last_error = ""
         return stored
 
+    def down_s(self) -> float:
+        """Seconds the store has been unreachable (writes waiting on it); 0 while it takes them."""
+        return 0.0 if self._down_since is None else max(0.0, self.clock.monotonic() - self._down_since)
+
+    def windows_waiting(self) -> int:
+        """Analysed windows whose results wait for the store."""
+        return sum(1 for u in self.pending if "window" in u.tables)
+
     def _back(self, stored: list[Unit]) -> None:
         if stored and self._down_since is not None:
             log.warning("the store is back after %.0f s", self.clock.monotonic() - self._down_since)

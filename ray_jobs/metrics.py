@@ -52,6 +52,10 @@ _METRICS = (
     ("recoveries", "ss_recoveries_total", "counter", "returns to a job's baseline stored"),
     ("degraded_workers", "ss_degraded_workers_total", "counter", "workers found over their own best, stored"),
     ("commits", "ss_offset_commits_total", "counter", "offset stores, each after the results it covers were stored"),
+    ("store_down_s", "ss_store_down_seconds", "gauge",
+     "seconds the store has been unreachable, results and offsets waiting (0: it takes writes)"),
+    ("windows_waiting", "ss_windows_waiting", "gauge",
+     "windows closed and not stored yet: in analysis, or waiting for the store"),
 )
 
 
@@ -76,6 +80,11 @@ class MetricsServer:
                 if key in st:
                     fam.add_metric([str(st.get("shard", "?"))], float(st[key]))
             yield fam
+        store_up = GaugeMetricFamily("ss_store_up", "1 while the store takes the shard's writes", labels=["shard"])
+        for st in shards:
+            if "store_down_s" in st:
+                store_up.add_metric([str(st.get("shard", "?"))], 0.0 if st["store_down_s"] > 0 else 1.0)
+        yield store_up
         up = GaugeMetricFamily("ss_shard_up", "1 when the shard answered its status call", labels=["shard"])
         for st in shards:
             up.add_metric([str(st.get("shard", "?"))], 0.0 if st.get("unavailable") else 1.0)

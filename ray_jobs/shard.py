@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -110,6 +111,10 @@ class ShardStats:
     """Offset stores (each after the results it covers were stored)."""
     units_dropped: int = 0
     """Stored-result units given up after the store refused them repeatedly while it answered (logged)."""
+    store_down_s: float = 0.0
+    """Seconds the store has been unreachable (results and offsets wait); 0 while it takes writes."""
+    windows_waiting: int = 0
+    """Windows closed and not stored yet: in analysis, or analysed and waiting for the store."""
     idle: bool = False
     error: str = ""
 
@@ -160,6 +165,7 @@ class ShardWorker:
         # shows a store outage while it lasts, not forever after (ShardStats.error joins them).
         self._errors = {"loop": "", "record": ""}
         self._loop_max = [0.0, 0.0, 0.0]  # [this minute, the previous minute, when this minute ends]
+        self._store_alerted = False  # the store's outage was alerted (once per outage)
         # Made in setup (clients do not pickle); None until then, which is what stop() looks at.
         self.source: RecordSource | None = None
         self.sink: ResultSink | None = None
@@ -331,16 +337,44 @@ class ShardWorker:
         st.loops += 1
         st.commits = self.checkpoint.commits
         st.units_dropped = self.checkpoint.units_dropped
+        st.store_down_s = self.checkpoint.down_s()
+        st.windows_waiting = st.inflight + self.checkpoint.windows_waiting()
+        self._store_alert(st.store_down_s)
         problems = self.source.problems
         errors = [self._errors["loop"], self._errors["record"], self.checkpoint.last_error,
                   # a vanished partition, an offset past the end: paused there, shown here
                   ("kafka: " + "; ".join(problems)) if problems else ""]
-        st.error = "; ".join(e for e in errors if e)[:500]
+        # Each on its first line (ClickHouse's errors end in an empty "Log:"), each once (the loop and the
+        # checkpoint can report the same refusal).
+        lines = [next((ln.strip() for ln in e.splitlines() if ln.strip()), "") for e in errors]
+        st.error = "; ".join(dict.fromkeys(ln for ln in lines if ln))[:500]
         st.clock_corrected_rows = self.clocks.corrected_rows
         hook = self.outlet.webhook if self.outlet is not None else None
         if hook is not None:
             st.webhook_sent, st.webhook_failed, st.webhook_dropped = hook.sent, hook.failed, hook.dropped
         st.idle = got == 0 and not st.inflight and not st.open_windows and st.lag == 0
+
+    def _store_alert(self, down_s: float) -> None:
+        """A store unreachable for ``alerts.store_down_s``: one critical alert on the topic and the webhook (the
+        alert table is in the store that is down), once per outage; its return, one ``info``."""
+        limit = self.cfg.alerts.store_down_s
+        if limit <= 0 or self.outlet is None:
+            return
+        if down_s >= limit and not self._store_alerted:
+            self._store_alerted = True
+            self.outlet.publish(self._pipeline_alert(
+                "store_down", "critical", f"the store is unreachable for {down_s:.0f} s: shard {self.index}'s "
+                f"results and offsets wait ({self.checkpoint.last_error[:300]})"))
+        elif down_s == 0 and self._store_alerted:
+            self._store_alerted = False
+            self.outlet.publish(self._pipeline_alert("store_down", "info",
+                                                     f"the store takes shard {self.index}'s writes again"))
+
+    def _pipeline_alert(self, rule: str, severity: str, what: str) -> dict:
+        now_ns = self.clock.wall_ns()
+        return dict(alert_id=f"pipeline/{self.source_id}/{self.index}/{rule}/{now_ns}", job_id="", attempt=0,
+                    ts_ns=now_ns, rule=rule, severity=severity, summary=f"pipeline {self.source_id}: {what}",
+                    details_json=json.dumps({"shard": self.index, "source_id": self.source_id}))
 
     def _rewind_lost_logs(self) -> None:
         """Partitions whose log the broker lost while we read them (``kafka.on_lost_log = rewind``): from the

@@ -374,7 +374,8 @@ def status_line(statuses: list[dict], placement=None) -> str:
     """One line: each shard's stored windows, lag and what is wrong now; what the Ray cluster cannot run."""
     line = "status     " + "  ".join(
         f"shard {s.get('shard')}: windows={s.get('windows_stored', '?')} "
-        f"lag={s.get('lag', '?') if s.get('loops') else '?'}"
+        f"lag={s.get('lag', '?') if s.get('loops') else '?'} waiting={s.get('windows_waiting', '?')}"
+        f"{' STORE DOWN %.0f s' % s['store_down_s'] if s.get('store_down_s') else ''}"
         f"{' ERROR ' + s['error'] if s.get('error') else ''}" for s in statuses)
     if placement is not None and placement.problems:
         line += "  RAY: " + "; ".join(placement.problems)

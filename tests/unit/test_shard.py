@@ -324,6 +324,53 @@ def test_the_status_shows_a_store_outage_while_it_lasts_not_after():
     assert [r["job_id"] for r in sink.rows["window"]] == ["a"] and seen[-1] == ""
 
 
+def test_a_store_outage_shows_in_the_status_and_metrics_and_pages_by_the_topic_while_it_lasts():
+    """Issue 50: during a ClickHouse outage `ss_shard_up` stayed 1 and only lag rose; no metric said the store
+    was unreachable, the status repeated the error twice, and nothing paged."""
+    from ray_jobs.metrics import MetricsServer
+
+    class AwaySink(FakeSink):
+        down = False
+
+        def flush(self):
+            if self.down:
+                self._buf = {}
+                raise ConnectionError("Code: 210. DB::NetException: Connection refused (127.0.0.1:9000)\nLog: \n")
+            super().flush()
+
+        def load_offsets(self, *args):
+            if self.down:
+                raise ConnectionError("store away")
+            return super().load_offsets(*args)
+
+    a = job("a")
+    sink, clock = AwaySink(), ManualClock()
+    w, src, _ = make_worker(messages_for([a.registration(0, STEPS), generate_window(a, 0, STEPS, 0)]), sink=sink,
+                            clock=clock)
+    sink.down = True
+    statuses = []
+    for i in range(40):
+        clock.t = i * 5.0  # 200 s of outage, a step every 5 s
+        w.step(poll_timeout_ms=0)
+        statuses.append(w.status())
+    st = statuses[-1]
+    assert st["store_down_s"] >= 150 and st["windows_waiting"] == 1, st
+    assert st["error"].count("Connection refused") == 1 and not st["error"].rstrip().endswith("Log:"), st["error"]
+    text = "\n".join(f"{m.name} {s.labels} {s.value}" for m in MetricsServer(lambda: [st]).collect()
+                     for s in m.samples)
+    assert "ss_store_up {'shard': '0'} 0.0" in text and "ss_windows_waiting {'shard': '0'} 1.0" in text, text
+    down = [x for x in src.alerts if x["rule"] == "store_down"]
+    assert [x["severity"] for x in down] == ["critical"], src.alerts  # once, after store_down_s (60 s)
+    assert "unreachable for 6" in down[0]["summary"]
+    sink.down = False
+    for i in range(40, 45):
+        clock.t = i * 5.0
+        w.step(poll_timeout_ms=0)
+    assert w.status()["store_down_s"] == 0 and w.status()["windows_waiting"] == 0
+    assert [x["severity"] for x in src.alerts if x["rule"] == "store_down"] == ["critical", "info"]
+    assert [r["job_id"] for r in sink.rows["window"]] == ["a"]
+
+
 def test_heartbeats_of_a_hung_job_become_a_hang_row_and_a_critical_alert():
     from generators.faultgen import hang_incident
 
