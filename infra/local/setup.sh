@@ -42,9 +42,9 @@ if [ $want_test = 1 ]; then
             exit 1
         fi
     fi
-    echo "setup: pip install -e .[test,train]" >&2
-    .venv/bin/python -m pip install -q -e '.[test,train]'
+    echo "setup: pip install -e .[server,test,train]" >&2
+    .venv/bin/python -m pip install -q -e '.[server,test,train]'
 else
-    echo "setup: pip install -e ." >&2
-    .venv/bin/python -m pip install -q -e .
+    echo "setup: pip install -e .[server]" >&2
+    .venv/bin/python -m pip install -q -e '.[server]'
 fi
