@@ -36,7 +36,9 @@ def base_venv(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     # The training stack first, as an image has it, then the project as a user installs it (not editable).
     pip(venv, f"torch=={__import__('torch').__version__.split('+')[0]}")
-    pip(venv, str(ROOT))
+    from tests.packaging import project_copy
+
+    pip(venv, str(project_copy(venv.parent / "src")))
     return venv
 
 
