@@ -3,6 +3,12 @@
 #   make test   set up (with the test services: clickhouse-server, zookeeper, chromium), then run every test
 PY := .venv/bin/python
 
+# A real Apache Kafka for the tests that must meet it (tests/integration/test_apache_kafka.py): the one beside
+# this checkout (../shared/kafka) unless STRAGGLERSCOPE_APACHE_KAFKA names another; without one they are skipped.
+ifneq ($(wildcard ../shared/kafka/lib),)
+export STRAGGLERSCOPE_APACHE_KAFKA ?= $(abspath ../shared/kafka)
+endif
+
 .PHONY: setup setup-test demo demo-once test test-unit bench clean
 
 .venv/.installed: pyproject.toml infra/local/setup.sh

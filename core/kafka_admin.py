@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from typing import Iterable
 
@@ -145,6 +146,54 @@ def _reason(e: BaseException) -> str:
     return text if text.startswith(type(e).__name__) else f"{type(e).__name__}: {text}"
 
 
+SASL_REFUSAL_S = 4.0
+"""How long a SASL bootstrap that only ever sees the broker drop the connection is given before that is said."""
+_AUTH_WORDS = ("SaslAuthenticationFailedError", "AuthorizationError", "Authentication failed",
+               "IllegalSaslStateError", "UnsupportedSaslMechanismError")
+
+
+class _RefusalWatch(logging.Handler):
+    """The broker's own word when it refuses our credentials. kafka-python 3 logs it at once (``kafka.net``:
+    "Bootstrap connection ... failed: [Error 58] SaslAuthenticationFailedError: Authentication failed ...
+    invalid credentials ...") and goes on trying to bootstrap until its timeout (21-30 s), which then says
+    only that it could not. While it is attached, kafka.net's records come here and not to the terminal."""
+
+    LOGGER = "kafka.net"
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.reason = ""
+        self.seen = threading.Event()
+        self.drops = 0  # bootstrap connections dropped by the broker without a word (see _admin)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if record.name.endswith(".manager") and "failed: KafkaConnectionError: socket disconnected" in msg:
+            self.drops += 1
+        for word in _AUTH_WORDS:
+            at = msg.rfind(word + ": ")
+            if at >= 0:
+                # "... failed: [Error 58] SaslAuthenticationFailedError: SaslAuthenticationFailedError: Authentication
+                # failed during authentication due to invalid credentials ... (backoff 0.05 secs)"
+                said = msg[at + len(word) + 2:].split(" (backoff")[0].rstrip(")").strip()
+                self.reason = f"{word}: {said}"
+                self.seen.set()
+                return
+
+    def __enter__(self) -> "_RefusalWatch":
+        lg = logging.getLogger(self.LOGGER)
+        self._saved = (lg.level, lg.propagate)
+        lg.setLevel(logging.WARNING)
+        lg.propagate = False
+        lg.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        lg = logging.getLogger(self.LOGGER)
+        lg.removeHandler(self)
+        lg.level, lg.propagate = self._saved
+
+
 def _admin(bootstrap: KafkaConn | str, timeout_s: float):
     from kafka import KafkaAdminClient
     from kafka.errors import KafkaError
@@ -154,10 +203,41 @@ def _admin(bootstrap: KafkaConn | str, timeout_s: float):
                 request_timeout_ms=int(timeout_s * 1000), **conn.client_options())
     if "bootstrap_timeout_ms" in KafkaAdminClient.DEFAULT_CONFIG:  # kafka-python >= 3.0.10
         opts["bootstrap_timeout_ms"] = int(timeout_s * 1000)
-    try:
-        return KafkaAdminClient(**opts)
-    except KafkaError as e:
-        raise BrokerError(f"cannot reach Kafka at {conn.describe()}: {_reason(e)}{_why(conn)}") from None
+    if not conn.uses_sasl:
+        try:
+            return KafkaAdminClient(**opts)
+        except KafkaError as e:
+            raise BrokerError(f"cannot reach Kafka at {conn.describe()}: {_reason(e)}{_why(conn)}") from None
+    # With SASL the client is made on a thread of its own, so that the broker's refusal ends the wait at once.
+    made: list = []
+    with _RefusalWatch() as refusal:
+        def make():
+            try:
+                made.append(KafkaAdminClient(**opts))
+            except Exception as e:  # handed to the caller below
+                made.append(e)
+        worker = threading.Thread(target=make, name="kafka-admin-bootstrap", daemon=True)
+        worker.start()
+        give_up = time.monotonic() + SASL_REFUSAL_S
+        while worker.is_alive() and not refusal.seen.wait(0.05):
+            if time.monotonic() > give_up and refusal.drops >= 2:
+                break
+    # The client still trying in the background gives up at its own timeout; nothing waits for it.
+    if refusal.seen.is_set():
+        raise BrokerError(f"Kafka at {conn.describe()} refused the credentials: {refusal.reason} (check "
+                          "kafka.sasl_username, the password and kafka.sasl_mechanism)")
+    if not made:
+        # Apache Kafka sends its refusal, then closes; now and then the close comes first and the client sees
+        # only a dropped connection, every time, until its own timeout.
+        raise BrokerError(f"Kafka at {conn.describe()} closed the connection during SASL authentication "
+                          f"{refusal.drops} times in {SASL_REFUSAL_S:g} s without answering: it refuses the "
+                          "credentials (check kafka.sasl_username, the password and kafka.sasl_mechanism)")
+    out = made[0]
+    if isinstance(out, KafkaError):
+        raise BrokerError(f"cannot reach Kafka at {conn.describe()}: {_reason(out)}{_why(conn)}") from None
+    if isinstance(out, BaseException):
+        raise out
+    return out
 
 
 def _why(conn: KafkaConn) -> str:
@@ -214,6 +294,26 @@ def _describe(admin, topics: list[str]) -> dict[str, int]:
     return out
 
 
+KNOWN_ROUNDS = 3
+"""Consecutive metadata answers that must all hold the new topics before they are taken as known."""
+
+
+def _known(admin, topics: list[str], timeout_s: float) -> dict[str, int]:
+    """The topics' partition counts once the cluster knows them all. A multi-broker Apache Kafka answers
+    CreateTopics once its controller took them; the other brokers learn them moments later (a first run on
+    three brokers saw none of its new topics right after creating them, all of them 1 s later). Each
+    metadata request goes to some broker: several answers in a row, each holding every topic, are taken as
+    every broker's. Bounded by ``timeout_s``; what is missing then is the caller's to say."""
+    deadline = time.monotonic() + timeout_s
+    rounds, counts = 0, {}
+    while True:
+        counts = _describe(admin, topics)
+        rounds = rounds + 1 if len(counts) == len(topics) else 0
+        if rounds >= KNOWN_ROUNDS or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.2 if rounds else 0.5)
+
+
 def ensure_topics(bootstrap: KafkaConn | str, topics: Iterable[str], partitions: int = DEFAULT_PARTITIONS,
                   timeout_s: float = 20.0, replication_factor: int = 1,
                   min_insync_replicas: int = 0) -> dict[str, int]:
@@ -242,14 +342,15 @@ def ensure_topics(bootstrap: KafkaConn | str, topics: Iterable[str], partitions:
                 admin.create_topics(new)
             except TopicAlreadyExistsError:
                 pass
-            counts = _describe(admin, topics)
+            counts = _known(admin, topics, timeout_s)
     except KafkaError as e:
         raise BrokerError(f"cannot create topics at {bootstrap}: {_reason(e)}") from None
     finally:
         admin.close()
     missing = [t for t in topics if t not in counts]
     if missing:
-        raise BrokerError(f"topics {', '.join(missing)} do not exist at {bootstrap} and could not be created")
+        raise BrokerError(f"topics {', '.join(missing)} do not exist at {bootstrap} and could not be created (or "
+                          f"were created and not known to every broker within {timeout_s:g} s)")
     return counts
 
 
