@@ -35,6 +35,16 @@ class Message:
     value: bytes
 
 
+FETCH_MAX_BYTES = 4 << 20
+"""At most this much a poll fetches (every partition together): each byte is checked (CRC-32C) and decoded
+inside the shard's loop, so this bounds how long one poll holds it. Our producers send messages under 1 MB
+(``core.topics.MAX_MESSAGE_BYTES``); a bigger one from elsewhere still comes, alone (Kafka returns a first
+batch over the limit so that a reader can go on), and its decoded size is bounded at the boundary
+(``validation.max_decoded_mb``)."""
+PARTITION_FETCH_BYTES = 1 << 20
+"""... and this much of one partition: one busy partition does not take a poll's whole share."""
+
+
 class KafkaSource:
     """Reads a fixed set of partitions of the input topics; tracks what was handled.
 
@@ -106,8 +116,8 @@ class KafkaSource:
         self._consumer = KafkaConsumer(
             bootstrap_servers=self.bootstrap, client_id=self.client_id, group_id=None,
             enable_auto_commit=False, auto_offset_reset="none", allow_auto_create_topics=False,
-            max_poll_records=self.max_poll_records, fetch_max_bytes=16 << 20,
-            max_partition_fetch_bytes=4 << 20, metadata_max_age_ms=30_000, **self.conn.client_options(),
+            max_poll_records=self.max_poll_records, fetch_max_bytes=FETCH_MAX_BYTES,
+            max_partition_fetch_bytes=PARTITION_FETCH_BYTES, metadata_max_age_ms=30_000, **self.conn.client_options(),
         )
         no_auto_create(self._consumer)
         if self.generation_s:
