@@ -1,5 +1,7 @@
-"""The one exception type of the storage layer."""
+"""The one exception type of the storage layer, and the words for a store that has no tables yet."""
 from __future__ import annotations
+
+import re
 
 
 class StoreError(RuntimeError):
@@ -26,3 +28,23 @@ def first_line(exc: BaseException, limit: int = 500) -> str:
         if line.strip():
             return line.strip()[:limit]
     return type(exc).__name__
+
+
+_MISSING_TABLE = re.compile(r"Unknown table expression identifier '([^']+)'|Table (?:\S+\.)?(\S+) (?:doesn't|does not) "
+                            r"exist|UNKNOWN_TABLE|Code: 60\b")
+
+
+def missing_table(error: BaseException | str) -> str | None:
+    """The table an error says does not exist (ClickHouse's code 60, from a server, chDB or the store daemon),
+    '' when it names none; None when the error is about something else."""
+    m = _MISSING_TABLE.search(str(error))
+    if m is None:
+        return None
+    return next((g for g in m.groups() if g), "")
+
+
+def no_tables_yet(url: str, table: str) -> str:
+    """What to do about a store without the project's tables, in one line."""
+    what = f"table {table}" if table else "the project's tables"
+    return (f"the store {url} has no {what} yet: start `stragglerscope run` on it first (it creates them), or "
+            "the store URL is wrong")

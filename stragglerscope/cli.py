@@ -298,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(args) or 0
     except _user_errors() as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        from storage.errors import missing_table, no_tables_yet
+
+        table = missing_table(msg)
+        if table is not None:  # ClickHouse's "Code: 60 ... Unknown table": the store was never set up
+            cfg_url = getattr(args, "store", None) or _configured_store(args)
+            msg = no_tables_yet(cfg_url, table)
         print(f"stragglerscope {args.command}: error: {redact(msg)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -314,6 +320,13 @@ def main(argv: list[str] | None = None) -> int:
 
         sys.stderr.write(redact(traceback.format_exc()))
         return 1
+
+
+def _configured_store(args) -> str:
+    try:
+        return config_mod.load(getattr(args, "config", None)).store.url
+    except Exception:
+        return "(store.url)"
 
 
 def _guard_logs(verbose: bool) -> None:

@@ -165,8 +165,13 @@ def wait_windows(open_store, keys, wait_s: float, sleep=None, monotonic=None, po
                     say(f"waiting    the store answers again; {len(pending)} of {len(keys)} windows to come")
                 down = ""
             except Exception as e:  # the store's own errors and its driver's (ClickHouse's NetException ...)
+                from storage.errors import missing_table
+
                 why = f"{type(e).__name__}: {_first_line(e)}"
-                if not down:
+                if not down and missing_table(e) is not None:
+                    say("waiting    the store has no tables yet: waiting for `stragglerscope run` to create them "
+                        "(or is store.url another store?)")
+                elif not down:
                     say(f"waiting    the store does not answer ({why}): waiting for it until the timeout")
                 down = why
                 if store is not None:

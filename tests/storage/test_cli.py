@@ -61,3 +61,33 @@ def test_run_sql(tmp_path):
                     (dict(), "give either a query name or --query")):
         with pytest.raises(StoreError, match=msg):
             run_sql(url, fmt="json", **kw)
+
+
+@pytest.mark.integration
+def test_waiting_on_a_server_store_without_tables_says_so_in_words(ch_server, tmp_path, capsys):
+    """Issue 49: `replay --publish-only --wait` against a store `run` never set up printed ClickHouse's "Code: 60.
+    DB::Exception: Unknown table expression identifier 'windows_data'" (`run` had failed at its start)."""
+    from stragglerscope.replay import wait_windows
+    from storage.errors import missing_table, no_tables_yet
+
+    if ch_server is None:
+        pytest.skip("clickhouse-server is not installed (make setup-test installs it)")
+    import uuid
+
+    db = f"never_set_up_{uuid.uuid4().hex[:8]}"
+    with open_store(ch_server.store_url("default")) as admin:
+        admin._execute(f"CREATE DATABASE IF NOT EXISTS {db}")  # a database, without the project's tables
+    url = ch_server.store_url(db)
+    store = open_store(url)
+    try:
+        with pytest.raises(Exception) as e:
+            store.window_stored(("job", 0, 0))
+        assert missing_table(e.value) is not None, e.value
+    finally:
+        store.close()
+    assert wait_windows(lambda: open_store(url), [("job", 0, 0)], 1.0, poll_s=0.2) == {("job", 0, 0)}
+    said = capsys.readouterr().err
+    assert "the store has no tables yet: waiting for `stragglerscope run` to create them" in said, said
+    assert "Code: 60" not in said
+    assert no_tables_yet(url, "windows_data").endswith("start `stragglerscope run` on it first (it creates them), "
+                                                       "or the store URL is wrong")
