@@ -94,6 +94,9 @@ class Tracer:
         self.fwd_in_step = 0
         self.bwd_in_step = 0
         self.last_grad_perf = 0
+        self.ddp_wait: tuple[str, int] | None = None  # a syncing DDP backward: (its group, gradients it reduces)
+        self.grads_ready = 0          # gradients ready so far in the backward in progress
+        self._ddp_facts: dict[int, tuple[str, int]] = {}
         self.blocked_ns = 0           # waits for other ranks inside the compute span in progress (but gathers)
         self.blocked_gather_ns = 0    # waits in all-gathers inside it (FSDP's parameters)
         self.last_compute_end = 0     # perf_counter_ns when the last compute span ended
@@ -561,6 +564,13 @@ class Tracer:
             self.last_grad_perf = time.perf_counter_ns()
             if self.bwd_chunk_now is None:
                 self.bwd_chunk_now = self.param_chunk.get(id(param))
+            if self.ddp_wait is not None:
+                self.grads_ready += 1
+                if self.grads_ready == self.ddp_wait[1]:
+                    # Every gradient is ready: what is left of this backward is DDP's reducer waiting, in C++,
+                    # for the all-reduce of the last buckets, i.e. for the other ranks. The heartbeats say so,
+                    # and a rank that never comes is the one the hang detector names.
+                    self.exp.waiting_in("all_reduce", self.ddp_wait[0])
 
     def _chunk_ids(self, chunk: int) -> tuple[int | None, int | None]:
         """(mc, gmc) of a model chunk of this rank (None, None: the exporter's own, chunk 0's): chunk c of
@@ -579,6 +589,12 @@ class Tracer:
             self.active = "backward-compute"
             self.last_grad_perf = self.blocked_ns = self.blocked_gather_ns = 0
             self.bwd_chunk_now = None
+            self.grads_ready = 0
+            try:
+                self.ddp_wait = self._ddp_reduction()
+            except Exception as e:  # the heartbeats then say backward-compute; the span is traced regardless
+                self.ddp_wait = None
+                self._failed("reading DDP's group", e)
             fed = self.pending_recvs.used_in(grad_tensors) if self.pending_recvs else []
             t0 = time.perf_counter_ns()
             token = self.exp.begin_op("backward-compute", mb_id=self.bwd_in_step)
@@ -587,6 +603,18 @@ class Tracer:
         except Exception as e:
             self._failed("backward begin", e)
             return None
+
+    def _ddp_reduction(self) -> tuple[str, int] | None:
+        """A DDP among the outermost modules whose backward now reduces gradients: (its group, their count);
+        learned once per DDP."""
+        for m in list(self.roots):
+            m = _uncompiled(m)
+            if type(m).__name__ == "DistributedDataParallel" and getattr(m, "require_backward_grad_sync", False):
+                facts = self._ddp_facts.get(id(m))
+                if facts is None:
+                    facts = self._ddp_facts[id(m)] = _ddp_facts(m)
+                return facts
+        return None
 
     def _bwd_end(self, span) -> None:
         if span is None:
@@ -1420,6 +1448,22 @@ def _peak_of(gpu: str) -> float:
     from core.gpus import peak_flops_of
 
     return peak_flops_of(gpu)
+
+
+def _ddp_facts(ddp) -> tuple[str, int]:
+    """(the group a DDP reduces over, named as the collective wrappers name groups; how many gradients it
+    reduces: its module's parameters that require them, less those it was told to ignore)."""
+    import torch.distributed as dist
+
+    from core.layout import fold_ranks
+
+    pg = getattr(ddp, "process_group", None)
+    if pg is None or pg == dist.distributed_c10d._get_default_group():
+        name = "world"
+    else:
+        name = f"ranks:{fold_ranks(dist.get_process_group_ranks(pg))}"
+    ignored = set(getattr(ddp, "parameters_to_ignore", None) or ())
+    return name, sum(1 for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored)
 
 
 def _uncompiled(module):

@@ -101,6 +101,8 @@ def test_a_sigstopped_ddp_rank_is_the_rank_named(fleet, tmp_path):
         h = rows[0]
         found_s = (h["hang_id"] - stopped_ns) / 1e9
         assert h["missing_ranks"] == "2", h
+        # Its peers wait inside DDP's gradient all-reduce (its C++ reducer, after their last gradient).
+        assert (h["kind"], h["op"], h["group"]) == ("comm_hang", "all_reduce", "world"), h
         assert "2" not in h["stuck_ranks"].split(","), h
         evidence = json.loads(h["evidence_json"])
         assert evidence["states"] == {"2": "stopped"}, evidence["states"]
