@@ -76,6 +76,8 @@ class NativeStderr:
         self._saved_fd: int | None = None
         self._old_stderr = None
         self._moved: list[logging.StreamHandler] = []
+        self._routed: list[logging.StreamHandler] = []   # library handlers sent to the file (``route``)
+        self._file_stream = None
 
     def start(self) -> "NativeStderr":
         import os
@@ -115,12 +117,40 @@ class NativeStderr:
         for h in self._moved:
             h.setStream(self._old_stderr)
         terminal.flush()
+        for h in self._routed:
+            h.setStream(self._old_stderr)
+        if self._file_stream is not None:
+            self._file_stream.close()
         os.dup2(self._saved_fd, 2)
         os.close(self._saved_fd)
         terminal.close()
-        self._saved_fd, self._moved = None, []
+        self._saved_fd, self._moved, self._routed, self._file_stream = None, [], [], None
         if NativeStderr._active is self:
             NativeStderr._active = None
+        try:  # a run that had nothing to say leaves no empty file behind
+            if os.path.getsize(self.path) == 0:
+                os.remove(self.path)
+        except OSError:
+            pass
+
+    def route(self, prefixes: tuple[str, ...] = ("ray",)) -> None:
+        """The Python loggers of these libraries to the file too. Ray, imported after ``start``, gave its
+        handlers the terminal's stream: after a node loss its lines (44 of them) buried the driver's status
+        lines while the file stayed empty."""
+        import os
+
+        if self._saved_fd is None:
+            return
+        if self._file_stream is None:
+            self._file_stream = os.fdopen(os.dup(2), "w", buffering=1, encoding="utf-8", errors="backslashreplace")
+        loggers = [lg for name, lg in logging.Logger.manager.loggerDict.items()
+                   if isinstance(lg, logging.Logger) and name.split(".")[0] in prefixes]
+        for lg in loggers:
+            for h in lg.handlers:
+                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) \
+                        and h.stream is not self._file_stream and h not in self._routed:
+                    h.setStream(self._file_stream)
+                    self._routed.append(h)
 
     def tail(self, max_bytes: int = 65536) -> str:
         """The end of the file (what native code wrote last)."""

@@ -175,8 +175,17 @@ class KafkaSource:
 
     @property
     def problems(self) -> list[str]:
-        """One line per partition that is not being read, and why; empty when all is well."""
-        return [self._problems[tp] for tp in sorted(self._problems)]
+        """One line per partition that is not being read, and why, those that held records first; the ones
+        that never held a record summed up in one line after them (after a broker lost its data, 64 empty
+        partitions' lines filled the status, cut off before the ones that mattered); empty when all is well."""
+        held = [tp for tp in sorted(self._problems) if self._positions.get(tp, 0) > 0]
+        empty = [tp for tp in sorted(self._problems) if tp not in held]
+        lines = [self._problems[tp] for tp in held]
+        if len(empty) <= 2:
+            return lines + [self._problems[tp] for tp in empty]
+        names = ", ".join(f"{t}[{p}]" for t, p in empty[:4]) + (", ..." if len(empty) > 4 else "")
+        why = self._problems[empty[0]].split(": ", 1)[-1]
+        return lines + [f"{len(empty)} partitions that never held a record ({names}): {why}"]
 
     def _problem(self, tp: TopicPartition, what: str) -> None:
         """Pause ``tp`` and report it (once)."""
@@ -217,9 +226,10 @@ class KafkaSource:
             self._consumer.seek(ktp, begin)
             self._consumer.resume(ktp)
         self._positions[tp] = begin
-        self._resets.append(dict(topic=tp[0], partition=tp[1], from_offset=was, from_log_id=was_log,
-                                 to_offset=begin, to_log_id=self._format_log(self._topic_ids[tp[0]]), by=by,
-                                 reason=reason))
+        if was or begin:  # a partition that never held a record moved nowhere: nothing to audit
+            self._resets.append(dict(topic=tp[0], partition=tp[1], from_offset=was, from_log_id=was_log,
+                                     to_offset=begin, to_log_id=self._format_log(self._topic_ids[tp[0]]), by=by,
+                                     reason=reason))
         log.warning("%s[%d]: rewound from offset %d of the lost log to %d of the new one", tp[0], tp[1], was, begin)
         return begin
 
@@ -328,8 +338,10 @@ class KafkaSource:
                     off = begin.get(tp, 0)
                     log.warning("%s[%d]: %s; reading the new log from offset %d (kafka.on_lost_log = rewind)",
                                 tp[0], tp[1], what, off)
-                    self._resets.append(dict(topic=tp[0], partition=tp[1], from_offset=was, from_log_id=was_log,
-                                             to_offset=off, to_log_id=now_log, by=by, reason=what))
+                    if was or off:  # a partition that never held a record moved nowhere: nothing to audit
+                        self._resets.append(dict(topic=tp[0], partition=tp[1], from_offset=was,
+                                                 from_log_id=was_log, to_offset=off, to_log_id=now_log, by=by,
+                                                 reason=what))
                 else:  # paused where it was: the stored offset and its log stay as they are
                     off = was
                     self._problem(tp, what)

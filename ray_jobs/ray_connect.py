@@ -95,6 +95,7 @@ def init_ray(cfg: Config) -> None:
         except (ConnectionError, ValueError, RuntimeError, TimeoutError) as e:  # ray[client] missing, refused ...
             raise PipelineError(f"cannot connect to Ray at {cfg.ray.address}: {first_line(e)}{_token_hint()}"
                                 ) from None
+        _route_ray_logs()
         return
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 is set by ray_jobs/__init__.py, before Ray is imported.
     # address="local": a Ray of our own, whatever else this host has seen. Without it ray.init joins the
@@ -104,6 +105,16 @@ def init_ray(cfg: Config) -> None:
         address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
         log_to_driver=False, configure_logging=True, logging_level=logging.WARNING,
     )
+    _route_ray_logs()
+
+
+def _route_ray_logs() -> None:
+    """Ray's Python log lines go where its native ones go (``run``'s driver log), not to the terminal."""
+    from core.logs import NativeStderr
+
+    native = NativeStderr.current()
+    if native is not None:
+        native.route(("ray",))
 
 
 TOKEN_HELP = ("set RAY_AUTH_MODE=token and the cluster's token on this driver (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, "

@@ -26,3 +26,37 @@ def test_native_stderr_goes_to_the_file_and_python_keeps_the_terminal(tmp_path):
     assert "native: after stop" in r.stderr and "python: after stop" in r.stderr
     text = log.read_text()
     assert "native: raylet line" in text and "python" not in text
+
+
+ROUTED = r"""
+import logging, sys
+from core.logs import NativeStderr
+with NativeStderr(sys.argv[1]) as ns:
+    # A library imported after start (as Ray is) gives its handler the stream sys.stderr is then: the terminal.
+    ray_log = logging.getLogger("ray.some.module")
+    ray_log.addHandler(logging.StreamHandler(sys.stderr))
+    ray_log.propagate = False
+    ns.route(("ray",))
+    ray_log.warning("ray: node lost, retrying")
+    logging.getLogger("other").addHandler(logging.StreamHandler(sys.stderr))
+    logging.getLogger("other").warning("other: stays on the terminal")
+"""
+
+
+def test_a_library_s_python_lines_follow_its_native_ones_to_the_file(tmp_path):
+    """Issue 50: after a node loss Ray's lines (44) came to the driver's terminal; the file stayed empty."""
+    log = tmp_path / "driver.log"
+    r = subprocess.run([sys.executable, "-c", ROUTED, str(log)], capture_output=True, text=True, timeout=60,
+                       cwd=__file__.rsplit("/tests/", 1)[0])
+    assert r.returncode == 0, r.stderr
+    assert "ray: node lost" not in r.stderr and "other: stays on the terminal" in r.stderr
+    assert "ray: node lost" in log.read_text()
+
+
+def test_a_run_with_nothing_to_say_leaves_no_file(tmp_path):
+    log = tmp_path / "quiet.log"
+    r = subprocess.run([sys.executable, "-c", "import sys\nfrom core.logs import NativeStderr\n"
+                        "with NativeStderr(sys.argv[1]):\n    pass\n", str(log)], capture_output=True, text=True,
+                       timeout=60, cwd=__file__.rsplit("/tests/", 1)[0])
+    assert r.returncode == 0, r.stderr
+    assert not log.exists()

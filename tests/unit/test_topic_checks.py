@@ -39,6 +39,8 @@ def test_more_partitions_than_configured_are_all_assigned():
 def test_created_topics_get_the_configured_partitions_and_replication(monkeypatch):
     import core.kafka_admin as B
 
+    monkeypatch.setattr(B, "KNOWN_ROUNDS", 1)  # one broker here: its first answer is the cluster's
+
     class Admin:
         created: list = []
 
@@ -150,8 +152,9 @@ def test_a_vanished_partition_is_a_problem_not_a_keyerror():
     c = FakeConsumer({"ss.ops": 2})
     src = _source(c)
     src.seek({("ss.ops", 0): 3, ("ss.ops", 3): 9})
-    assert src.problems == ["ss.ops[2]: the topic has only 2 partitions now",
-                            "ss.ops[3]: the topic has only 2 partitions now"]
+    # The partition that held records (position 9) first.
+    assert src.problems == ["ss.ops[3]: the topic has only 2 partitions now",
+                            "ss.ops[2]: the topic has only 2 partitions now"]
     assert c.paused == {_KTP("ss.ops", 2), _KTP("ss.ops", 3)}
     assert set(c.seeks) == set(src._tps), "every assigned partition has a position"
     assert src.positions()[("ss.ops", 3)] == 9, "the stored offset is kept, not reset"
@@ -202,6 +205,8 @@ def test_created_topics_carry_the_replication_settings(monkeypatch):
     """Tansu accepts min.insync.replicas but does not report it back, so what is sent is checked here."""
     import core.kafka_admin as ka
 
+    monkeypatch.setattr(ka, "KNOWN_ROUNDS", 1)  # one broker here: its first answer is the cluster's
+
     created = []
 
     class Admin:
@@ -221,3 +226,20 @@ def test_created_topics_carry_the_replication_settings(monkeypatch):
     assert created[0].replication_factor == 1 and created[0].topic_configs == {}
     with pytest.raises(ka.BrokerError, match=r"min_insync_replicas \(3\) exceeds kafka.replication_factor \(2\)"):
         ka.ensure_topics("127.0.0.1:1", ["d"], 4, replication_factor=2, min_insync_replicas=3)
+
+
+def test_after_a_data_loss_the_partitions_that_held_records_come_first_and_the_empty_ones_in_one_line():
+    """Issue 50: after a broker lost its data the status was filled with empty partitions' lines and cut off
+    (at 500 characters) before ss.ops and ss.jobs, the ones that held records."""
+    c = FakeConsumer({"ss.ccl": 8, "ss.jobs": 8, "ss.ops": 8})
+    src = _source(c, partitions=range(8), topics=("ss.ccl", "ss.jobs", "ss.ops"))
+    src.seek({("ss.ops", 5): 40, ("ss.jobs", 5): 2})
+    for t in ("ss.ccl", "ss.jobs", "ss.ops"):
+        for p in range(8):
+            src._problem((t, p), "its end 0 is behind the position: the broker lost records")
+    lines = src.problems
+    assert lines[:2] == ["ss.jobs[5]: its end 0 is behind the position: the broker lost records",
+                         "ss.ops[5]: its end 0 is behind the position: the broker lost records"]
+    assert lines[2].startswith("22 partitions that never held a record (ss.ccl[0], ss.ccl[1], ss.ccl[2], "
+                               "ss.ccl[3], ...): its end 0"), lines
+    assert len(lines) == 3
