@@ -560,10 +560,13 @@ class Tracer:
             self.param_chunk.setdefault(id(p), chunk)
 
     def _grad_ready(self, param) -> None:
-        if self.active == "backward-compute":
-            self.last_grad_perf = time.perf_counter_ns()
-            if self.bwd_chunk_now is None:
-                self.bwd_chunk_now = self.param_chunk.get(id(param))
+        try:
+            if self.active == "backward-compute":
+                self.last_grad_perf = time.perf_counter_ns()
+                if self.bwd_chunk_now is None:
+                    self.bwd_chunk_now = self.param_chunk.get(id(param))
+        except Exception as e:  # a gradient hook's error would end the backward
+            self._failed("gradient hook", e)
             if self.ddp_wait is not None:
                 self.grads_ready += 1
                 if self.grads_ready == self.ddp_wait[1]:
