@@ -497,10 +497,11 @@ class HangTracker:
             # The collective the longest-waiting rank sits in is where the chain starts.
             first = min(inside.values(), key=lambda st: st.inflight_since_ns)
             grp, seq, missing = self._follow_chain(first.inflight_group, first.inflight_seq, inside)
-            if not missing and gone:
-                # Every member entered, yet one of them stopped (or died) inside it: it is the one to look at.
-                members = self.group_ranks.get(grp) or group_members(grp, self.ranks)
-                missing = sorted(r for r in gone if r in members)
+            # Ranks that are gone (stopped, exited, silent: a lost host's every rank) are missing too, whether
+            # or not the chain reaches them: in a pipeline the stage waits for its own peer only, while that
+            # peer's node took others with it; and where every member entered, the one that stopped inside the
+            # collective is the one to look at.
+            missing = sorted(set(missing) | set(gone))
             stuck = sorted(r for r in inside if r not in missing)
             op = next(st.inflight_op for st in inside.values() if st.inflight_group == grp)
             hosts = sorted({self.ranks[r].host for r in missing if r in self.ranks})

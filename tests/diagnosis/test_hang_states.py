@@ -201,3 +201,15 @@ def test_old_records_without_the_new_fields_still_work():
     t = feed(HangTracker("j", params=PARAMS), rows)
     assert t.threshold_s() == PARAMS.floor_s
     assert t.evaluate(NOW, input_alive=True).kind == "noncomm_hang"
+
+
+def test_a_lost_node_s_every_rank_is_missing_even_where_the_chain_reaches_only_one():
+    """A DP2 x PP2 pipeline whose second node (ranks 2 and 3, stage 1) froze: rank 0 waits for its transfer
+    from rank 2, rank 1 for rank 3's; the chain from the longest wait reaches rank 2 alone (benchmark run)."""
+    last = NOW - 12 * SEC
+    rows = [hb(0, NOW, last_end=last, op="recv", group="p2p:2>0", seq=40, since=last),
+            hb(1, NOW, last_end=last, op="recv", group="p2p:3>1", seq=40, since=last + SEC),
+            hb(2, NOW - 9 * SEC, last_end=last), hb(3, NOW - 9 * SEC, last_end=last)]
+    h = feed(HangTracker("j", params=PARAMS), rows).evaluate(NOW, input_alive=True)
+    assert h.kind == "comm_hang" and h.missing_ranks == [2, 3] and h.stuck_ranks == [0, 1]
+    assert h.evidence["states"] == {"2": "silent", "3": "silent"}
