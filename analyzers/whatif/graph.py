@@ -21,8 +21,9 @@ A ``params-all-gather`` or ``grads-reduce-scatter`` recorded with a microbatch
 split off the forward or backward that blocked in it (FSDP's all-gathers,
 DDP's and FSDP's gradient reduction, once per microbatch where gradients are
 accumulated): it sits between the compute-stream op that started before it
-and the one that starts after it, and groups with the DP ranks' waits after
-the same compute op. It takes no part in the chunk and post-compute rules.
+and the one that starts after it, groups with the DP ranks' waits after the
+same compute op, and transfers at most as long as the member that came last
+(``kernels.measure``). It takes no part in the chunk and post-compute rules.
 
 Raises ``WhatIfInputError`` naming the ops of a dependency cycle.
 """
@@ -60,7 +61,7 @@ class Graph:
     step: np.ndarray  # int32, index into PreparedOps.steps (B = 1 graphs)
     is_comm: np.ndarray
     in_group: np.ndarray  # member of a group of two or more (its duration is a transfer)
-    is_wait: np.ndarray  # a wait of the compute stream (``inline_waits``): its group shares its least transfer
+    is_wait: np.ndarray  # a wait of the compute stream (``inline_waits``): transfers at most as its last member
     early: np.ndarray  # may end before its group's last start unremarked (sends, waits): see kernels.measure
     g_off: np.ndarray  # starts of the groups in level order, then n (int64)
     sg_off: np.ndarray  # starts of the pair mode's sub-groups in level order, then n

@@ -565,15 +565,15 @@ class Tracer:
                 self.last_grad_perf = time.perf_counter_ns()
                 if self.bwd_chunk_now is None:
                     self.bwd_chunk_now = self.param_chunk.get(id(param))
+                if self.ddp_wait is not None:
+                    self.grads_ready += 1
+                    if self.grads_ready == self.ddp_wait[1]:
+                        # Every gradient is ready: what is left of this backward is DDP's reducer waiting, in
+                        # C++, for the all-reduce of the last buckets, i.e. for the other ranks. The heartbeats
+                        # say so, and a rank that never comes is the one the hang detector names.
+                        self.exp.waiting_in("all_reduce", self.ddp_wait[0])
         except Exception as e:  # a gradient hook's error would end the backward
             self._failed("gradient hook", e)
-            if self.ddp_wait is not None:
-                self.grads_ready += 1
-                if self.grads_ready == self.ddp_wait[1]:
-                    # Every gradient is ready: what is left of this backward is DDP's reducer waiting, in C++,
-                    # for the all-reduce of the last buckets, i.e. for the other ranks. The heartbeats say so,
-                    # and a rank that never comes is the one the hang detector names.
-                    self.exp.waiting_in("all_reduce", self.ddp_wait[0])
 
     def _chunk_ids(self, chunk: int) -> tuple[int | None, int | None]:
         """(mc, gmc) of a model chunk of this rank (None, None: the exporter's own, chunk 0's): chunk c of
