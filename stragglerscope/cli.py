@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--headless", action="store_true", help="do not start the console")
     p.add_argument("--once", action="store_true", help="exit as soon as every window is stored")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the analysis (default 600)")
+    p.add_argument("--write", metavar="DIR",
+                   help="only write the fleet as files, one op-span parquet per job, into DIR, and exit (no "
+                        "broker, store or Ray): what `replay --publish-only --wait DIR/*.parquet` publishes to a "
+                        "deployed pipeline, as a smoke test")
 
     p = sub.add_parser("trace", help="run an unchanged training command instrumented, then print its diagnosis",
                        description="Run COMMAND (torchrun ..., python train.py ...) so that every Python process "
@@ -243,6 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(p)
     p.add_argument("--store", help="store URL (overrides store.url)")
 
+    p = sub.add_parser("broker", help="run the embedded Kafka-protocol broker (Tansu) on its own",
+                       description="Run Tansu, the broker `demo` and `trace` start for themselves, as a server of its "
+                                   "own until Ctrl-C or SIGTERM, for a trial deployment (docs/operations.md). It "
+                                   "keeps records in memory only: a restart starts it empty (the pipeline then "
+                                   "stops with one line, or rewinds with kafka.on_lost_log = rewind). A fleet runs "
+                                   "Apache Kafka.")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=9092, help="port (default 9092)")
+    p.add_argument("--advertise", default="", help="host:port clients are told to connect to (default host:port)")
+
     p = sub.add_parser("store", help="serve an embedded chDB store to other processes",
                        description="Own the chDB path and serve it over HTTP on 127.0.0.1, so that the "
                                    "pipeline, the console and `sql` can share it. Runs until Ctrl-C.")
@@ -262,7 +276,7 @@ SERVER_MODULES = frozenset({"ray", "chdb", "numba", "streamlit", "clickhouse_dri
                             "tqdm", "psutil", "yaml", "pandas"})
 """What the `server` extra installs: the base install (a training image's) has none of it."""
 SERVER_COMMANDS = frozenset({"demo", "run", "offsets", "replay", "sql", "whatif", "advise", "timeline", "console",
-                             "store"})
+                             "store", "broker"})
 """Commands of the server side; `trace` is one too when it runs the pipeline itself (no kafka.bootstrap)."""
 
 
@@ -363,7 +377,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if getattr(args, "store", None):
         cfg = config_mod.with_store_credentials(cfg.replace(store={"url": args.store}))
     if cmd == "demo":
-        from stragglerscope.demo import DemoOptions, run_demo
+        from stragglerscope.demo import DemoOptions, run_demo, run_tag, write_fleet
 
         for name in ("jobs", "windows", "steps", "min_gpus", "max_gpus"):
             if getattr(args, name) < 1:
@@ -371,6 +385,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         opts = DemoOptions(jobs=args.jobs, windows=args.windows, steps=args.steps, min_gpus=args.min_gpus,
                            max_gpus=args.max_gpus, seed=args.seed, headless=args.headless, once=args.once,
                            timeout_s=args.timeout)
+        if args.write:
+            jobs, windows, n_ops = write_fleet(args.write, opts, run_tag())
+            print(f"wrote {jobs} jobs, {windows} windows, {n_ops:,} op records to {args.write} (one parquet per "
+                  "job, for `stragglerscope replay`)")
+            return 0
         return run_demo(cfg, opts)
     if cmd == "trace":
         from stragglerscope.trace import TraceOptions, run_trace
@@ -438,6 +457,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         finally:
             if proc is not None:
                 stop_process_group(proc)
+    if cmd == "broker":
+        from stragglerscope.service import run_broker
+
+        if not 0 < args.port < 65536:
+            raise CLIError(f"--port must be a port number, not {args.port}")
+        return run_broker(args.host, args.port, args.advertise)
     if cmd == "store":
         from core.redact import redact_url
         from storage import serve

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from core.config import Config
@@ -71,6 +72,29 @@ def produce_fleet(bootstrap: KafkaConn | str, opts: DemoOptions, tag: str,
         if prod.stats.records_dropped:
             raise RuntimeError(f"{prod.stats.records_dropped} records were dropped by the producer")
     return keys, n_ops
+
+
+def write_fleet(directory: str, opts: DemoOptions, tag: str) -> tuple[int, int, int]:
+    """The synthetic fleet as files: one op-span parquet per job in ``directory``, which `replay` reads (a smoke
+    test of a deployed pipeline: `replay --publish-only --wait DIR/*.parquet`). Returns (jobs, windows, ops)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from generators.fleetgen import fleet_windows, make_fleet
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = [dataclasses.replace(j, job_id=f"{tag}-{i:03d}")
+            for i, j in enumerate(make_fleet(opts.jobs, opts.seed, opts.min_gpus, opts.max_gpus))]
+    tables: dict[str, list] = {}
+    windows = n_ops = 0
+    for spec, _window_id, table in fleet_windows(jobs, opts.windows, opts.steps, time.time_ns()):
+        tables.setdefault(spec.job_id, []).append(table)
+        windows += 1
+        n_ops += table.num_rows
+    for job_id, parts in tables.items():
+        pq.write_table(pa.concat_tables(parts), out / f"{job_id}.parquet")
+    return len(tables), windows, n_ops
 
 
 def start_console(store_url: str, cfg: Config, output=None) -> subprocess.Popen:

@@ -319,6 +319,24 @@ def run_service(cfg: Config) -> int:
         return 0
 
 
+def run_broker(host: str, port: int, advertise: str = "") -> int:
+    """`stragglerscope broker`: Tansu on host:port until Ctrl-C or SIGTERM (exit 0)."""
+    from services.broker import LocalBroker
+
+    sigterm_as_interrupt()
+    try:
+        with LocalBroker(port=port, host=host, advertise=advertise or None) as broker:
+            say(f"broker     Tansu on {broker.bootstrap} (cluster {broker.cluster_id}; memory storage: a restart "
+                "starts it empty); Ctrl-C stops")
+            while broker.alive():
+                time.sleep(1.0)
+            say("error: the broker exited")
+            return 2
+    except KeyboardInterrupt:
+        say("stopped")
+        return 0
+
+
 class LemonPasses:
     """The fleet's lemon-host scoring (``ray_jobs.lemon_watch``) every ``lemons.every_s``, off the driver's
     loop on a thread of its own: a pass over a week of a big fleet takes seconds, health checks do not wait."""

@@ -40,6 +40,10 @@ def main(rank: int, world: int, port: int, out: str, scenario: str, timing: str)
         exp = RankExporter("fake-nccl", rank, rank, 0, lambda t: None, heartbeat_s=3600, use_cuda=False, nvml=False,
                            tcp_flows=False)
         exp._anchor_ns += 5_000_000_000 * (rank == 1)
+        # Each rank stands for a host of its own (ranks of one host share its clock: no offset is measured).
+        import ingest.exporter as exporter_module
+
+        exporter_module.host_id = lambda: 1000 + rank
         side = dist.new_group(backend="gloo")
 
         def not_on_default(fn):  # the default group stands for NCCL's: using it is the failure

@@ -5,7 +5,8 @@ with that reason. Brokers on 127.0.0.1, their own ports and temporary log folder
 - one node with SASL_PLAINTEXT and SCRAM-SHA-512: a wrong password fails within seconds with the broker's own
   reason (it took 21-30 s and gave a guess); the right one carries a fleet through `run` into the store;
 - three brokers, replication factor 3, min.insync.replicas 2: the first `run` starts (it failed: the topics
-  it had just created were not known to every broker yet).
+  it had just created were not known to every broker yet); the busiest partition's leader killed with kill -9
+  while a fleet is published, then started again: every window stored exactly once.
 """
 from __future__ import annotations
 
@@ -99,11 +100,23 @@ def test_the_right_password_carries_a_fleet_through_run_into_the_store(sasl_kafk
         os.environ.pop("STRAGGLERSCOPE_KAFKA_SASL_PASSWORD", None)
 
 
-def test_the_first_run_on_three_brokers_starts(tmp_path):
-    """Replication factor 3, min.insync.replicas 2: `run` creates its topics and waits until every broker
-    knows them (the first run failed: 'topics ... do not exist ... and could not be created', 2 of 3 tries)."""
+def test_three_brokers_the_first_run_starts_and_a_leader_killed_mid_run_loses_nothing(tmp_path):
+    """Replication factor 3, min.insync.replicas 2. `run` creates its topics and waits until every broker
+    knows them (the first run failed: 'topics ... do not exist ... and could not be created', 2 of 3 tries).
+    Then the leader of the busiest partition is killed with kill -9 while the fleet is published, and started
+    again: every window is stored exactly once. What the producer guarantees it with: acks=all and
+    idempotence (a retried batch is not written twice), retries, and the spool (a batch whose delivery
+    timed out during the election is kept on disk and sent again, in order)."""
+    import signal
+
+    from kafka import KafkaAdminClient
+
+    from core import topics
+    from ingest.producer import TelemetryProducer
+    from generators.fleetgen import fleet_windows, make_fleet
     from tests.fleet import start_fleet, stop_fleet
     from tests.integration.test_pipeline_faults import _produce
+    import dataclasses
 
     with _kafka(nodes=3) as kafka:
         cfg = tmp_path / "three.toml"
@@ -113,10 +126,30 @@ def test_the_first_run_on_three_brokers_starts(tmp_path):
         proc, store = start_fleet(cfg, tmp_path / "run.log")
         try:
             tag = f"three-{uuid.uuid4().hex[:6]}"
-            keys = _produce(kafka.bootstrap, tag, n_jobs=4, windows=3)
-            deadline = time.monotonic() + 180
+            keys = _produce(kafka.bootstrap, tag + "-a", n_jobs=4, windows=3)
+            admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap, request_timeout_ms=10000)
+            leaders = [p["leader_id"] for t in admin.describe_topics([topics.TOPIC_OPS]) for p in t["partitions"]]
+            admin.close()
+            victim = max(set(leaders), key=leaders.count) - 1  # node ids are 1-based
+            jobs = [dataclasses.replace(j, job_id=f"{tag}-b-{i}") for i, j in enumerate(make_fleet(6, 9, 8, 64))]
+            with TelemetryProducer(kafka.bootstrap, spool_dir=str(tmp_path / "spool")) as p:
+                for j in jobs:
+                    p.send(j.registration(0, 2))
+                for n, (spec, wid, table) in enumerate(fleet_windows(jobs, 4, 2, 0)):
+                    if n == 6:
+                        kafka.kill(victim, signal.SIGKILL)  # mid-stream: kill -9 of the busiest leader
+                    p.send(table)
+                    keys.append((spec.job_id, 0, wid))
+                assert p.flush(120), "the producer did not deliver everything within 120 s"
+                assert p.stats.records_dropped == 0, p.stats
+            kafka.start_node(victim)  # and back, with its data
+            deadline = time.monotonic() + 300
             while time.monotonic() < deadline and not all(store.window_stored(k) for k in keys):
                 time.sleep(1.0)
-            assert all(store.window_stored(k) for k in keys), (tmp_path / "run.log").read_text()[-3000:]
+            missing = [k for k in keys if not store.window_stored(k)]
+            assert not missing, (missing[:5], (tmp_path / "run.log").read_text()[-3000:])
+            rows = store.query(f"SELECT job_id, window_id, count() AS n FROM windows WHERE job_id LIKE '{tag}%' "
+                               "GROUP BY job_id, window_id").to_pylist()
+            assert len(rows) == len(keys) and all(r["n"] == 1 for r in rows), "each window exactly once"
         finally:
             stop_fleet(proc, store)

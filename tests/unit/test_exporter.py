@@ -182,3 +182,27 @@ def test_a_checkpoint_save_is_in_flight_in_the_heartbeats_while_it_runs():
     assert after["inflight_op"] == "" and after["last_op"] == "checkpoint-save"
     assert after["last_op_end_ns"] >= beat["inflight_since_ns"]
     exp.close()
+
+
+def test_a_checkpoint_save_stays_in_flight_through_its_own_collectives():
+    """torch.distributed.checkpoint gathers plans and meets at a barrier inside its save: the wrapped
+    collectives must not leave the heartbeats saying nothing while the writes go on (a 40 s save was paged)."""
+    from ingest.exporter import RankExporter
+
+    exp = RankExporter("j", 0, 0, 0, lambda t: None, use_cuda=False, tcp_flows=False, nvml=False, heartbeat_s=3600)
+    try:
+        with exp.checkpointing(10):
+            t = exp.ccl_enter("all_gather_object", "world", [0, 1], 3)
+            assert exp.heartbeat().to_pylist()[0]["inflight_op"] == "checkpoint-save"
+            exp.ccl_exit("all_gather_object", "world", [0, 1], 3, t, 8, [])
+            row = exp.heartbeat().to_pylist()[0]
+            assert row["inflight_op"] == "checkpoint-save" and row["inflight_since_ns"] > 0
+        assert exp.heartbeat().to_pylist()[0]["inflight_op"] == ""
+    finally:
+        exp.close()
+
+
+def test_this_machine_has_one_host_id():
+    from ingest.exporter import host_id
+
+    assert host_id() == host_id() and isinstance(host_id(), int)
