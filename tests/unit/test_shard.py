@@ -296,22 +296,26 @@ def test_a_failed_store_write_is_retried_with_the_same_alerts():
     assert sink.offsets["src-1"][(topics.TOPIC_OPS, 0)] == 1
 
 
+class AwaySink(FakeSink):
+    """A store that refuses every write and read while ``down``, with ``error`` as what it says."""
+
+    down = False
+    error = "store away"
+
+    def flush(self):
+        if self.down:
+            self._buf = {}
+            raise ConnectionError(self.error)
+        super().flush()
+
+    def load_offsets(self, *args):
+        if self.down:
+            raise ConnectionError(self.error)
+        return super().load_offsets(*args)
+
+
 def test_the_status_shows_a_store_outage_while_it_lasts_not_after():
     """Issue 39: once the store was back and every window stored, the status still said `ERROR store: ...`."""
-    class AwaySink(FakeSink):
-        down = False
-
-        def flush(self):
-            if self.down:
-                self._buf = {}
-                raise ConnectionError("store away")
-            super().flush()
-
-        def load_offsets(self, *args):
-            if self.down:
-                raise ConnectionError("store away")
-            return super().load_offsets(*args)
-
     a = job("a")
     sink = AwaySink()
     w, _, _ = make_worker(messages_for([a.registration(0, STEPS), generate_window(a, 0, STEPS, 0)]), sink=sink)
@@ -329,22 +333,9 @@ def test_a_store_outage_shows_in_the_status_and_metrics_and_pages_by_the_topic_w
     was unreachable, the status repeated the error twice, and nothing paged."""
     from ray_jobs.metrics import MetricsServer
 
-    class AwaySink(FakeSink):
-        down = False
-
-        def flush(self):
-            if self.down:
-                self._buf = {}
-                raise ConnectionError("Code: 210. DB::NetException: Connection refused (127.0.0.1:9000)\nLog: \n")
-            super().flush()
-
-        def load_offsets(self, *args):
-            if self.down:
-                raise ConnectionError("store away")
-            return super().load_offsets(*args)
-
     a = job("a")
     sink, clock = AwaySink(), ManualClock()
+    sink.error = "Code: 210. DB::NetException: Connection refused (127.0.0.1:9000)\nLog: \n"
     w, src, _ = make_worker(messages_for([a.registration(0, STEPS), generate_window(a, 0, STEPS, 0)]), sink=sink,
                             clock=clock)
     sink.down = True
