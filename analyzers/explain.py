@@ -318,6 +318,46 @@ def explain_window(row: Mapping) -> list[Explanation]:
                                                    "a slowdown spread thin over many causes.")]
 
 
+# -- link findings --------------------------------------------------------------------------------
+
+def link_element(kind: str, src: Any, dst: Any, group: str = "") -> str:
+    """What a LINK_FAULT row blames, in words: 'the link from rank 2 to rank 3', 'the NIC of rank 3 (its
+    egress)', ... (the alert, the console and the trace summary all say it so)."""
+    return {"source": f"the NIC of rank {src} (its egress)",
+            "destination": f"rank {dst}'s receiving side (its ingress)",
+            "link": f"the link from rank {src} to rank {dst}",
+            "endpoint": f"the network of rank {src}, both ways (only collectives saw it)",
+            "comm_slow": f"communication{f' in {group}' if group else ''}, not placed on one element",
+            "noncomm_slow": f"rank {src}, late to communicate (its own compute or input, not the network)",
+            }.get(kind, f"{kind} {src}>{dst}")
+
+
+def link_basis(row: Mapping) -> str:
+    """What a LINK_FAULT row's finding rests on: the bottleneck transfer, and whether it came back."""
+    try:
+        ev = json.loads(row.get("evidence_json") or "{}")
+    except ValueError:
+        ev = {}
+    basis = ""
+    if ev.get("bottleneck"):
+        b = ev["bottleneck"][0]
+        basis = (f"; transfer {b['flow']} had data in flight {100 * b['busy']:.0f}% of the time at "
+                 f"{b['mb_per_s_busy']:.1f} MB/s")
+    seen = ev.get("persistence") or {}
+    if seen.get("first_seen"):  # analyzers.links.history: one window's finding stays low until it comes back
+        basis += "; first seen in this window"
+    elif "found_before" in seen:
+        basis += f"; found in window {seen['found_before']} too"
+    return basis
+
+
+def link_sentence(row: Mapping) -> str:
+    """One line for a LINK_FAULT row: the element, how slow, how sure, and what it rests on."""
+    what = link_element(row["kind"], row["src"], row["dst"], row.get("group") or "")
+    return (f"{what} is slow ({row['slowdown']:.1f}x slower than the job's other transfers, confidence "
+            f"{row['confidence']:.2f}, from {row.get('group') or 'collectives'}{link_basis(row)})")
+
+
 # -- hangs ----------------------------------------------------------------------------------------
 
 def parse_ranks(folded: str) -> list[int]:

@@ -8,13 +8,13 @@ module compares a job with its own past, window by window:
 - **Detection: a one-sided CUSUM on log step time**, against a baseline
   (the median of the first ``baseline_windows`` windows, or of the windows
   since the last change). Each window adds ``x - baseline - k`` with
-  ``k = log(1 + regression_min) / 2``, half the smallest change that counts;
+  ``k = log(1 + min_change) / 2``, half the smallest change that counts;
   an alarm is a sum over ``h = (k_windows - 0.5) * k``, so a change of exactly
-  ``regression_min`` alarms after about ``k_windows`` windows and a bigger one
+  ``min_change`` alarms after about ``k_windows`` windows and a bigger one
   sooner, while jitter around the baseline drains away. CUSUM is the
   detector that reaches a given false-alarm rate in the fewest windows for a
   step change (Page, 1954).
-- **Confirmation: a change of at least ``regression_min`` lasting at least
+- **Confirmation: a change of at least ``min_change`` lasting at least
   ``k_windows``**: the median of the last ``k_windows`` windows must be that
   much over the baseline. Jitter below it never alerts (Falcon, ATC'25, gates
   its change points the same way).
@@ -24,7 +24,7 @@ module compares a job with its own past, window by window:
   its own before, "every worker" or the few that moved.
 - **A return to the baseline** is an event (``recovered``), not an alert.
 - **A worker against its own best**: each worker's step time over its best
-  rolling median; a worker ``regression_min`` over its best while the job's
+  rolling median; a worker ``min_change`` over its best while the job's
   median worker is not (it degrades while its peers hold, or more than they
   slow) is a ``degraded_worker`` event (NVIDIA's straggler detection calls
   this the individual score).
@@ -44,7 +44,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class RegressionParams:
-    regression_min: float = 0.10
+    min_change: float = 0.10
     """The smallest slowdown against the job's own past that is a regression (10%: what Falcon gates at;
     below it step times drift with data and load)."""
     k_windows: int = 3
@@ -62,7 +62,7 @@ class RegressionParams:
 
     @property
     def k(self) -> float:
-        return math.log1p(self.regression_min) / 2
+        return math.log1p(self.min_change) / 2
 
     @property
     def h(self) -> float:
@@ -151,11 +151,11 @@ class RegressionDetector:
         if self.cusum <= prm.h:
             return events
         tail = [math.log(q.step_s) for q in self.points[-prm.k_windows:]]
-        if len(tail) < prm.k_windows or _median(tail) - self.baseline < math.log1p(prm.regression_min):
-            return events  # not yet a change of regression_min lasting k_windows
+        if len(tail) < prm.k_windows or _median(tail) - self.baseline < math.log1p(prm.min_change):
+            return events  # not yet a change of min_change lasting k_windows
         start = self._onset()
         if _median([math.log(q.step_s) for q in self.points[start:]]) - self.baseline < math.log1p(
-                prm.regression_min):
+                prm.min_change):
             return events  # the last windows are that slow, the change since it began is not: a smaller one
         events.append(self._regression(start))
         return events
@@ -164,7 +164,7 @@ class RegressionDetector:
         """The first window of the excursion at least half the smallest change over the baseline (the CUSUM
         may have begun to climb on a jittery window before it)."""
         start = self.run_start if self.run_start is not None else len(self.points) - self.params.k_windows
-        half = math.log1p(self.params.regression_min) / 2
+        half = math.log1p(self.params.min_change) / 2
         for i in range(start, len(self.points)):
             if math.log(self.points[i].step_s) - self.baseline >= half:
                 return i
@@ -202,9 +202,9 @@ class RegressionDetector:
             return []
         tail = [math.log(q.step_s) for q in self.points[-self.params.k_windows:]]
         if len(tail) < self.params.k_windows or _median(tail) - self.regressed_from > math.log1p(
-                self.params.regression_min) / 2:
+                self.params.min_change) / 2:
             return []
-        back = math.log1p(self.params.regression_min) / 2
+        back = math.log1p(self.params.min_change) / 2
         q = next(p for p in self.points[-self.params.k_windows:] if math.log(p.step_s) - self.regressed_from <= back)
         before, after = math.exp(self.baseline), math.exp(_median(tail))
         ev = Event("recovered", self.points[-1].window_id, q.window_id, q.first_step, after / before - 1, before,
@@ -218,7 +218,7 @@ class RegressionDetector:
         return [ev]
 
     def _workers(self, p: WindowPoint) -> list[Event]:
-        """Workers over their own best by regression_min while the job's median worker is not."""
+        """Workers over their own best by min_change while the job's median worker is not."""
         if not p.workers:
             return []
         prm = self.params
@@ -241,14 +241,14 @@ class RegressionDetector:
         out = []
         for w, r in sorted(ratios.items()):
             over = r / typical if typical > 0 else math.nan
-            if r >= 1 + prm.regression_min and over >= 1 + prm.regression_min and w not in self.degraded:
+            if r >= 1 + prm.min_change and over >= 1 + prm.min_change and w not in self.degraded:
                 self.degraded.add(w)
                 name = f"dp{w[0]}/pp{w[1]}"
                 out.append(Event("degraded_worker", p.window_id, p.window_id, p.first_step, r - 1,
                                  self.worker_best[w], self.worker_seen[w][-1], {}, name,
                                  f"{name}: step time {100 * (r - 1):.0f}% over its own best (the job's median "
                                  f"worker {100 * (typical - 1):+.0f}%)"))
-            elif r < 1 + prm.regression_min / 2:
+            elif r < 1 + prm.min_change / 2:
                 self.degraded.discard(w)
         return out
 
@@ -335,7 +335,7 @@ def _where(before: list[WindowPoint], after: list[WindowPoint], params: Regressi
             change[w] = a / b - 1
     if not change:
         return "workers not known"
-    floor = params.regression_min / 2
+    floor = params.min_change / 2
     moved = [w for w, c in change.items() if c >= floor]
     if len(moved) == len(change):
         return "every worker"

@@ -25,7 +25,7 @@ import pyarrow as pa
 from analyzers.hang import hang_summary
 from core import codec, jsonutil
 from core import schema as S
-from analyzers.explain import title, verdicts_of
+from analyzers.explain import link_element, title, verdicts_of
 from core.config import AlertConfig
 from ray_jobs.checkpoint import Clock, Unit
 
@@ -162,16 +162,13 @@ class AlertRules:
         rule = "link"
         if not self._fire(top["job_id"], rule, now):
             return []
-        where = {"link": f"link {top['src']}->{top['dst']}", "source": f"sender rank {top['src']}",
-                 "destination": f"receiver rank {top['dst']}",
-                 "endpoint": f"network of rank {top['src']}", "comm_slow": "communication (not localised)",
-                 "noncomm_slow": f"rank {top['src']} late to send (its own compute)"}.get(top["kind"], top["kind"])
+        where = link_element(top["kind"], top["src"], top["dst"])
         return [dict(
             alert_id=f"{top['job_id']}/{top['attempt']}/link/{top['window_id']}", job_id=top["job_id"],
             attempt=top["attempt"], ts_ns=now_ns, rule=rule,
             severity="critical" if top["kind"] != "noncomm_slow" and (again or top["confidence"] >= CERTAIN)
             else "warning",
-            summary=f"{top['job_id']}: slow {where} in group {top['group']} "
+            summary=f"{top['job_id']}: slow: {where}, in group {top['group']} "
                     f"({top['slowdown']:.1f}x, confidence {top['confidence']:.2f}"
                     f"{', found in the window before too' if again else ''}); {len(rows)} finding(s)",
             details_json=jsonutil.dumps({k: top[k] for k in ("group", "kind", "src", "dst", "confidence", "slowdown",

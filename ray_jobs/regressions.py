@@ -11,6 +11,7 @@ comes back slower is a regression too.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 
@@ -26,9 +27,9 @@ MAX_JOBS = 50_000
 
 
 def params_of(cfg) -> RegressionParams:
-    """The detector's parameters from the ``[regression]`` section (``core.config.RegressionConfig``)."""
-    return RegressionParams(regression_min=cfg.min_change, k_windows=cfg.k_windows,
-                            baseline_windows=cfg.baseline_windows)
+    """The detector's parameters: the ``[regression]`` section's (``core.config.RegressionConfig``: the same
+    names), and the detector's own defaults for what is not configured."""
+    return RegressionParams(**dataclasses.asdict(cfg))
 
 
 def points_of(table: pa.Table) -> list[tuple[str, int, WindowPoint]]:

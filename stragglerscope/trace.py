@@ -286,34 +286,6 @@ LINK_SHOWN_CONFIDENCE = 0.3
 lists with the window's matrix)."""
 
 
-def link_sentence(f: dict) -> str:
-    """One line for a LINK_FAULT row: the element, how slow, how sure, and what it rests on."""
-    src, dst, kind = f["src"], f["dst"], f["kind"]
-    what = {"source": f"the NIC of rank {src} is slow to send (its egress)",
-            "destination": f"rank {dst} is slow to receive (its ingress)",
-            "link": f"the link from rank {src} to rank {dst} is slow",
-            "endpoint": f"the network of rank {src} is slow both ways",
-            "comm_slow": "communication is slow but could not be placed",
-            "noncomm_slow": f"rank {src} comes late to communicate (its own compute or input, not the network)",
-            }.get(kind, f"{kind} {src}>{dst}")
-    try:
-        ev = json.loads(f.get("evidence_json") or "{}")
-    except ValueError:
-        ev = {}
-    basis = ""
-    if ev.get("bottleneck"):
-        b = ev["bottleneck"][0]
-        basis = (f"; transfer {b['flow']} had data in flight {100 * b['busy']:.0f}% of the time at "
-                 f"{b['mb_per_s_busy']:.1f} MB/s")
-    seen = ev.get("persistence") or {}
-    if seen.get("first_seen"):  # analyzers.links.history: one window's finding stays low until it comes back
-        basis += "; first seen in this window"
-    elif "found_before" in seen:
-        basis += f"; found in window {seen['found_before']} too"
-    return f"{what} ({f['slowdown']:.1f}x slower than the job's other transfers, confidence " \
-           f"{f['confidence']:.2f}, from {f['group'] or 'collectives'}{basis})"
-
-
 def analysed(w: dict) -> bool:
     """A stored window has a slowdown (layout conflicts, clock skew, failed analyses and windows without op
     spans have NaN)."""
@@ -337,7 +309,7 @@ def window_header(w: dict) -> str:
 
 def summarize(store, job_id: str, attempt: int, reports: list[dict]) -> str:
     """The job's diagnosis, for a terminal: S per window, verdicts with evidence, top workers, waste, hangs."""
-    from analyzers.explain import hang_lines, window_lines
+    from analyzers.explain import hang_lines, link_sentence, window_lines
 
     lay = reports[0]["layout"]
     lines = [f"\n== stragglerscope: job {job_id} (attempt {attempt}) ==",
@@ -365,7 +337,7 @@ def summarize(store, job_id: str, attempt: int, reports: list[dict]) -> str:
             lines.append("  top workers  " + ", ".join(
                 f"dp {r['dp_rank']} pp {r['pp_rank']} (S_w {r['s_w']:.3f})" for r in top))
         for f in links_of_window.get(w["window_id"], [])[:2]:
-            lines.append(f"  network  {link_sentence(f)}")
+            lines.append(f"  network  {link_sentence(f)}")  # analyzers.explain
         if w["note"] and not w["complete"] and analysed(w):  # a window not analysed: its verdict said why
             lines += textwrap.wrap(w["note"], width=110, initial_indent="  note     ", subsequent_indent=" " * 11,
                                    break_on_hyphens=False)

@@ -177,3 +177,21 @@ def test_terminal_lines_for_the_trace_summary():
     rows = [{"ranks": "0,2-3", "op": "all_reduce", "group": "world", "seq": 5, "waits_for": "1"}]
     hang = X.hang_lines(_hang("comm_hang", "0,2-3", "1", rows, seq=5, dur=8.5), {"dp_size": 2, "pp_size": 2})
     assert hang[0].startswith("hang     Communication hang: 3 ranks have waited in all_reduce #5 of group world")
+
+
+def test_a_link_finding_is_worded_once_for_the_alert_the_console_and_the_trace_summary():
+    """Issue 51: the same finding was put into words in three places (ray_jobs/alerts.py, the console's job page,
+    stragglerscope/trace.py), differently."""
+    from analyzers.explain import link_element, link_sentence
+    from core.config import AlertConfig
+    from ray_jobs.alerts import AlertRules
+
+    row = dict(job_id="j", attempt=0, window_id=8, group="world", kind="source", src=3, dst=-1, slowdown=4.2,
+               confidence=0.95, evidence_json='{"persistence": {"found_before": 0}}')
+    said = link_sentence(row)
+    assert said == ("the NIC of rank 3 (its egress) is slow (4.2x slower than the job's other transfers, confidence "
+                    "0.95, from world; found in window 0 too)")
+    [alert] = AlertRules(AlertConfig()).evaluate_links([row], 0.0, 0)
+    assert link_element("source", 3, -1) in alert["summary"]
+    for kind in ("source", "destination", "link", "endpoint", "comm_slow", "noncomm_slow"):
+        assert link_element(kind, 1, 2, "world") != f"{kind} 1>2"

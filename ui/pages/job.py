@@ -11,7 +11,7 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from analyzers.explain import duration, explain_hang, explain_window, title, verdicts_of
+from analyzers.explain import duration, explain_hang, explain_window, link_sentence, title, verdicts_of
 from core.schema import STORED_INF
 from ui.data import advise_window, job_choices, named, named_live, now_ns, viewer_tz, window_timeline
 from ui.hang_view import flame_svg, grid_svg, picture, recorder_rows
@@ -389,17 +389,11 @@ st.caption("Time per byte of every directed pair (pipeline sends matched with th
 links = named("job_links", job_id=job, window_id=wid)
 if not links.empty:
     links = links[links["attempt"] == attempt]
-_WHERE = {"link": "link {src} → {dst}", "source": "rank {src} sends slowly (NIC egress)",
-          "destination": "rank {dst} receives slowly (ingress)",
-          "endpoint": "rank {src}'s network (only collectives saw it: direction unknown)",
-          "noncomm_slow": "rank {src} late to send (its own compute, not the network)",
-          "comm_slow": "slow communication in {group}, not localised"}
 if links.empty:
     st.write("No link fault found in this window (or no collective records were sampled).")
 for _, f in links.iterrows():
-    where = _WHERE.get(f["kind"], f["kind"]).format(src=f["src"], dst=f["dst"], group=f["group"])
-    st.markdown(f"**{md_escape(where)}**: {f['slowdown']:.2f}x slower than its class, confidence "
-                f"{f['confidence']:.2f}")
+    said = link_sentence(f.to_dict())  # analyzers.explain: as the alert and the trace summary say it
+    st.markdown(md_escape(said[0].upper() + said[1:]))
     with st.expander("evidence (JSON)"):
         st.json(json.loads(f.get("evidence_json") or "{}"))
 cells = named("job_link_cells", job_id=job, window_id=wid, attempt=attempt)
