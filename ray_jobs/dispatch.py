@@ -103,6 +103,14 @@ class WindowReducer:
                 units.append(spans)
         return units
 
+    def state(self) -> dict:
+        """What a restarted shard resumes from (``ray_jobs.state``): the link findings' history per job. The open
+        windows need none: their records are read again from the stored offsets."""
+        return {"findings": self._findings.state()}
+
+    def restore(self, state: dict) -> None:
+        self._findings.restore(state.get("findings", {}))
+
     def snapshot(self) -> dict:
         c = self.tracker.counters
         return dict(inflight=len(self.inflight), open_windows=len(self.tracker.open),

@@ -200,7 +200,7 @@ class ShardWorker:
         # committed long ago, so it is saved with the offsets (ray_jobs.state).
         self.state = StateKeeper(self.sink, self.source_id, shard_key(self.partitions),
                                  {"hangs": self.hangs, "alerts": self.alerts, "downtime": self.downtime,
-                                  "regressions": self.regressions},
+                                  "regressions": self.regressions, "windows": self.windows},
                                  cfg.pipeline.state_interval_s)
         self.checkpoint = Checkpoint(
             self.sink, self.source, self.windows.committable, self.source_id, cfg.pipeline.commit_interval_s,

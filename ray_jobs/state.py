@@ -1,8 +1,9 @@
 """What a restarted shard resumes from: its reducers' open state, stored with the offsets it covers.
 
-The window reducer needs nothing of this: it holds back the offsets of every
-record of an open window, so a restart reads them again. The hang monitor,
-the alert rules and the downtime accountant cannot do that: their state
+The window reducer's open windows need nothing of this: it holds back the
+offsets of every record of an open window, so a restart reads them again.
+The hang monitor, the alert rules, the downtime accountant and the link
+findings' history (the window reducer's, across windows) cannot do that: their state
 (the last heartbeat of every rank, the collectives each entered, the step
 times that set a hang's threshold, the hangs already reported, alert
 cool-downs, the progress and saves an open incident is measured against)

@@ -13,8 +13,9 @@ is capped at ``FIRST_SEEN_CAP``, still shown (the trace summary prints from
 ``FindingHistory.weigh(key, link_fault_table)`` is called by the shard for
 every analysed window (``ray_jobs/dispatch.py``), in the order the analyses
 finish: a window whose predecessor is not analysed yet is judged alone. The
-history is per (job, attempt), bounded, and lost with the shard (the next
-window after a restart starts afresh).
+history is per (job, attempt) and bounded; it is part of the shard's saved
+state (``state``/``restore``, ``ray_jobs.state``), so a restarted shard
+judges the next window against the one before as it would have.
 """
 from __future__ import annotations
 
@@ -38,6 +39,14 @@ class FindingHistory:
         self.max_jobs = max_jobs
         # (job, attempt) -> window_id -> elements found there at SEEN or more
         self._seen: dict[tuple[str, int], dict[int, set[tuple[str, int, int]]]] = {}
+
+    def state(self) -> dict:
+        """Plain data to resume from: (job, attempt) -> window -> the elements found there."""
+        return {job: {w: sorted(found) for w, found in windows.items()} for job, windows in self._seen.items()}
+
+    def restore(self, state: dict) -> None:
+        self._seen = {tuple(job): {int(w): {tuple(e) for e in found} for w, found in windows.items()}
+                      for job, windows in state.items()}
 
     def weigh(self, key: tuple[str, int, int], faults: pa.Table | None) -> pa.Table | None:
         """``faults`` (LINK_FAULT rows of window ``key``) with the unconfirmed ones capped; a window without

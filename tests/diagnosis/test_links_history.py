@@ -57,3 +57,19 @@ def test_history_is_bounded():
         for w in range(10):
             h.weigh((f"j{j}", 0, w), _faults(w, ("link", 0, 1, 0.9), job=f"j{j}"))
     assert len(h._seen) == 3 and all(len(v) <= 4 for v in h._seen.values())
+
+
+def test_the_history_survives_a_shard_restart():
+    """Issue 51: a restarted shard judged the next window alone (the history lived in memory only): a finding
+    the window before had made was capped as first seen."""
+    import pickle
+
+    before = FindingHistory()
+    before.weigh(("j", 0, 0), _faults(0, ("link", 2, 3, 0.9)))
+    # What the shard's snapshot stores (ray_jobs.state encodes with pickle), into a new shard's history.
+    after = FindingHistory()
+    after.restore(pickle.loads(pickle.dumps(before.state())))
+    (found, ev) = _top(after.weigh(("j", 0, 8), _faults(8, ("link", 2, 3, 0.9))))
+    assert found == ("link", 2, 3, 0.9) and ev["persistence"] == {"found_before": 0}
+    (found, _) = _top(FindingHistory().weigh(("j", 0, 8), _faults(8, ("link", 2, 3, 0.9))))
+    assert found[3] == FIRST_SEEN_CAP  # without it: judged alone

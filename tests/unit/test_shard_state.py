@@ -156,7 +156,7 @@ def test_offsets_never_pass_the_saved_state():
     """Offsets are stored every 2 s but never beyond the positions the last saved state (every 10 s) covers."""
     sink = run()
     (fmt, blob), = sink.states.values()
-    assert fmt == FORMAT and set(decode(blob)) == {"hangs", "alerts", "downtime", "regressions"}
+    assert fmt == FORMAT and set(decode(blob)) == {"hangs", "alerts", "downtime", "regressions", "windows"}
     # What the shard resumes from is what the shard's last snapshot held.
     assert encode(decode(blob)) == blob
 
