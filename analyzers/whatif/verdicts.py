@@ -8,7 +8,9 @@ every share is then a ratio of noise.
 
 Rules
 - ``worker``: M_W > 0.5, the top 3% workers by S_w explain the slowdown.
-- ``last_stage_imbalance``: M_S >= 0.5 (pipelines with more than one stage).
+- ``last_stage_imbalance``: M_S >= 0.5 (pipelines with more than one stage), and the last stage is slow on
+  its DP replicas alike (its lower-median worker at least halfway to its slowest): one slow worker there
+  is the worker verdict's.
 - ``sequence_imbalance``: forward and backward durations of the same
   microbatch correlate >= 0.9 across microbatches, after dividing each by its
   worker-step median (that removes slow workers and heavy stages, which make
@@ -34,6 +36,22 @@ SEQ_CORR = 0.9
 GC_SHARE = 0.3
 MAX_PAIRS = 200_000
 """Microbatch pairs sampled for the correlation (bounded cost on huge windows)."""
+
+
+def _stage_wide(m: dict) -> bool:
+    """Whether the last stage is slow on its DP replicas alike (a heavy stage: its layers), not on one of them
+    (a slow worker, or a rank late to its collectives: fixing the stage fixes that worker too, so M_S says
+    nothing of which). The lower median of the last stage's workers' S_w must be at least halfway to their
+    largest: a DP2 x PP2 job with one late rank had S_w 1.00 and 1.22 there and was told to rebalance its
+    layers, although both stages compute the same."""
+    sw = m.get("worker_slowdown") or []
+    if not sw:
+        return True
+    last = [float(v) for v in sw[max(m["by_pp_rank"])] if v is not None and np.isfinite(v)]
+    if len(last) < 2:
+        return True
+    last.sort()
+    return last[(len(last) - 1) // 2] - 1.0 >= 0.5 * (last[-1] - 1.0)
 
 
 def _r(x: float, nd: int = 4) -> float | None:
@@ -116,7 +134,7 @@ def verdicts(p: PreparedOps, m: dict[str, Any]) -> list[dict[str, Any]]:
 
     ms = m["M_S"]
     n_pp = len(m["by_pp_rank"])
-    if n_pp > 1 and ms is not None and np.isfinite(ms) and ms >= STAGE_MS:
+    if n_pp > 1 and ms is not None and np.isfinite(ms) and ms >= STAGE_MS and _stage_wide(m):
         last = max(m["by_pp_rank"])
         out.append({"kind": "last_stage_imbalance", "score": _r(min(ms, 1.5)), "summary": (
             f"the last pipeline stage causes {100 * min(ms, 1):.0f}% of the {100 * excess:.1f}% slowdown "

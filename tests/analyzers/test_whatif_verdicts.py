@@ -77,3 +77,17 @@ def test_communication_verdict_when_a_collective_dominates():
     ev = res.verdicts[kinds.index("communication")]["evidence"]
     assert ev["optype"] == "grads-reduce-scatter" and ev["S_t"] == max(ev["by_optype"].values())
     assert np.isfinite(res.slowdown) and res.slowdown > 1.05
+
+
+def test_one_slow_worker_in_the_last_stage_is_a_worker_not_a_heavy_stage():
+    """Issue 52: a DP2 x PP2 job whose rank in dp 1 of the last stage was late got "Last pipeline stage too heavy"
+    although both stages compute the same: fixing the stage fixes that worker too (M_S), but only one of the
+    stage's replicas is slow."""
+    lay = JobLayout(2, 2, 1)
+    spec = JobSpec(job_id="v-late", layout=lay, num_microbatches=4, cause="slow_worker", cause_dp=1, cause_pp=1,
+                   cause_factor=1.6)
+    res = analyze(generate_window(spec, 40, 4, 10**12), lay)
+    kinds = [v["kind"] for v in res.verdicts]
+    assert kinds[0] == "worker" and "last_stage_imbalance" not in kinds, res.verdicts
+    cell = res.verdicts[0]["evidence"]["top_workers"][0]
+    assert (cell["dp_rank"], cell["pp_rank"]) == (1, 1)
