@@ -26,6 +26,7 @@ from analyzers.hang import hang_summary
 from core import codec, jsonutil
 from core import schema as S
 from analyzers.explain import link_element, title, verdicts_of
+from analyzers.links.history import found_before
 from core.config import AlertConfig
 from ray_jobs.checkpoint import Clock, Unit
 
@@ -40,7 +41,6 @@ class AlertRules:
     def __init__(self, cfg: AlertConfig):
         self.cfg = cfg
         self._last: dict[tuple[str, str], float] = {}
-        self._links: dict[tuple[str, int], tuple[int, tuple]] = {}  # (job, attempt) -> (window, element) found last
         self.suppressed = 0
 
     def _fire(self, job_id: str, rule: str, now: float) -> bool:
@@ -153,12 +153,9 @@ class AlertRules:
         if not rows:
             return []
         top = max(rows, key=lambda r: (r["confidence"], r["slowdown"]))
-        element = (top["kind"], top["src"], top["dst"])
-        seen = self._links.get((top["job_id"], top["attempt"]))
-        self._links[(top["job_id"], top["attempt"])] = (top["window_id"], element)
-        if len(self._links) > 100_000:  # bounded: the oldest entries go first
-            del self._links[next(iter(self._links))]
-        again = seen is not None and seen[1] == element and seen[0] != top["window_id"]
+        # Whether the job's window before found the same element is the findings' history's to say
+        # (analyzers.links.history, in the row's evidence): worked out once, for the alert and the summary.
+        again = found_before(top) is not None
         rule = "link"
         if not self._fire(top["job_id"], rule, now):
             return []
@@ -225,11 +222,10 @@ class AlertReducer:
 
     def state(self) -> dict:
         """What a restarted shard resumes from (``ray_jobs.state``): when each (job, rule) last alerted (wall s)."""
-        return {"cooldowns": dict(self.rules._last), "links": dict(self.rules._links)}
+        return {"cooldowns": dict(self.rules._last)}
 
     def restore(self, state: dict) -> None:
         self.rules._last.update(state["cooldowns"])
-        self.rules._links.update(state.get("links", {}))
 
     def snapshot(self) -> dict:
         return dict(alerts=self.published)

@@ -85,6 +85,16 @@ class FindingHistory:
         return out.take(pc.sort_indices(out, [("confidence", "descending"), ("slowdown", "descending")]))
 
 
+def found_before(row: dict) -> int | None:
+    """The window before in which the job found this LINK_FAULT row's element too (``weigh`` wrote it into the
+    evidence), or None."""
+    try:
+        seen = (json.loads(row.get("evidence_json") or "{}").get("persistence") or {})
+    except (ValueError, AttributeError):
+        return None
+    return seen.get("found_before")
+
+
 def _with(evidence_json: str, extra: dict) -> str:
     try:
         ev = json.loads(evidence_json) if evidence_json else {}

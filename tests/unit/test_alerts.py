@@ -115,18 +115,27 @@ def test_a_failing_webhook_is_retried_then_counted():
     assert never.failed == 1 and never.sent == 0
 
 
-def _link_row(window, kind="source", src=3, dst=-1, conf=0.7):
-    return dict(job_id="j", attempt=0, window_id=window, group="tcp", kind=kind, src=src, dst=dst, confidence=conf,
-                slowdown=9.0, evidence_json="{}")
+def _link_rows(history, window, kind="source", src=3, dst=-1, conf=0.7):
+    """A window's LINK_FAULT rows as the shard hands them to the alert rules: weighed by the job's history."""
+    from core import codec
+    from core import schema as S
+
+    t = codec.from_rows(S.LINK_FAULT, [dict(job_id="j", attempt=0, window_id=window, group="tcp", kind=kind,
+                                            src=src, dst=dst, confidence=conf, slowdown=9.0, evidence_json="{}")])
+    return history.weigh(("j", 0, window), t).to_pylist()
 
 
 def test_a_link_finding_pages_when_the_next_window_finds_it_again_or_when_near_certain():
-    """Issue 38: one window's finding alone flipped between elements on a noisy host and paged each time."""
-    rules = AlertRules(AlertConfig(cooldown_s=0.0))
-    first, = rules.evaluate_links([_link_row(0)], 1.0, 1)
-    again, = rules.evaluate_links([_link_row(10)], 2.0, 2)
-    other, = rules.evaluate_links([_link_row(20, "link", 3, 4)], 3.0, 3)
-    sure, = rules.evaluate_links([_link_row(30, "destination", -1, 6, conf=0.95)], 4.0, 4)
+    """Issue 38: one window's finding alone flipped between elements on a noisy host and paged each time. Whether
+    the window before found it is the findings' history's to say (issue 51: it was worked out twice)."""
+    from analyzers.links.history import FindingHistory
+
+    rules, h = AlertRules(AlertConfig(cooldown_s=0.0)), FindingHistory()
+    first, = rules.evaluate_links(_link_rows(h, 0), 1.0, 1)
+    again, = rules.evaluate_links(_link_rows(h, 10), 2.0, 2)
+    other, = rules.evaluate_links(_link_rows(h, 20, "link", 3, 4), 3.0, 3)
+    row = _link_rows(FindingHistory(), 30, "destination", -1, 6)[0]
+    sure, = rules.evaluate_links([dict(row, confidence=0.95)], 4.0, 4)  # near certain on its own
     assert [a["severity"] for a in (first, again, other, sure)] == ["warning", "critical", "warning", "critical"]
     assert "found in the window before too" in again["summary"]
-    assert rules.evaluate_links([_link_row(40, conf=0.3)], 5.0, 5) == []  # under the floor: no alert
+    assert rules.evaluate_links(_link_rows(h, 40, conf=0.3), 5.0, 5) == []  # under the floor: no alert
