@@ -60,3 +60,7 @@ def test_the_runbook_s_one_machine_commands_work_as_written(tmp_path):
     assert re.search(r"ss_store_up\{shard=\"0\"\} 1\.0", out), out[-3000:]
     run2 = (tmp_path / "ss" / "run2.log").read_text()
     assert "running; Ctrl-C stops" in run2 and "Traceback" not in run2, run2
+    # Stopped as the runbook says, nothing it started is left (the console's Streamlit runs in a session of
+    # its own: a console killed before it stopped it would leave it running).
+    left = subprocess.run(["pgrep", "-f", f"--server.port {env['SS_CONSOLE_PORT']}"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
