@@ -188,7 +188,8 @@ class _Rank:
     inflight_group: str = ""
     inflight_seq: int = -1
     inflight_since_ns: int = -1
-    stack: str = ""
+    stack: str = ""            # its Python stacks, dumped in the stall it is in now ('' when none, or stale)
+    stack_ts: int = -1         # when it dumped them
     last_op: str = ""
     flight_recorder: str = ""
     proc_state: str = ""       # what its watch says (stopped, exited, unresponsive) or 'finished'; '' reporting
@@ -254,9 +255,13 @@ class HangTracker:
             if "quiet_ns" in cols and state == "":
                 r.quiet_ns = int(row["quiet_ns"])
             if row["stack"]:
-                r.stack = row["stack"]
+                r.stack, r.stack_ts = row["stack"], row["ts_ns"]
             if row.get("flight_recorder"):
                 r.flight_recorder = row["flight_recorder"]
+            if r.stack_ts >= 0 and r.last_progress_ns > r.stack_ts:
+                # Dumped in an earlier pause it came out of (a slow first step, a rendezvous): not where it is
+                # now. A stopped rank cannot dump; its stale stacks must not stand in for it.
+                r.stack, r.flight_recorder, r.stack_ts = "", "", -1
             if r.inflight_group and r.inflight_seq >= 0:
                 # Heartbeats are the live view: being inside collective n means having entered it.
                 ent = self.entered.setdefault(r.inflight_group, {})

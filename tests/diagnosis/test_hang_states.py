@@ -213,3 +213,19 @@ def test_a_lost_node_s_every_rank_is_missing_even_where_the_chain_reaches_only_o
     h = feed(HangTracker("j", params=PARAMS), rows).evaluate(NOW, input_alive=True)
     assert h.kind == "comm_hang" and h.missing_ranks == [2, 3] and h.stuck_ranks == [0, 1]
     assert h.evidence["states"] == {"2": "silent", "3": "silent"}
+
+
+def test_stacks_dumped_in_a_pause_the_rank_came_out_of_are_not_its_stacks_now():
+    """A slow first step made rank 2 dump its stacks; it went on, then stopped (SIGSTOP cannot dump): the hang's
+    merged stacks are its peers' alone and rank 2 is named as having none (a console showed the old ones)."""
+    t = HangTracker("j", params=PARAMS)
+    early, last = NOW - 60 * SEC, NOW - 12 * SEC
+    feed(t, [hb(2, early, step=1, last_end=early - 5 * SEC, op="forward-compute", since=early - 4 * SEC)
+             | dict(stack="MainThread;train.py:main:10;rendezvous.py:wait:3")])
+    waiting = dict(stack="MainThread;train.py:main:12;ddp.py:wait:7")
+    feed(t, [hb(r, NOW - SEC // 2, last_end=last, op="all_reduce", group="world", since=last + SEC // 10) | waiting
+             for r in (0, 1, 3)]
+         + [hb(2, NOW - SEC // 2, last_end=last, op="forward-compute", since=last, state="stopped")])
+    h = t.evaluate(NOW, input_alive=True)
+    assert h.kind == "comm_hang" and h.missing_ranks == [2], h
+    assert h.evidence["ranks_with_stacks"] == "0-1,3" and "rendezvous" not in h.evidence["stacks_folded"]

@@ -89,7 +89,7 @@ def test_a_rank_stuck_in_a_kernel_is_named_missing_from_the_collective_its_peers
 
     ccl = run_job(tmp_path, "stuck")
     hb = pa.concat_tables([pa.ipc.open_file(tmp_path / f"rank{r}.hb.arrow").read_all() for r in range(4)])
-    tracker = HangTracker("fake-nccl", params=HangParams(floor_s=1.0, k_steps=1.0, heartbeat_timeout_s=30.0))
+    tracker = HangTracker("fake-nccl", params=HangParams(floor_s=1.0, min_s=1.0, k_steps=1.0))
     tracker.add_ccl(ccl)
     tracker.add_heartbeats(hb.sort_by("ts_ns"))
     hang = tracker.evaluate(int(pa.compute.max(hb["ts_ns"]).as_py()))

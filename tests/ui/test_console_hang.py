@@ -41,7 +41,7 @@ def _real_hang(broker) -> dict[str, list[pa.Table]]:
          "--hang-dump-s", "2", "--dist-timeout", "90"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     # The integration test's margins for a loaded 2-core machine.
-    monitor = HangReducer(HangParams(floor_s=8.0, k_steps=10.0, heartbeat_timeout_s=6.0), every_s=0.5)
+    monitor = HangReducer(HangParams(floor_s=8.0), every_s=0.5)
     src = KafkaSource(broker.bootstrap, [topics.TOPIC_JOBS, topics.TOPIC_HEARTBEATS, topics.TOPIC_CCL], range(4))
     src.seek({})
     regs, hangs = [], []
