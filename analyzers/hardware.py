@@ -8,18 +8,17 @@ peers lack. It returns the differences with their figures and one sentence
 ("SM clock 1,140 MHz vs the peers' median 1,980; throttled: software power
 cap"), or nothing where the GPUs look alike or were not sampled. Pure: the
 samples come in (``ray_jobs.hang_monitor.HangReducer.gpu_of``);
-``with_hardware_evidence`` adds them to the worker verdicts of a window's tables.
+``with_hardware_evidence`` adds them to a window's worker verdicts, inside its analysis
+(``analyzers.window``).
 """
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, Mapping
 
 import numpy as np
 import pyarrow as pa
 
-from core import jsonutil
 
 CLOCK_LOW = 0.9
 """An SM clock under this share of the peers' median is a finding (boost clocks wander by a few percent)."""
@@ -65,31 +64,22 @@ def hardware_evidence(ranks: list[int], samples: Mapping[int, Mapping[str, Any]]
             "power_w": power, "power_limit_w": limit}
 
 
-def with_hardware_evidence(tables: dict[str, pa.Table], ops: pa.Table,
-                           samples: Mapping[int, Mapping[str, Any]]) -> dict[str, pa.Table]:
-    """A window's result tables with each slow-worker verdict given what its GPUs say against their peers'
-    ("SM clock 1,140 MHz vs the peers' median 1,980; throttled: sw_power_cap"); the tables as they were when
-    no verdict names a worker or its GPUs look like their peers'. ``samples``: rank -> its latest GPU sample.
-    """
-    row = tables.get("window")
-    if row is None or row.num_rows != 1 or "worker" not in (row["verdicts_json"][0].as_py() or ""):
-        return tables
-    verdicts = json.loads(row["verdicts_json"][0].as_py())
-    # Each (worker, rank) once: a window holds up to hundreds of thousands of spans, and this runs in the shard's loop.
+def with_hardware_evidence(verdicts: list[dict], ops: pa.Table,
+                           samples: Mapping[int, Mapping[str, Any]]) -> list[dict]:
+    """A window's verdicts with each slow-worker verdict given what its GPUs say against their peers' ("SM clock
+    1,140 MHz vs the peers' median 1,980; throttled: sw_power_cap"), in its ``hardware`` and its summary; the
+    others as they were. ``samples``: rank -> its latest GPU sample."""
+    if not samples or not any(v.get("kind") == "worker" for v in verdicts):
+        return verdicts
+    # Each (worker, rank) once: a window holds up to hundreds of thousands of spans.
     seen = ops.select(["dp_rank", "pp_rank", "rank"]).group_by(["dp_rank", "pp_rank", "rank"], use_threads=False)
     coords = list(zip(*(seen.aggregate([]).column(c).to_pylist() for c in ("dp_rank", "pp_rank", "rank"))))
-    changed = False
+    out = []
     for v in verdicts:
-        if v.get("kind") != "worker":
-            continue
-        tops = {(w["dp_rank"], w["pp_rank"]) for w in v.get("evidence", {}).get("top_workers", [])}
-        found = hardware_evidence(sorted({r for d, p, r in coords if (d, p) in tops}), samples)
-        if found:
-            v["hardware"] = found
-            v["summary"] = f"{v.get('summary', '')}; its GPU: {found['sentence']}"
-            changed = True
-    if not changed:
-        return tables
-    i = row.schema.get_field_index("verdicts_json")
-    return dict(tables, window=row.set_column(i, row.schema.field(i), pa.array([jsonutil.dumps(verdicts)],
-                                                                                pa.string())))
+        if v.get("kind") == "worker":
+            tops = {(w["dp_rank"], w["pp_rank"]) for w in v.get("evidence", {}).get("top_workers", [])}
+            found = hardware_evidence(sorted({r for d, p, r in coords if (d, p) in tops}), samples)
+            if found:
+                v = {**v, "hardware": found, "summary": f"{v.get('summary', '')}; its GPU: {found['sentence']}"}
+        out.append(v)
+    return out

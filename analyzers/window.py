@@ -3,8 +3,12 @@
 ``analyze_window`` builds each table once, here: the window row (GPU-hours,
 waste, main verdict and MFU, each with one definition), its per-step,
 per-worker and per-op-type slowdowns, the op-type waste rows, its profile,
-link cells and faults, remedies. ``ray_jobs`` only dispatches it and the store
-only stores what it returns. It is a plain function (no Ray inside) so it runs
+link cells and faults, remedies. What the shard knows of the job beyond the
+window's records comes in as a ``WindowContext`` (its ranks' latest GPU
+samples, what its window before found) and is part of the findings before any
+table is built: a slow worker's verdict says what its GPUs show, a link
+finding is weighed by the window before, and the remedies see both.
+``ray_jobs`` only dispatches it and the store only stores what it returns. It is a plain function (no Ray inside) so it runs
 in unit tests as is; the shard wraps it with ``ray.remote``. It never raises for bad data:
 an analysis that fails yields a window row with ``verdict = "analysis_failed"``
 and the reason in ``note``, so the window is stored, its offsets advance and
@@ -12,18 +16,24 @@ the failure is visible in the console instead of being retried forever.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from analyzers.clock_skew import worker_clock_skew
+from analyzers.hardware import with_hardware_evidence
 from analyzers.mfu import window_mfu
 from core import codec, jsonutil
 from core import schema as S
 from core.registration import Registration
+
+if TYPE_CHECKING:  # the link diagnosis is imported where a window has collective records, not by the shard
+    from analyzers.links.history import Prior
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +72,26 @@ def _flops_info(job: Registration, n_gpus: int) -> dict:
     return {**{k: src.get(k, 0) for k in _FLOPS_FIELDS}, "n_gpus": n_gpus}
 
 
+@dataclasses.dataclass(frozen=True)
+class WindowContext:
+    """What the shard knows of a window's job beyond the window's own records."""
+    gpu_samples: Mapping[int, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+    """Rank -> its latest GPU sample (``ray_jobs.hang_monitor.HangReducer.gpu_of``): a slow worker's GPUs are
+    compared with their peers' (``analyzers.hardware``)."""
+    prior: Prior | None = None
+    """What the job's latest analysed window before this one found (``analyzers.links.history``); None: none
+    was, and every link finding is a first sighting."""
+
+
 def analyze_window(ops: pa.Table, job: Registration, key: tuple[str, int, int], complete: bool,
-                   note: str, ccl: pa.Table | None = None, tcp: pa.Table | None = None) -> dict[str, pa.Table]:
+                   note: str, ccl: pa.Table | None = None, tcp: pa.Table | None = None,
+                   context: WindowContext | None = None) -> dict[str, pa.Table]:
     """What-if analysis and link diagnosis of one window; returns {result kind: table} for the sink.
 
-    ``ccl``: the window's collective records; ``tcp``: its ranks' TCP connection counters (TCP_FLOW)."""
-    links = _links(ccl, key, tcp)
+    ``ccl``: the window's collective records; ``tcp``: its ranks' TCP connection counters (TCP_FLOW);
+    ``context``: what the shard knows of the job (None: the window alone, as analysed offline: link findings
+    at their window's confidence, no hardware evidence)."""
+    links = _links(ccl, key, tcp, context)
     if ops.num_rows == 0:
         row = _window_row(job, key, ccl if ccl is not None else ops, complete, note)
         row["verdict"] = "no_op_spans"
@@ -110,6 +134,11 @@ def analyze_window(ops: pa.Table, job: Registration, key: tuple[str, int, int], 
 
     what = window_fields(result)
     verdicts, warnings = what.pop("verdicts"), what.pop("warnings")
+    if context is not None and context.gpu_samples:
+        try:
+            verdicts = with_hardware_evidence(verdicts, ops, context.gpu_samples)
+        except Exception as e:  # evidence is a bonus: the window is stored without it
+            log.warning("hardware evidence for %s failed: %s", key, e)
     what["complete"] = row["complete"] and what["complete"]
     row.update(
         what, gpu_hours=result.gpu_hours, wasted_gpu_hours=result.wasted_gpu_hours,  # one definition: the what-if's
@@ -224,15 +253,21 @@ def failed_window(ops: pa.Table, job: Registration, key: tuple[str, int, int], r
     return _tables(row)
 
 
-def _links(ccl: pa.Table | None, key, tcp: pa.Table | None = None) -> dict[str, pa.Table]:
-    """Link diagnosis of the window's CCL and TCP records (LINK_FAULT and LINK_CELL rows); never raises."""
+def _links(ccl: pa.Table | None, key, tcp: pa.Table | None = None,
+           context: WindowContext | None = None) -> dict[str, pa.Table]:
+    """Link diagnosis of the window's CCL and TCP records (LINK_FAULT and LINK_CELL rows), its findings weighed
+    by the window before where the context says what that found; never raises."""
     empty = {"link_fault": codec.empty(S.LINK_FAULT), "link_cell": codec.empty(S.LINK_CELL)}
     if (ccl is None or ccl.num_rows == 0) and (tcp is None or tcp.num_rows == 0):
         return empty
     from analyzers.links import diagnose_window, to_tables
+    from analyzers.links.history import weigh
 
     try:
-        return to_tables(diagnose_window(ccl if ccl is not None else codec.empty(S.CCL_RECORD), tcp=tcp), key)
+        d = diagnose_window(ccl if ccl is not None else codec.empty(S.CCL_RECORD), tcp=tcp)
+        if context is not None:
+            d = dataclasses.replace(d, faults=weigh(d.faults, context.prior))
+        return to_tables(d, key)
     except Exception as e:  # bad records must not cost the window its what-if result
         log.warning("link diagnosis of %s failed: %s", key, e)
         return empty

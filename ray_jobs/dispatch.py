@@ -18,9 +18,8 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from analyzers.hardware import with_hardware_evidence
-from analyzers.links.history import FindingHistory
-from analyzers.window import analyze_window, failed_window
+from analyzers.links.history import FindingHistory, found_in
+from analyzers.window import WindowContext, analyze_window, failed_window
 from core.config import PipelineConfig
 from core.layout import JobLayout
 from core.registration import Registration
@@ -41,7 +40,8 @@ class WindowReducer:
                  submit: Callable[..., Any] | None = None, max_world_size: int = 1 << 18, name: str = "shard",
                  gpu_of: Callable[[str, int], dict[int, dict]] | None = None):
         """``gpu_of(job, attempt)``: the latest GPU sample of each of its ranks (``HangReducer.gpu_of``), which a
-        slow worker's verdict is compared with (``analyzers.hardware``); None: no hardware evidence."""
+        slow worker's verdict is compared with (``analyzers.hardware``); None: no hardware evidence. It goes to
+        the analysis with what the job's window before found (``WindowContext``): the result comes back final."""
         self.cfg = cfg
         self._gpu_of = gpu_of
         self.clock = clock
@@ -51,6 +51,10 @@ class WindowReducer:
         self.max_world_size = max_world_size
         self.name = name
         self.inflight: list[tuple[Any, ReadyWindow, float]] = []
+        # (job, attempt) -> its ready windows waiting for its earlier one in flight: a job's windows are analysed
+        # one after another, so that each is analysed knowing what the one before found (many are ready at once
+        # when a shard catches up; jobs run in parallel).
+        self._queued: dict[tuple[str, int], list[ReadyWindow]] = {}
         # (job, attempt) -> (start_ns, verdict) of the last window whose spans were kept.
         self._spans_kept: dict[tuple[str, int], tuple[int, str]] = {}
         self._findings = FindingHistory()
@@ -78,15 +82,19 @@ class WindowReducer:
 
     def busy(self) -> bool:
         """At the in-flight or buffered-rows limit: the shard stops polling until analyses finish."""
-        return (len(self.inflight) >= (self.cfg.max_inflight or UNSIZED_INFLIGHT)
+        return (self._pending() >= (self.cfg.max_inflight or UNSIZED_INFLIGHT)
                 or self.tracker.buffered_rows() >= self.cfg.max_buffered_rows)
 
     # -- output ---------------------------------------------------------------
     def due(self, now: float) -> list[Unit]:
         """Dispatch the ready windows; the finished analyses as units (waiting up to 0.5 s when busy)."""
         block = self.busy()
-        for win in self.tracker.ready(now):
-            self._dispatch(win)
+        for win in sorted(self.tracker.ready(now), key=lambda w: w.key):
+            job = win.key[:2]
+            if job in self._queued or any(w.key[:2] == job for _, w, _ in self.inflight):
+                self._queued.setdefault(job, []).append(win)
+            else:
+                self._dispatch(win)
         if not self.inflight:
             return []
         done, self.inflight = resolve_ready(self.inflight, timeout_s=0.5 if block else 0.0)
@@ -97,7 +105,13 @@ class WindowReducer:
                 # failure so the window is visible and its offsets can advance.
                 log.warning("analysis task for %s failed: %s", win.key, err)
                 tables = self._failed(win, f"analysis task failed: {err}")
-            units.append(self._unit(self._with_history(self._with_hardware(tables, win), win), win, t0))
+            self._findings.record(win.key, found_in(tables.get("link_fault")))
+            units.append(self._unit(tables, win, t0))
+            waiting = self._queued.get(win.key[:2])
+            if waiting:
+                self._dispatch(waiting.pop(0))  # the job's next window, knowing what this one found
+                if not waiting:
+                    del self._queued[win.key[:2]]
             spans = self._spans_worth_keeping(tables, win)
             if spans is not None:
                 units.append(spans)
@@ -113,12 +127,16 @@ class WindowReducer:
 
     def snapshot(self) -> dict:
         c = self.tracker.counters
-        return dict(inflight=len(self.inflight), open_windows=len(self.tracker.open),
+        return dict(inflight=self._pending(), open_windows=len(self.tracker.open),
                     buffered_rows=self.tracker.buffered_rows(), windows_stored=self.stored,
                     windows_failed=self.failed, span_windows_kept=self.spans_kept,
                     dispatch_to_stored_seconds=self.dispatch_to_stored_seconds,
                     window_latency_s_last=self.latency_last_s,
                     records=c.records, late_records=c.late_records)
+
+    def _pending(self) -> int:
+        """Windows handed to the analysis and not back yet, and those waiting for their job's earlier one."""
+        return len(self.inflight) + sum(map(len, self._queued.values()))
 
     def job(self, job_id: str, attempt: int) -> Registration | None:
         return self.tracker.job(job_id, attempt)
@@ -132,35 +150,24 @@ class WindowReducer:
         t0 = self.clock.monotonic()
         try:
             info = self.tracker.job(win.key[0], win.key[1]) or unregistered(win, self.max_world_size)
-            args = (win.ops, info, win.key, win.complete, win.note, win.ccl, win.tcp)
+            args = (win.ops, info, win.key, win.complete, win.note, win.ccl, win.tcp, self._context(win))
             handle = self._submit(*args) if self._submit else analyze_window(*args)
         except Exception as e:
             log.warning("%s: dispatching %s failed: %s", self.name, win.key, e)
             handle = self._failed(win, f"dispatch failed: {type(e).__name__}: {e}")
         self.inflight.append((handle, win, t0))
 
-    def _with_hardware(self, tables: dict[str, pa.Table], win: ReadyWindow) -> dict[str, pa.Table]:
-        """A slow-worker verdict with what its GPUs say against their peers' (``with_hardware_evidence``), from
-        the samples the heartbeats carried. Here and not in the analysis task: the samples live in the shard's
-        hang reducer. Never fails the window."""
-        if self._gpu_of is None or win.ops.num_rows == 0:
-            return tables
-        try:
-            samples = self._gpu_of(win.key[0], win.key[1])
-            return with_hardware_evidence(tables, win.ops, samples) if samples else tables
-        except Exception as e:  # evidence is a bonus: the window is stored without it
-            log.warning("%s: hardware evidence for %s failed: %s", self.name, win.key, e)
-            return tables
-
-    def _with_history(self, tables: dict[str, pa.Table], win: ReadyWindow) -> dict[str, pa.Table]:
-        """Link findings weighed by whether the job's window before found them too (``analyzers.links.history``):
-        here, where the windows of a job meet. Never fails the window: without it the findings are as analysed."""
-        try:
-            faults = self._findings.weigh(win.key, tables.get("link_fault"))
-            return {**tables, "link_fault": faults} if faults is not None else tables
-        except Exception as e:
-            log.warning("%s: weighing the link findings of %s by their history failed: %s", self.name, win.key, e)
-            return tables
+    def _context(self, win: ReadyWindow) -> WindowContext:
+        """What this shard knows of the window's job beyond its records: its ranks' latest GPU samples (they live
+        in the shard's hang reducer) and what its latest analysed window before found. Never fails the window:
+        without them it is analysed alone."""
+        samples = {}
+        if self._gpu_of is not None and win.ops.num_rows:
+            try:
+                samples = self._gpu_of(win.key[0], win.key[1])
+            except Exception as e:  # evidence is a bonus
+                log.warning("%s: the GPU samples of %s could not be read: %s", self.name, win.key, e)
+        return WindowContext(gpu_samples=samples or {}, prior=self._findings.before(win.key))
 
     def _unit(self, tables: dict[str, pa.Table], win: ReadyWindow, t0: float) -> Unit:
         def stored():

@@ -142,12 +142,16 @@ def _cells(d: LinkDiagnosis) -> list[dict]:
     return rows + reported
 
 
+def fault_table(faults: list[LinkFault], key: tuple[str, int, int]) -> pa.Table:
+    """LINK_FAULT rows of one window ``key`` (job, attempt, window)."""
+    ident = dict(job_id=key[0], attempt=key[1], window_id=key[2])
+    return codec.from_rows(S.LINK_FAULT, [dict(
+        ident, group=f.group, kind=f.kind, src=f.src, dst=f.dst, confidence=f.confidence, slowdown=f.slowdown,
+        evidence_json=jsonutil.dumps(f.evidence)) for f in faults])
+
+
 def to_tables(d: LinkDiagnosis, key: tuple[str, int, int]) -> dict[str, pa.Table]:
     """{"link_fault": LINK_FAULT rows, "link_cell": LINK_CELL rows} of one window ``key`` (job, attempt, window)."""
     ident = dict(job_id=key[0], attempt=key[1], window_id=key[2])
-    return {
-        "link_fault": codec.from_rows(S.LINK_FAULT, [dict(
-            ident, group=f.group, kind=f.kind, src=f.src, dst=f.dst, confidence=f.confidence, slowdown=f.slowdown,
-            evidence_json=jsonutil.dumps(f.evidence)) for f in d.faults]),
-        "link_cell": codec.from_rows(S.LINK_CELL, [dict(ident, **c) for c in _cells(d)]),
-    }
+    return {"link_fault": fault_table(d.faults, key),
+            "link_cell": codec.from_rows(S.LINK_CELL, [dict(ident, **c) for c in _cells(d)])}

@@ -10,21 +10,25 @@ analysed window found the same element (kind, src, dst) too; otherwise it
 is capped at ``FIRST_SEEN_CAP``, still shown (the trace summary prints from
 0.3), never near certain, and its evidence says so.
 
-``FindingHistory.weigh(key, link_fault_table)`` is called by the shard for
-every analysed window (``ray_jobs/dispatch.py``), in the order the analyses
-finish: a window whose predecessor is not analysed yet is judged alone. The
-history is per (job, attempt) and bounded; it is part of the shard's saved
-state (``state``/``restore``, ``ray_jobs.state``), so a restarted shard
-judges the next window against the one before as it would have.
+``weigh(faults, prior)`` does that to a window's findings inside its analysis
+(``analyzers.window``: before its tables are built, so the remedies and the
+stored rows see the same confidences). ``FindingHistory`` is what the shard
+keeps per (job, attempt) across windows: ``before(key)`` is the ``Prior`` a
+window is analysed with, ``record(key, found_in(link_fault_table))`` what it
+found once analysed. A window whose predecessor is still being analysed is
+judged against the latest earlier one that is done. The history is bounded
+and part of the shard's saved state (``state``/``restore``, ``ray_jobs.state``),
+so a restarted shard judges the next window against the one before as it would
+have.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from core import jsonutil
+from analyzers.links.fault import LinkFault
 
 FIRST_SEEN_CAP = 0.5
 """Most confidence a finding keeps in the first window that shows it."""
@@ -34,55 +38,75 @@ KEEP_WINDOWS = 4
 """Windows remembered per job (the latest earlier one decides; a few more absorb analyses finishing out of order)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Prior:
+    """What the job's latest analysed window before this one found, at ``SEEN`` or more."""
+    window_id: int
+    elements: frozenset[tuple[str, int, int]]
+
+
+def weigh(faults: list[LinkFault], prior: Prior | None) -> list[LinkFault]:
+    """``faults`` with those ``prior`` did not find capped at ``FIRST_SEEN_CAP``, each one's evidence saying which
+    (``persistence``); the most confident first, as the analysis ordered them."""
+    out = []
+    for f in faults:
+        if prior is not None and (f.kind, f.src, f.dst) in prior.elements:
+            out.append(dataclasses.replace(f, evidence={**f.evidence, "persistence": {"found_before": prior.window_id}}))
+            continue
+        capped = min(f.confidence, FIRST_SEEN_CAP)
+        note: dict = {"first_seen": True}
+        if capped < f.confidence:
+            note["window_confidence"] = round(f.confidence, 3)
+        out.append(dataclasses.replace(f, confidence=capped, evidence={**f.evidence, "persistence": note}))
+    return sorted(out, key=lambda f: (-f.confidence, -f.slowdown))
+
+
+def found_in(link_faults: pa.Table | None) -> frozenset[tuple[str, int, int]]:
+    """The elements a window's LINK_FAULT rows name at ``SEEN`` or more: what confirms them in the next window."""
+    if link_faults is None or link_faults.num_rows == 0:
+        return frozenset()
+    cols = [link_faults[c].to_pylist() for c in ("kind", "src", "dst", "confidence")]
+    return frozenset((k, s, d) for k, s, d, c in zip(*cols) if c >= SEEN)
+
+
 class FindingHistory:
     def __init__(self, max_jobs: int = 100_000):
         self.max_jobs = max_jobs
         # (job, attempt) -> window_id -> elements found there at SEEN or more
-        self._seen: dict[tuple[str, int], dict[int, set[tuple[str, int, int]]]] = {}
+        self._seen: dict[tuple[str, int], dict[int, frozenset[tuple[str, int, int]]]] = {}
 
     def state(self) -> dict:
         """Plain data to resume from: (job, attempt) -> window -> the elements found there."""
         return {job: {w: sorted(found) for w, found in windows.items()} for job, windows in self._seen.items()}
 
     def restore(self, state: dict) -> None:
-        self._seen = {tuple(job): {int(w): {tuple(e) for e in found} for w, found in windows.items()}
+        self._seen = {tuple(job): {int(w): frozenset(tuple(e) for e in found) for w, found in windows.items()}
                       for job, windows in state.items()}
 
-    def weigh(self, key: tuple[str, int, int], faults: pa.Table | None) -> pa.Table | None:
-        """``faults`` (LINK_FAULT rows of window ``key``) with the unconfirmed ones capped; a window without
-        findings is remembered too (it confirms nothing in the next)."""
-        job, window = key[:2], key[2]
+    def before(self, key: tuple[str, int, int]) -> Prior | None:
+        """What the job's latest analysed window before window ``key`` found; None if none was analysed."""
+        windows = self._seen.get(key[:2], {})
+        earlier = [w for w in windows if w < key[2]]
+        return Prior(max(earlier), windows[max(earlier)]) if earlier else None
+
+    def record(self, key: tuple[str, int, int], found: frozenset[tuple[str, int, int]]) -> None:
+        """Window ``key`` is analysed and found ``found`` (``found_in``); a window without findings is remembered
+        too (it confirms nothing in the next)."""
+        job = key[:2]
         windows = self._seen.pop(job, {})
         self._seen[job] = windows  # most recently used last: the oldest job is the first to go
         if len(self._seen) > self.max_jobs:
             del self._seen[next(iter(self._seen))]
-        earlier = [w for w in windows if w < window]
-        before = windows[max(earlier)] if earlier else None
-        rows = faults.to_pylist() if faults is not None and faults.num_rows else []
-        windows[window] = {(r["kind"], r["src"], r["dst"]) for r in rows if r["confidence"] >= SEEN}
+        windows[key[2]] = frozenset(found)
         for w in sorted(windows)[:-KEEP_WINDOWS]:
             del windows[w]
-        if not rows:
-            return faults
-        confidence, evidence = [], []
-        for r in rows:
-            element = (r["kind"], r["src"], r["dst"])
-            if before is not None and element in before:
-                confidence.append(r["confidence"])
-                evidence.append(_with(r["evidence_json"], {"found_before": max(earlier)}))
-            else:
-                capped = min(r["confidence"], FIRST_SEEN_CAP)
-                confidence.append(capped)
-                note = {"first_seen": True}
-                if capped < r["confidence"]:
-                    note["window_confidence"] = round(r["confidence"], 3)
-                evidence.append(_with(r["evidence_json"], note))
-        out = faults.set_column(faults.schema.get_field_index("confidence"), "confidence",
-                                pa.array(confidence, pa.float64()))
-        out = out.set_column(out.schema.get_field_index("evidence_json"), "evidence_json",
-                             pa.array(evidence, pa.string()))
-        # The most confident first, as the analysis ordered them.
-        return out.take(pc.sort_indices(out, [("confidence", "descending"), ("slowdown", "descending")]))
+
+    def weigh(self, key: tuple[str, int, int], faults: list[LinkFault]) -> list[LinkFault]:
+        """A reader that takes a job's windows one after another: ``faults`` of window ``key`` weighed by the
+        window before, and remembered."""
+        out = weigh(faults, self.before(key))
+        self.record(key, frozenset((f.kind, f.src, f.dst) for f in out if f.confidence >= SEEN))
+        return out
 
 
 def found_before(row: dict) -> int | None:
@@ -93,13 +117,3 @@ def found_before(row: dict) -> int | None:
     except (ValueError, AttributeError):
         return None
     return seen.get("found_before")
-
-
-def _with(evidence_json: str, extra: dict) -> str:
-    try:
-        ev = json.loads(evidence_json) if evidence_json else {}
-    except ValueError:
-        ev = {"evidence": evidence_json}
-    if not isinstance(ev, dict):
-        ev = {"evidence": ev}
-    return jsonutil.dumps({**ev, "persistence": extra})

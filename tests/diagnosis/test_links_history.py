@@ -1,22 +1,19 @@
 """A link finding keeps its window's confidence only where the job's window before found it too."""
 from __future__ import annotations
 
-import json
-
+from analyzers.links.fault import LinkFault
 from analyzers.links.history import FIRST_SEEN_CAP, FindingHistory
-from core import codec
-from core import schema as S
 
 
 def _faults(window, *found, job="j"):
-    return codec.from_rows(S.LINK_FAULT, [
-        dict(job_id=job, attempt=0, window_id=window, group="tcp", kind=k, src=s, dst=d, confidence=c, slowdown=3.0,
-             evidence_json=json.dumps({"candidates": ["x"]})) for k, s, d, c in found])
+    """A window's findings as the link diagnosis makes them (``window``, ``job``: where the test's caller files
+    them)."""
+    return [LinkFault("tcp", k, s, d, c, 3.0, {"candidates": ["x"]}) for k, s, d, c in found]
 
 
-def _top(t):
-    r = t.to_pylist()[0]
-    return (r["kind"], r["src"], r["dst"], r["confidence"]), json.loads(r["evidence_json"])
+def _top(faults):
+    f = faults[0]
+    return (f.kind, f.src, f.dst, f.confidence), f.evidence
 
 
 def test_a_finding_of_one_window_is_capped_and_one_that_comes_back_keeps_its_confidence():
@@ -36,7 +33,7 @@ def test_a_healthy_rank_last_in_one_window_only_stays_low_and_another_element_is
     assert _top(h.weigh(("j", 0, 0), _faults(0, ("noncomm_slow", 4, -1, 1.0))))[0][3] == FIRST_SEEN_CAP
     assert _top(h.weigh(("j", 0, 6), _faults(6, ("noncomm_slow", 2, -1, 1.0))))[0][3] == FIRST_SEEN_CAP
     # A window without findings confirms nothing in the next.
-    assert h.weigh(("j", 0, 12), _faults(12)).num_rows == 0
+    assert h.weigh(("j", 0, 12), _faults(12)) == []
     assert _top(h.weigh(("j", 0, 18), _faults(18, ("noncomm_slow", 2, -1, 1.0))))[0][3] == FIRST_SEEN_CAP
 
 
@@ -44,7 +41,7 @@ def test_the_order_follows_the_weighed_confidence_and_jobs_do_not_confirm_each_o
     h = FindingHistory()
     h.weigh(("j", 0, 0), _faults(0, ("source", 1, -1, 0.9)))
     t = h.weigh(("j", 0, 1), _faults(1, ("destination", -1, 0, 0.95), ("source", 1, -1, 0.7)))
-    assert [(r["kind"], r["confidence"]) for r in t.to_pylist()] == [("source", 0.7), ("destination", 0.5)]
+    assert [(f.kind, f.confidence) for f in t] == [("source", 0.7), ("destination", 0.5)]
     assert _top(h.weigh(("k", 0, 1), _faults(1, ("source", 1, -1, 0.9), job="k")))[0][3] == FIRST_SEEN_CAP
     # A window finishing after a later one is judged against the latest earlier window it finds.
     h.weigh(("m", 0, 6), _faults(6, ("link", 0, 2, 0.9), job="m"))

@@ -126,8 +126,8 @@ def run_traced(tmp_path, scenario: str, world: int = 4) -> dict[str, pa.Table]:
     """A job on the fake device under the real trace session: its registration, and its last profiled
     window (the first has the warm-up step) analysed as the pipeline analyses it: every window in order,
     the link findings weighed by the job's window before (``FindingHistory``, as in the shard)."""
-    from analyzers.links.history import FindingHistory
-    from analyzers.window import analyze_window
+    from analyzers.links.history import FindingHistory, found_in
+    from analyzers.window import WindowContext, analyze_window
     from core.registration import Registration
 
     _launch(TRACED, world, str(tmp_path), scenario)
@@ -143,8 +143,9 @@ def run_traced(tmp_path, scenario: str, world: int = 4) -> dict[str, pa.Table]:
         key = (reg.job_id, 0, window)
         window_ops = ops.filter(pa.compute.equal(ops["window_id"], window))
         tables = analyze_window(window_ops, reg, key, True, "",
-                                got["ccl"].filter(pa.compute.equal(got["ccl"]["window_id"], window)))
-        tables["link_fault"] = history.weigh(key, tables["link_fault"])
+                                got["ccl"].filter(pa.compute.equal(got["ccl"]["window_id"], window)),
+                                context=WindowContext(prior=history.before(key)))
+        history.record(key, found_in(tables["link_fault"]))
     return {**got, **tables, "op": window_ops}
 
 

@@ -117,12 +117,11 @@ def test_a_failing_webhook_is_retried_then_counted():
 
 def _link_rows(history, window, kind="source", src=3, dst=-1, conf=0.7):
     """A window's LINK_FAULT rows as the shard hands them to the alert rules: weighed by the job's history."""
-    from core import codec
-    from core import schema as S
+    from analyzers.links import fault_table
+    from analyzers.links.fault import LinkFault
 
-    t = codec.from_rows(S.LINK_FAULT, [dict(job_id="j", attempt=0, window_id=window, group="tcp", kind=kind,
-                                            src=src, dst=dst, confidence=conf, slowdown=9.0, evidence_json="{}")])
-    return history.weigh(("j", 0, window), t).to_pylist()
+    faults = history.weigh(("j", 0, window), [LinkFault("tcp", kind, src, dst, conf, 9.0, {})])
+    return fault_table(faults, ("j", 0, window)).to_pylist()
 
 
 def test_a_link_finding_pages_when_the_next_window_finds_it_again_or_when_near_certain():

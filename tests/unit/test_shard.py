@@ -20,7 +20,7 @@ STEPS = 2
 
 
 def fake_analysis(calls):
-    def submit(ops, info, key, complete, note, ccl=None, tcp=None):
+    def submit(ops, info, key, complete, note, ccl=None, tcp=None, context=None):
         calls.append((key, complete, ops.num_rows))
         row = _window_row(info, key, ops, complete, note)
         row.update(slowdown=1.5, waste_fraction=1 / 3, launch_slowdown=1.0, verdict="worker")
@@ -96,7 +96,7 @@ def test_kept_spans_one_window_per_job_and_interval_plus_each_new_verdict():
     verdicts = {0: "worker", 100: "worker", 200: "gc", 300: "gc", 400: "gc"}
     tables = [a.registration(0, STEPS)] + [generate_window(a, wid, STEPS, t * 10**9) for wid, t in starts.items()]
 
-    def submit(ops, info, key, complete, note, ccl=None, tcp=None):
+    def submit(ops, info, key, complete, note, ccl=None, tcp=None, context=None):
         row = _window_row(info, key, ops, complete, note)
         row.update(slowdown=1.5, waste_fraction=1 / 3, launch_slowdown=1.0, verdict=verdicts[key[2]])
         return _tables(row)
@@ -161,7 +161,7 @@ def test_a_window_waits_for_the_collectives_of_its_last_step_that_travel_on_anot
     late = _all_reduces(a, 0, [STEPS - 1], [2, 3])
     seen = []
 
-    def submit(ops, info, key, complete, note, ccl=None, tcp=None):
+    def submit(ops, info, key, complete, note, ccl=None, tcp=None, context=None):
         seen.append((complete, 0 if ccl is None else ccl.num_rows))
         return fake_analysis([])(ops, info, key, complete, note, ccl)
     msgs = messages_for([a.registration(0, STEPS), *early, ops, late])
@@ -246,7 +246,7 @@ def test_backpressure_stops_polling_at_max_inflight():
     tables = [a.registration(0, STEPS)] + [generate_window(a, 100 * i, STEPS, 0) for i in range(4)]
     pending = []
 
-    def never_done(ops, info, key, complete, note, ccl=None, tcp=None):
+    def never_done(ops, info, key, complete, note, ccl=None, tcp=None, context=None):
         pending.append(key)
         return _Pending()
 
@@ -405,6 +405,68 @@ def test_ccl_records_of_a_window_get_link_diagnosis():
     # The job's first window: nothing before it confirms the finding, so it is stored at low confidence.
     assert top["confidence"] <= 0.5 and json.loads(top["evidence_json"])["persistence"]["first_seen"]
     assert [a["rule"] for a in sink.rows["alert"]] == ["link"]
+
+
+def _link_windows(n: int = 3):
+    """``n`` windows of one job whose rank's NIC egress is slow in each (the same incident, window ids 0..n-1)."""
+    from generators.faultgen import link_incident
+
+    ccl = link_incident("source", 32, 2).ccl
+    i = ccl.schema.get_field_index("window_id")
+    return [ccl.set_column(i, ccl.schema.field(i), pa.array([w] * ccl.num_rows, pa.int64())) for w in range(n)]
+
+
+def _link_shard(sink, messages, clock):
+    from analyzers.window import analyze_window
+
+    cfg = Config().replace(pipeline={"idle_timeout_s": 5.0, "commit_interval_s": 1.0, "state_interval_s": 1.0})
+    w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: FakeSource(messages), sink_factory=lambda: sink,
+                    submit=analyze_window, clock=clock)
+    w.setup()
+    return w
+
+
+def _confidences(sink) -> list[tuple[int, float]]:
+    return sorted((r["window_id"], round(r["confidence"], 6)) for r in sink.rows["link_fault"] if r["kind"] == "source")
+
+
+def test_windows_of_a_job_ready_at_once_are_analysed_in_order_each_knowing_the_one_before():
+    """A shard catching up finds a job's windows ready together: the later ones wait for the earlier, so a
+    finding that comes back keeps its confidence (dispatched together, each would be judged alone)."""
+    clock = ManualClock(wall=lambda: 20 * 10**9)
+    sink = FakeSink()
+    w = _link_shard(sink, messages_for(_link_windows()), clock)
+    run(w, 5)
+    clock.t = 6.0
+    run(w, 10)
+    got = _confidences(sink)
+    assert [win for win, _ in got] == [0, 1, 2] and got[0][1] <= 0.5 and min(c for _, c in got[1:]) > 0.5, got
+
+
+def test_a_shard_killed_between_two_windows_of_a_link_fault_stores_what_one_never_killed_stores():
+    """Issue 51: the findings' history is the shard's saved state; a kill -9 between windows changes no stored
+    confidence (a restarted shard that forgot it capped the second window's finding as first seen)."""
+    def two_windows(kill: bool, forget: bool = False):
+        clock = ManualClock(wall=lambda: 20 * 10**9)
+        sink, messages = FakeSink(), messages_for(_link_windows(2))
+        w = _link_shard(sink, messages[:1] if kill else messages, clock)
+        run(w, 5)
+        clock.t = 6.0
+        run(w, 5)
+        clock.t = 8.0
+        run(w, 5)  # window 0 stored, offsets and state saved
+        if kill:
+            if forget:
+                sink.states.clear()
+            w = _link_shard(sink, messages, clock)  # the old one is dropped: no stop, no final commit
+            run(w, 5)
+        clock.t = 16.0
+        run(w, 10)
+        return _confidences(sink)
+    calm = two_windows(kill=False)
+    assert [win for win, _ in calm] == [0, 1] and calm[1][1] > 0.5, calm
+    assert two_windows(kill=True) == calm
+    assert two_windows(kill=True, forget=True)[1][1] <= 0.5  # what the saved state is for
 
 
 def test_checkpoints_and_restarts_become_stored_downtime_rows():
