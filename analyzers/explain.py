@@ -333,7 +333,8 @@ def link_element(kind: str, src: Any, dst: Any, group: str = "") -> str:
 
 
 def link_basis(row: Mapping) -> str:
-    """What a LINK_FAULT row's finding rests on: the bottleneck transfer, and whether it came back."""
+    """What a LINK_FAULT row's finding rests on: the bottleneck transfer, what the ports of its hosts said
+    (``fabric``, from ``analyzers.fabric.with_fabric_evidence``), and whether it came back."""
     try:
         ev = json.loads(row.get("evidence_json") or "{}")
     except ValueError:
@@ -343,6 +344,9 @@ def link_basis(row: Mapping) -> str:
         b = ev["bottleneck"][0]
         basis = (f"; transfer {b['flow']} had data in flight {100 * b['busy']:.0f}% of the time at "
                  f"{b['mb_per_s_busy']:.1f} MB/s")
+    for host in ev.get("fabric") or ():  # analyzers.fabric: the ports of the finding's hosts waited or erred
+        if isinstance(host, Mapping) and host.get("sentence"):
+            basis += f"; {host['sentence']}"
     seen = ev.get("persistence") or {}
     if seen.get("first_seen"):  # analyzers.links.history: one window's finding stays low until it comes back
         basis += "; first seen in this window"
@@ -498,10 +502,14 @@ def explain_hang(row: Mapping, layout: Mapping | None = None) -> Explanation:
                     f"lost, not its host.{named} The others cannot go on without "
                     f"{'it' if len(missing) == 1 else 'them'}.")
     elif kind == "node_loss":
+        from analyzers.hang import recovery_plan_of, recovery_sentence
+
+        plan = recovery_plan_of(dict(row))
         sentence = (f"{_ranks_named(missing, sizes)}{on} stopped sending heartbeats {for_} ago: "
                     f"{'its host is' if len(hosts) == 1 else 'their hosts are'} lost. "
                     f"The other {_plural(len(stuck), 'rank')} cannot go on without "
-                    f"{'it' if len(missing) == 1 else 'them'}.")
+                    f"{'it' if len(missing) == 1 else 'them'}."
+                    + (f" Recovery plan: {recovery_sentence(plan)}." if plan else ""))
     elif kind == "noncomm_hang" and missing:
         sentence = (f"No rank is inside a collective and none has made progress for {for_}; "
                     f"{_ranks_named(missing, sizes)}{on} {'is' if len(missing) == 1 else 'are'} gone while "

@@ -27,12 +27,13 @@ import pyarrow.compute as pc
 
 from analyzers.clock_skew import worker_clock_skew
 from analyzers.hardware import with_hardware_evidence
+from analyzers.recovery_basis import RecoveryBasis
 from analyzers.mfu import window_mfu
 from core import codec, jsonutil
 from core import schema as S
 from core.registration import Registration
 
-if TYPE_CHECKING:  # the link diagnosis is imported where a window has collective records, not by the shard
+if TYPE_CHECKING:  # imported where a window needs them, not by the shard
     from analyzers.links.history import Prior
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,15 @@ class WindowContext:
     was, and every link finding is a first sighting."""
 
 
+@dataclasses.dataclass(frozen=True)
+class WindowResult:
+    """A window's analysis as the shard gets it back: the tables to store, and what it keeps of the job."""
+    tables: dict[str, pa.Table]
+    recovery: RecoveryBasis | None = None
+    """What a recovery plan needs of this window (``analyzers.remedies.advise``), when it was analysed whole: the
+    plan a node loss of the job is paged with is made from the job's latest."""
+
+
 def analyze_window(ops: pa.Table, job: Registration, key: tuple[str, int, int], complete: bool,
                    note: str, ccl: pa.Table | None = None, tcp: pa.Table | None = None,
                    context: WindowContext | None = None) -> dict[str, pa.Table]:
@@ -91,6 +101,13 @@ def analyze_window(ops: pa.Table, job: Registration, key: tuple[str, int, int], 
     ``ccl``: the window's collective records; ``tcp``: its ranks' TCP connection counters (TCP_FLOW);
     ``context``: what the shard knows of the job (None: the window alone, as analysed offline: link findings
     at their window's confidence, no hardware evidence)."""
+    return analyze_window_for_shard(ops, job, key, complete, note, ccl, tcp, context).tables
+
+
+def analyze_window_for_shard(ops: pa.Table, job: Registration, key: tuple[str, int, int], complete: bool,
+                             note: str, ccl: pa.Table | None = None, tcp: pa.Table | None = None,
+                             context: WindowContext | None = None) -> WindowResult:
+    """``analyze_window`` with what the shard keeps of the job besides the tables (the Ray task's function)."""
     links = _links(ccl, key, tcp, context)
     if ops.num_rows == 0:
         row = _window_row(job, key, ccl if ccl is not None else ops, complete, note)
@@ -98,7 +115,7 @@ def analyze_window(ops: pa.Table, job: Registration, key: tuple[str, int, int], 
         row["complete"] = False
         row["n_ops"] = 0
         row["note"] = (note + "; " if note else "") + "no op spans in this window: link diagnosis only"
-        return _tables(row, links)
+        return WindowResult(_tables(row, links))
     # heavy imports kept out of the shard's import path
     from analyzers.whatif import analyze
     from analyzers.whatif.tables import step_times, to_tables, window_fields
@@ -113,7 +130,7 @@ def analyze_window(ops: pa.Table, job: Registration, key: tuple[str, int, int], 
         row["complete"] = False
         row["note"] = (f"layout conflict: {conflict}; window not analysed, left out of fleet statistics"
                        + ("; " + note if note else ""))[:4000]
-        return _tables(row, links)
+        return WindowResult(_tables(row, links))
     skew = worker_clock_skew(ops)
     if skew is not None:
         # Some workers' clocks are hours off: their spans would stretch the window, and the GPU-hours and
@@ -122,7 +139,7 @@ def analyze_window(ops: pa.Table, job: Registration, key: tuple[str, int, int], 
         row["complete"] = False
         row["note"] = ((note + "; " if note else "") + f"clock skew: {skew.describe()} (more than "
                        f"{skew.threshold_s:.1f} s): window not analysed, left out of fleet statistics")
-        return _tables(row, links)
+        return WindowResult(_tables(row, links))
     try:
         result = analyze(ops, job.layout, allow_incomplete=True, n_gpus=row["n_gpus"])
     except Exception as e:  # analyzer input errors and bugs alike: store, flag, move on
@@ -130,7 +147,7 @@ def analyze_window(ops: pa.Table, job: Registration, key: tuple[str, int, int], 
         row["verdict"] = "analysis_failed"
         row["note"] = (note + "; " if note else "") + f"{type(e).__name__}: {e}"[:2000]
         row["complete"] = False
-        return _tables(row, links)
+        return WindowResult(_tables(row, links))
 
     what = window_fields(result)
     verdicts, warnings = what.pop("verdicts"), what.pop("warnings")
@@ -156,7 +173,9 @@ def analyze_window(ops: pa.Table, job: Registration, key: tuple[str, int, int], 
         remedies = _remedies(ops, job, result, links["link_fault"], key)
         if remedies is not None:
             out["remedy"] = remedies
-    return _tables(row, links, out)
+    whole = row["complete"] and not result.missing_workers
+    recovery = _recovery_basis(job, result, times["simulated"], key) if whole else None
+    return WindowResult(_tables(row, links, out), recovery)
 
 
 def typical_step_s(actual: dict[int, float]) -> float:
@@ -233,16 +252,38 @@ def layout_conflict(job: Registration, ops: pa.Table) -> str:
     return f"ranks {', '.join(map(str, ranks))} all sent op spans as worker dp {w >> 32}, pp {w & 0xFFFFFFFF}{more}"
 
 
+def _facts(job: Registration):
+    """What the remedies know of the job beyond its trace: its layout and layer count."""
+    from analyzers.remedies import JobFacts
+
+    reg = job.registration or {}
+    return JobFacts(layout=job.layout, num_layers=int(reg.get("num_layers") or 0) or None)
+
+
 def _remedies(ops: pa.Table, job: Registration, result, links: pa.Table, key) -> pa.Table | None:
     """REMEDY rows of a window with a verdict or a link fault; never costs the window its result."""
-    from analyzers.remedies import JobFacts, advise, to_tables
+    from analyzers.remedies import advise, to_tables
 
     try:
-        reg = job.registration or {}
-        facts = JobFacts(layout=job.layout, num_layers=int(reg.get("num_layers") or 0) or None)
-        return to_tables(advise(ops, facts, result, links.to_pylist()), key, time.time_ns())["remedy"]
+        return to_tables(advise(ops, _facts(job), result, links.to_pylist()), key, time.time_ns())["remedy"]
     except Exception as e:
         log.warning("remedies of %s failed: %s", key, e)
+        return None
+
+
+def _recovery_basis(job: Registration, result, simulated: dict[int, float], key) -> RecoveryBasis | None:
+    """What a recovery plan needs of this window (its simulated step time calibrates the plan, as ``advise``
+    does); never costs the window its result."""
+    from analyzers.remedies.advise import recovery_basis
+    from analyzers.remedies.resim import TraceCells
+
+    steps = [t for t in simulated.values() if t == t and t > 0]
+    if not steps:
+        return None
+    try:
+        return recovery_basis(TraceCells(result), _facts(job), float(np.mean(steps)))
+    except Exception as e:
+        log.warning("the recovery basis of %s failed: %s", key, e)
         return None
 
 

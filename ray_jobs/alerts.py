@@ -22,7 +22,7 @@ from typing import Callable
 
 import pyarrow as pa
 
-from analyzers.hang import hang_summary
+from analyzers.hang import hang_summary, recovery_plan_of
 from core import codec, jsonutil
 from core import schema as S
 from analyzers.explain import link_element, title, verdicts_of
@@ -100,8 +100,9 @@ class AlertRules:
             alert_id=f"{row['job_id']}/{row['attempt']}/{rule}/{row['hang_id']}", job_id=row["job_id"],
             attempt=row["attempt"], ts_ns=now_ns, rule=rule, severity="info" if rule == "hang_ended" else "critical",
             summary=hang_summary(row),
-            details_json=jsonutil.dumps({k: row[k] for k in (
-                "kind", "group", "seq", "op", "stuck_ranks", "missing_ranks", "suspect_hosts", "duration_s")}),
+            details_json=jsonutil.dumps({**{k: row[k] for k in (
+                "kind", "group", "seq", "op", "stuck_ranks", "missing_ranks", "suspect_hosts", "duration_s")},
+                **({"recovery_plan": plan} if (plan := recovery_plan_of(row)) else {})}),
         )]
 
     def evaluate_lemon(self, score, now: float, now_ns: int, labels: dict | None = None) -> list[dict]:

@@ -19,7 +19,8 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from analyzers.links.history import FindingHistory, found_in
-from analyzers.window import WindowContext, analyze_window, failed_window
+from analyzers.recovery_basis import RecoveryBasis
+from analyzers.window import WindowContext, WindowResult, analyze_window_for_shard, failed_window
 from core.config import PipelineConfig
 from core.layout import JobLayout
 from core.registration import Registration
@@ -58,6 +59,9 @@ class WindowReducer:
         # (job, attempt) -> (start_ns, verdict) of the last window whose spans were kept.
         self._spans_kept: dict[tuple[str, int], tuple[int, str]] = {}
         self._findings = FindingHistory()
+        # (job, attempt) -> what a recovery plan needs of its latest window analysed whole (most recent last)
+        self._recovery: dict[tuple[str, int], RecoveryBasis] = {}
+        self.max_recovery_jobs = 20_000
         self.stored = self.failed = self.spans_kept = 0
         self.dispatch_to_stored_seconds = self.latency_last_s = 0.0
 
@@ -99,7 +103,10 @@ class WindowReducer:
             return []
         done, self.inflight = resolve_ready(self.inflight, timeout_s=0.5 if block else 0.0)
         units = []
-        for (tables, err), win, t0 in done:
+        for (got, err), win, t0 in done:
+            tables = got.tables if isinstance(got, WindowResult) else got  # a bare table dict: a test's analysis
+            if isinstance(got, WindowResult) and got.recovery is not None:
+                self._keep_recovery(win.key[:2], got.recovery)
             if tables is None:
                 # The task died after Ray's own retries (worker killed, OOM): store the
                 # failure so the window is visible and its offsets can advance.
@@ -117,13 +124,27 @@ class WindowReducer:
                 units.append(spans)
         return units
 
+    def _keep_recovery(self, job: tuple[str, int], basis: RecoveryBasis) -> None:
+        self._recovery.pop(job, None)
+        self._recovery[job] = basis
+        if len(self._recovery) > self.max_recovery_jobs:  # bounded: the job heard of least recently goes
+            del self._recovery[next(iter(self._recovery))]
+
+    def recovery_of(self, job_id: str, attempt: int) -> RecoveryBasis | None:
+        """What a recovery plan needs of the job's latest window analysed whole (``HangReducer``: a node loss's
+        plan), or None."""
+        return self._recovery.get((job_id, attempt))
+
     def state(self) -> dict:
-        """What a restarted shard resumes from (``ray_jobs.state``): the link findings' history per job. The open
-        windows need none: their records are read again from the stored offsets."""
-        return {"findings": self._findings.state()}
+        """What a restarted shard resumes from (``ray_jobs.state``): the link findings' history and the recovery
+        basis per job, as plain data. The open windows need none: their records are read again from the stored
+        offsets."""
+        return {"findings": self._findings.state(),
+                "recovery": [[list(job), basis.to_dict()] for job, basis in self._recovery.items()]}
 
     def restore(self, state: dict) -> None:
         self._findings.restore(state.get("findings", {}))
+        self._recovery = {tuple(job): RecoveryBasis.from_dict(d) for job, d in state.get("recovery", [])}
 
     def snapshot(self) -> dict:
         c = self.tracker.counters
@@ -151,7 +172,7 @@ class WindowReducer:
         try:
             info = self.tracker.job(win.key[0], win.key[1]) or unregistered(win, self.max_world_size)
             args = (win.ops, info, win.key, win.complete, win.note, win.ccl, win.tcp, self._context(win))
-            handle = self._submit(*args) if self._submit else analyze_window(*args)
+            handle = self._submit(*args) if self._submit else analyze_window_for_shard(*args)
         except Exception as e:
             log.warning("%s: dispatching %s failed: %s", self.name, win.key, e)
             handle = self._failed(win, f"dispatch failed: {type(e).__name__}: {e}")

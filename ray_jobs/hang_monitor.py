@@ -11,13 +11,19 @@ input does not page anyone about every job at once. Jobs silent for
 """
 from __future__ import annotations
 
+import logging
+from typing import Callable
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from analyzers.hang import HangParams, HangTracker, to_tables
+from analyzers.recovery_basis import RecoveryBasis
 from core import codec
 from core import schema as S
 from ray_jobs.checkpoint import Clock, Unit
+
+log = logging.getLogger(__name__)
 
 GPU_FIELDS = ("gpu_sm_mhz", "gpu_mem_mhz", "gpu_power_w", "gpu_power_limit_w", "gpu_temp_c", "gpu_throttle",
               "gpu_ecc_uncorrected", "gpu_pcie_replays")
@@ -34,8 +40,12 @@ class HangReducer:
     consumes = frozenset({"heartbeat", "ccl_record", "job"})
 
     def __init__(self, params: HangParams = HangParams(), every_s: float = 1.0, forget_after_s: float = 3600.0,
-                 clock: Clock = Clock(), gpu_every_s: float = 60.0):
+                 clock: Clock = Clock(), gpu_every_s: float = 60.0,
+                 recovery_of: Callable[[str, int], RecoveryBasis | None] | None = None):
+        """``recovery_of(job, attempt)``: what a recovery plan needs of the job's last window analysed whole
+        (``WindowReducer.recovery_of``); a node loss is stored and paged with the plan made from it."""
         self.params = params
+        self.recovery_of = recovery_of
         self.clock = clock
         self.every_s = every_s
         self.forget_after_s = forget_after_s
@@ -160,8 +170,27 @@ class HangReducer:
                 continue
             hang = tr.evaluate(now_ns, input_alive=input_alive)
             if hang is not None:
+                if hang.kind == "node_loss" and hang.op == "host silent":
+                    self._with_recovery_plan(hang, tr)
                 hangs.append(hang)
         return to_tables(hangs, now_ns)["hang"]
+
+    def _with_recovery_plan(self, hang, tr: HangTracker) -> None:
+        """A lost node's page carries the restart plan on the nodes left (``analyzers.remedies``), made from the
+        job's last window analysed whole; never costs the hang its row."""
+        basis = self.recovery_of(hang.job_id, hang.attempt) if self.recovery_of is not None else None
+        if basis is None:
+            hang.evidence["recovery_plan_missing"] = "no window of this job was analysed whole before the loss"
+            return
+        try:
+            from analyzers.remedies.advise import plan_for_node_loss  # the what-if's imports: on a loss only
+
+            plan = plan_for_node_loss(basis, tr.rank_hosts(), hang.suspect_hosts)
+        except Exception as e:
+            log.warning("the recovery plan of %s failed: %s: %s", hang.job_id, type(e).__name__, e)
+            return
+        if plan is not None:
+            hang.evidence["recovery_plan"] = plan
 
     # -- the reducer interface ------------------------------------------------
     def add_registrations(self, table: pa.Table) -> None:

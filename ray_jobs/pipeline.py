@@ -100,9 +100,9 @@ def result_sink(cfg: Config, open_store: Callable[[str], Any]) -> Callable[[], A
 def _make_actor_class():
     import ray
 
-    from analyzers.window import analyze_window
+    from analyzers.window import analyze_window_for_shard
 
-    remote_analyze = ray.remote(num_cpus=1, max_retries=2)(analyze_window)
+    remote_analyze = ray.remote(num_cpus=1, max_retries=2)(analyze_window_for_shard)
 
     # Resources and placement are per-call options (Pipeline._actor_options); these hold everywhere.
     @ray.remote(max_restarts=-1, max_task_retries=0)

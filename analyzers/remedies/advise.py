@@ -29,6 +29,8 @@ from analyzers.whatif import analyze
 from analyzers.whatif.result import WhatIfResult
 from core.layout import JobLayout
 
+from analyzers.recovery_basis import RecoveryBasis
+
 from .gc_interval import advise_gc
 from .hosts import advise_link, advise_swap
 from .model import JobFacts, Remedy
@@ -121,34 +123,59 @@ def _layer_costs(tc: TraceCells, facts: JobFacts) -> tuple[list[float], str]:
     return [float(x) for x in np.nan_to_num(stage_s)], "stages"
 
 
+def recovery_basis(tc: TraceCells, facts: JobFacts, step_s: float) -> RecoveryBasis:
+    """The basis of a recovery plan from an analysed window (``step_s``: its simulated step time)."""
+    layer_s, units = _layer_costs(tc, facts)
+    lay = facts.layout
+    return RecoveryBasis(dp=lay.dp_size, pp=lay.pp_size, tp=lay.tp_size, cp=lay.cp_size,
+                         num_layers=int(facts.num_layers or 0), layer_s=tuple(float(x) for x in layer_s), units=units,
+                         stage_s=tuple(float(x) for x in np.nan_to_num(stage_compute(tc))), step_s=float(step_s),
+                         microbatches=max(1, tc.n_microbatches()))
+
+
 def advise_recovery(tc: TraceCells, facts: JobFacts, result: WhatIfResult) -> Remedy | None:
     """A recovery plan when nodes were lost (``JobFacts.nodes_alive`` or workers missing from the trace)."""
+    lost_hosts = sorted({facts.host_index(r) for d, x in result.missing_workers for r in facts.worker_ranks(d, x)})
+    alive = facts.nodes_alive if facts.nodes_alive is not None else facts.n_nodes - len(lost_hosts)
+    if alive >= facts.n_nodes or facts.gpus_per_node % (facts.layout.tp_size * facts.layout.cp_size):
+        return None
+    return plan_after_loss(recovery_basis(tc, facts, tc.mean_step_time()), facts, alive,
+                           [facts.host_name(h) for h in lost_hosts])
+
+
+def basis_facts(basis: RecoveryBasis, gpus_per_node: int) -> JobFacts:
+    """The facts of the job a basis was taken from, on nodes of ``gpus_per_node``."""
+    layout = JobLayout(dp_size=basis.dp, pp_size=basis.pp, tp_size=basis.tp, cp_size=basis.cp)
+    return JobFacts(layout=layout, num_layers=basis.num_layers or None, gpus_per_node=gpus_per_node)
+
+
+def plan_after_loss(basis: RecoveryBasis, facts: JobFacts, alive: int, lost_hosts: list[str]) -> Remedy | None:
+    """The restart plan on ``alive`` nodes (pipeline templates, stages to nodes, microbatches per pipeline) and
+    its step time, against restarting whole copies of today's pipeline; None where the job lost no node or its
+    stages span nodes (node-granular templates do not apply)."""
     lay = facts.layout
     n_nodes = facts.n_nodes
-    lost_hosts = sorted({facts.host_index(r) for d, x in result.missing_workers for r in facts.worker_ranks(d, x)})
-    alive = facts.nodes_alive if facts.nodes_alive is not None else n_nodes - len(lost_hosts)
     if alive >= n_nodes:
         return None
     gps = lay.tp_size * lay.cp_size
     if facts.gpus_per_node % gps:
         return None  # stages span nodes: node-granular templates do not apply
     spn = facts.gpus_per_node // gps
-    layer_s, units = _layer_costs(tc, facts)
-    m = max(1, tc.n_microbatches())
+    layer_s, units = list(basis.layer_s), basis.units
+    m = basis.microbatches
     B = facts.global_batch or lay.dp_size * m
     orig_nodes = -(-lay.pp_size // spn)
     n0 = facts.min_nodes_per_pipeline or orig_nodes
     plan = plan_recovery(alive, layer_s, facts.gpus_per_node, facts.fault_tolerance, B, gpus_per_stage=gps,
                          min_nodes=n0)
     # The planner's 1F1B model ignores communication and the optimizer: calibrate it on the trace.
-    stage_s = np.nan_to_num(stage_compute(tc))
-    orig = PipelineTemplate(nodes=orig_nodes, layers=(1,) * lay.pp_size, stage_s=tuple(float(x) for x in stage_s))
-    calib = tc.mean_step_time() / orig.step_time(m) if orig.step_time(m) > 0 else 1.0
+    orig = PipelineTemplate(nodes=orig_nodes, layers=(1,) * lay.pp_size, stage_s=basis.stage_s)
+    calib = basis.step_s / orig.step_time(m) if orig.step_time(m) > 0 else 1.0
     replicas = (alive * spn) // lay.pp_size  # the naive restart: whole copies of today's pipeline
     naive = orig.step_time(-(-B // min(replicas, B))) * calib if replicas >= 1 else math.inf
     after = plan.step_time_s * calib
     details = {"plan": plan.to_dict(), "n_nodes": n_nodes, "nodes_alive": alive,
-               "lost_hosts": [facts.host_name(h) for h in lost_hosts], "cost_units": units, "calibration": calib,
+               "lost_hosts": list(lost_hosts), "cost_units": units, "calibration": calib,
                "naive_restart": {"replicas": min(replicas, B), "step_time_s": naive},
                "model": "1F1B step = sum(stage) + (b - 1) max(stage) per pipeline, scaled to the traced step time; "
                         "gain against restarting whole copies of today's pipeline (as partitioned today) on the "
@@ -176,3 +203,30 @@ def advise_recovery(tc: TraceCells, facts: JobFacts, result: WhatIfResult) -> Re
     return Remedy(kind="recovery_plan", verdict="node_loss", action=action,
                   predicted_gain=gain(naive, after) if math.isfinite(naive) else math.inf,
                   step_time_before_s=naive, step_time_after_s=after, details=details)
+
+
+def plan_for_node_loss(basis: RecoveryBasis, rank_hosts: dict[int, str], lost_hosts: list[str]) -> dict | None:
+    """The restart plan a node loss is paged with: ``rank_hosts`` is where each rank of the job ran (its
+    heartbeats), ``lost_hosts`` the hosts that fell silent; the plan is made from ``basis``, the job's last window
+    analysed whole. Plain data for the hang's evidence, the alert and the console; None where no plan applies
+    (no node lost, stages that span nodes, ranks on hosts of unequal size)."""
+    per_host: dict[str, int] = {}
+    for host in rank_hosts.values():
+        per_host[host] = per_host.get(host, 0) + 1
+    lost = [h for h in lost_hosts if h in per_host]
+    if not lost or len(set(per_host.values())) != 1:
+        return None
+    gpus_per_node = next(iter(per_host.values()))
+    facts = basis_facts(basis, gpus_per_node)
+    if facts.n_nodes != len(per_host):
+        return None  # the ranks heard of are not the job's whole layout: a plan would count nodes wrong
+    remedy = plan_after_loss(basis, facts, len(per_host) - len(lost), lost)
+    if remedy is None:
+        return None
+    after = remedy.step_time_after_s
+    return {"action": remedy.action, "nodes_alive": len(per_host) - len(lost), "n_nodes": len(per_host),
+            "lost_hosts": lost, "step_time_before_loss_s": basis.step_s,
+            "step_time_after_s": after if math.isfinite(after) else None,
+            "throughput_vs_before": basis.step_s / after if math.isfinite(after) and after > 0 else 0.0,
+            "naive_step_time_s": remedy.step_time_before_s if math.isfinite(remedy.step_time_before_s) else None,
+            "plan": remedy.details.get("plan")}
