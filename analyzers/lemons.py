@@ -29,7 +29,7 @@ class Incident:
     job_id: str
     attempt: int
     at_ns: int
-    kind: str        # worker | hang | node_loss | degraded_worker | link
+    kind: str        # worker | hang | node_loss | degraded_worker | link | port_errors
     what: str        # e.g. "window 400: worker dp3/pp1 S_w 1.42"
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """Bump on any change of a schema below; add a forward migration in storage/ where a table changes.
 
 2: CHECKPOINT records, DOWNTIME and REMEDY results; JOB ``params``,
@@ -51,6 +51,8 @@ what contradicts it); TCP_FLOW records (per-connection TCP counters of profiled 
 8: HEARTBEAT ``proc_state`` (what the rank's watch process sees of it: stopped, exited, unresponsive, finished),
 ``heartbeat_s`` (the period the rank reports at) and ``quiet_ns`` (its longest wait between two ops of its recent
 steps: the hang threshold adapts to it); HANG kind ``hang_ended`` (a stall that ended, and what it was).
+9: PORT_COUNTER records (a host's InfiniBand/RoCE port counters, as differences between two readings). No
+other schema changed.
 """
 MIN_READ_VERSION = 1
 """The oldest version ``decode`` still reads (fields added since get their defaults)."""
@@ -168,6 +170,40 @@ TCP_FLOW = _schema(
 )
 """Per-connection evidence for the link diagnosis (``analyzers/links/tcp.py``): a flat data-parallel ring has
 no other observation that tells its slow element from the rest (every rank is in its one all-reduce)."""
+
+PORT_COUNTER = _schema(
+    "port_counter",
+    "One InfiniBand/RoCE port of one host over the time between two readings of its sysfs counters "
+    "(ingest/port_counters.py): differences, sent with the heartbeats by one rank per host.",
+    [
+        _JOB,
+        _ATTEMPT,
+        _f("rank", pa.int32(), "", "global rank of the process that read the host's ports"),
+        _HOST,
+        _f("device", pa.string(), "", "RDMA device, as under /sys/class/infiniband (e.g. mlx5_0)"),
+        _f("port", pa.int32(), "", "port number on the device (1-based, as in sysfs)"),
+        _f("ts_ns", pa.int64(), "ns", "the second reading, job clock"),
+        _f("elapsed_ns", pa.int64(), "ns", "time between the two readings the counters are the difference of"),
+        _f("state", pa.string(), "", "the port's state at the second reading (ACTIVE, DOWN, ...); '' unknown"),
+        _f("xmit_wait", pa.int64(), "tick", "port_xmit_wait: ticks the port had data to send and could not "
+           "(no credits: the link or the switch behind it is congested); -1 unknown"),
+        _f("xmit_discards", pa.int64(), "", "port_xmit_discards: packets the port dropped on its way out; -1 unknown"),
+        _f("rcv_discards", pa.int64(), "", "port_rcv_discards, where the driver has it; -1 unknown"),
+        _f("symbol_errors", pa.int64(), "", "symbol_error: minor errors on the physical lanes; -1 unknown"),
+        _f("rcv_errors", pa.int64(), "", "port_rcv_errors: packets received with errors; -1 unknown"),
+        _f("link_downed", pa.int64(), "", "link_downed: the link went down (recovery failed); -1 unknown"),
+        _f("link_error_recovery", pa.int64(), "", "link_error_recovery: the link retrained after errors (a flap); "
+           "-1 unknown"),
+        _f("xmit_bytes", pa.int64(), "bytes", "data sent: port_xmit_data, which counts 4-octet words, times 4; "
+           "-1 unknown"),
+        _f("rcv_bytes", pa.int64(), "bytes", "data received: port_rcv_data times 4; -1 unknown"),
+        _f("hw_counters_json", pa.string(), "", "differences of the driver counters read from hw_counters (mlx5: "
+           "out_of_buffer, np_cnp_sent, ...), name -> count, JSON; '{}' where none"),
+        _f("reset", pa.bool_(), "", "a counter went backwards (reset or wrapped): it was counted from 0"),
+    ],
+)
+"""Fabric evidence (``analyzers/fabric.py``): a link finding on a host whose port waits or errs says so, and port
+errors count towards the host's lemon score."""
 
 HEARTBEAT = _schema(
     "heartbeat",
@@ -660,7 +696,7 @@ STORED_INF = 1e30
 
 INPUT_SCHEMAS: dict[str, pa.Schema] = {
     s.metadata[b"stragglerscope.kind"].decode(): s
-    for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB, CHECKPOINT, TCP_FLOW)
+    for s in (OP_SPAN, CCL_RECORD, HEARTBEAT, JOB, CHECKPOINT, TCP_FLOW, PORT_COUNTER)
 }
 RESULT_SCHEMAS: dict[str, pa.Schema] = {
     s.metadata[b"stragglerscope.kind"].decode(): s

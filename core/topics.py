@@ -20,6 +20,7 @@ TOPIC_OF_KIND = {
     "ccl_record": TOPIC_CCL,
     "tcp_flow": TOPIC_CCL,  # travels with the collectives it explains, so a window waits for both
     "heartbeat": TOPIC_HEARTBEATS,
+    "port_counter": TOPIC_HEARTBEATS,  # sampled with the heartbeats, read by the same shard loop at their pace
     "job": TOPIC_JOBS,
     "checkpoint": TOPIC_CHECKPOINTS,
 }

@@ -168,6 +168,7 @@ class ExporterStats:
     batches: int = 0
     errors: int = 0
     tcp_flows: int = 0
+    port_counters: int = 0
 
 
 class RankExporter:
@@ -178,13 +179,15 @@ class RankExporter:
                  attempt: int = 0, sampling: Sampling = Sampling(), heartbeat_s: float = 2.0,
                  hang_dump_s: float = 30.0, dump_min_s: float = 4.0, use_cuda: bool | None = None, mc: int = 0, gmc: int | None = None,
                  host: str | None = None, send_every_s: float = 1.0, tcp_flows: bool = True, nvml=None,
-                 peer_timings=None):
+                 peer_timings=None, port_counters=None):
         """``tcp_flows``: read this process's TCP connections at the start and end of every profiled step and send
         their counters (``ingest.tcp_flows``), on a thread of their own. ``nvml``: the NVML module the GPU is
         sampled through with every heartbeat (``ingest.nvml``; default pynvml, where a CUDA device is in use;
         False: none). ``peer_timings``: where NCCL's profiler plugin reports each peer's share of a collective
         (an ``ingest.nccl_peers.PeerTimingFeed``; default: the one ``STRAGGLERSCOPE_NCCL_PEERS_DIR`` names, if
-        set)."""
+        set). ``port_counters``: the sampler of this host's InfiniBand/RoCE ports, read with every heartbeat
+        (``ingest.port_counters.PortCounterSampler``); default: one, in the process that is its host's local rank
+        0 (``reports_ports``); False: none."""
         self.job_id, self.rank, self.dp_rank, self.pp_rank, self.attempt = job_id, rank, dp_rank, pp_rank, attempt
         self.sink = sink
         self.sampling = sampling
@@ -251,6 +254,12 @@ class RankExporter:
 
             peer_timings = PeerTimingFeed.from_env()
         self.peer_timings = peer_timings
+        if port_counters is None or port_counters is True:
+            from ingest.port_counters import PortCounterSampler, reports_ports
+
+            # The ports are the host's: one rank per host reads them, the others would send the same rows again.
+            port_counters = PortCounterSampler() if port_counters or reports_ports() else None
+        self._ports = port_counters or None
         self._resolver = None
         if self._cuda is not None:
             self._resolver = threading.Thread(target=self._resolve_loop, name="ss-cuda-events", daemon=True)
@@ -796,6 +805,26 @@ class RankExporter:
         self.send(hb)
         if self._watch is not None:
             self._watch.beat(hb)
+        self._send_ports()
+
+    def _send_ports(self) -> None:
+        """This host's port counters since the last heartbeat (PORT_COUNTER), after the heartbeat itself: a slow or
+        failing read never delays or loses a heartbeat."""
+        ports = getattr(self, "_ports", None)  # the heartbeat thread starts before __init__ has made it
+        if ports is None:
+            return
+        try:
+            rows = ports.sample()
+            if not rows:
+                return
+            ident = dict(job_id=self.job_id, attempt=self.attempt, rank=self.rank, host=self.host, ts_ns=self.now_ns())
+            table = codec.from_rows(S.PORT_COUNTER, [dict(r, **ident) for r in rows])
+        except Exception as e:  # telemetry must never take training down, nor stop its heartbeats
+            self.stats.errors += 1
+            log.warning("port counters dropped: %s", e)
+            return
+        self.stats.port_counters += table.num_rows
+        self.send(table)
 
     @property
     def probing(self) -> bool:

@@ -183,6 +183,25 @@ def check_tcp_flows(table: pa.Table, key: str | None, layout: JobLayout | None, 
     return _apply(table, "tcp_flow", rules)
 
 
+def check_port_counters(table: pa.Table, key: str | None, layout: JobLayout | None,
+                        limits: ValidationConfig) -> Split:
+    """A host's port counters: differences (-1 where unknown, never below), over a time no longer than the oldest
+    record kept, with the port named; the driver counters' JSON short (a fixed list is read)."""
+    max_ns = int(limits.max_record_age_s * _NS)
+    elapsed, ts = _col(table, "elapsed_ns"), _col(table, "ts_ns")
+    counters = ("xmit_wait", "xmit_discards", "rcv_discards", "symbol_errors", "rcv_errors", "link_downed",
+                "link_error_recovery", "xmit_bytes", "rcv_bytes")
+    rules = _key_rules(table, key, limits) + _layout_rules(table, layout, limits, False) + [
+        ((elapsed < 0) | (elapsed > max_ns), f"elapsed_ns outside 0..validation.max_record_age_s "
+                                             f"({limits.max_record_age_s:g} s)"),
+        ((ts < 0) | (ts >= TIME_MAX_NS), "ts_ns outside 0..2^62"),
+        (pc.or_(pc.equal(pc.utf8_length(table["device"]), 0), pc.less(table["port"], 0)), "a port without its name"),
+        (pc.greater(pc.utf8_length(table["hw_counters_json"]), 4096), "hw_counters_json over 4096 characters"),
+    ]
+    rules += [(_col(table, c) < -1, f"{c} below -1") for c in counters]
+    return _apply(table, "port_counter", rules)
+
+
 def check_heartbeats(table: pa.Table, key: str | None, layout: JobLayout | None, limits: ValidationConfig,
                      wall_ns: int) -> Split:
     """Heartbeats after ``ClockGuard.correct_heartbeats``: times plausible and consistent with ``ts_ns``."""

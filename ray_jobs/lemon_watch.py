@@ -5,8 +5,9 @@ scoring reads the store, not the stream. Every ``lemons.every_s`` the driver
 (``stragglerscope run``) calls ``LemonWatch.score``: it gathers each
 implication of a host over the last ``lemons.period_days`` (the slowest worker
 of a window whose main verdict is a slow worker, a hang's or a node loss's
-suspect hosts, a worker over its own best), mapped to machines by the ranks'
-heartbeats (RANK_HOST) and the rank that reported each worker's spans
+suspect hosts, a worker over its own best, a port of the host with errors or
+link downs in a job: ``analyzers.fabric.port_incidents``), mapped to machines by
+the ranks' heartbeats (RANK_HOST) and the rank that reported each worker's spans
 (WINDOW_PROFILE), weighs each host by the GPU-hours it ran in any job
 (``analyzers.lemons``), stores the pass (LEMON_HOST rows) and raises one
 ``lemon_host`` alert per host that became a lemon since the pass before,
@@ -23,6 +24,7 @@ import re
 import time
 from collections import defaultdict
 
+from analyzers.fabric import port_incidents
 from analyzers.lemons import Incident, LemonParams, lemon_hosts
 from core import codec, jsonutil
 from core import schema as S
@@ -103,6 +105,9 @@ class LemonWatch:
                     out.append(Incident(host, r["job_id"], r["attempt"], r["found_ns"], "degraded_worker",
                                         f"window {r['window_id']}: {r['scope']} {r['change']:+.0%} over its "
                                         "own best"))
+        # Port errors a host's own ranks reported (PORT_COUNTER): one implication per job attempt and port, so a
+        # host whose cable fails under job after job scores as one a job after another finds slow.
+        out += port_incidents(self._rows("lemon_port_errors", since, until))
         return out, dict(exposure)
 
     def score(self, now_ns: int | None = None) -> list:

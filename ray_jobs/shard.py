@@ -49,6 +49,7 @@ from ray_jobs.dispatch import WindowReducer
 from ray_jobs.downtime_reducer import DowntimeReducer
 from ray_jobs.regressions import RegressionReducer, params_of
 from ray_jobs.hang_monitor import HangReducer
+from ray_jobs.port_counters import PortCounterReducer
 from ray_jobs.transports import RecordSource, ResultSink
 from ray_jobs.state import StateKeeper, shard_key
 
@@ -73,6 +74,8 @@ class ShardStats:
     ccl_records: int = 0
     tcp_flows: int = 0
     """Per-connection TCP records (``core.schema.TCP_FLOW``) taken into windows for the link diagnosis."""
+    port_counters: int = 0
+    """Rows of hosts' port counters (``core.schema.PORT_COUNTER``) taken in, stored a row a minute per port."""
     jobs_registered: int = 0
     windows_stored: int = 0
     windows_failed: int = 0
@@ -193,9 +196,10 @@ class ShardWorker:
         self.regressions = RegressionReducer(clock, params_of(cfg.regression))
         self.alerts = AlertReducer(AlertRules(cfg.alerts), clock, self._publish)
         self.downtime = DowntimeReducer(clock)
+        self.ports = PortCounterReducer()
         # In this order each pass: alerts follow the windows and hangs emitted in the same pass,
-        # and the downtime follows the alerts.
-        self.reducers = (self.windows, self.hangs, self.regressions, self.alerts, self.downtime)
+        # and the downtime follows the alerts. The ports' rows feed no other reducer.
+        self.reducers = (self.windows, self.hangs, self.regressions, self.alerts, self.downtime, self.ports)
         # The windows hold back their own records' offsets; these three keep state built from records
         # committed long ago, so it is saved with the offsets (ray_jobs.state).
         self.state = StateKeeper(self.sink, self.source_id, shard_key(self.partitions),
@@ -460,6 +464,9 @@ class ShardWorker:
         elif kind == "tcp_flow":
             split = B.check_tcp_flows(table, key, layout, self.limits)
             self.stats.tcp_flows += split.good.num_rows
+        elif kind == "port_counter":
+            split = B.check_port_counters(table, key, layout, self.limits)
+            self.stats.port_counters += split.good.num_rows
         else:  # a kind of record the shard does not read on an input topic
             self._dead_letter(msg, f"{kind} records are not input")
             return

@@ -179,7 +179,7 @@ STORED_NS = pa.field("stored_ns", pa.int64(), nullable=False,
 
 LOW_CARDINALITY = frozenset({
     "team", "model", "verdict", "optype", "kind", "rule", "severity", "gpu_type", "source_topic", "topic",
-    "op", "group", "algorithm", "host",
+    "op", "group", "algorithm", "host", "device",
 })
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +243,8 @@ TABLES: tuple[TableSpec, ...] = (
     TableSpec("offsets", OFFSETS, ("source_id", "topic", "partition"), "latest"),
     TableSpec("gpu_samples", S.GPU_SAMPLE, ("job_id", "attempt", "rank", "ts_ns"), "first", kind="gpu_sample",
               partition_ns="ts_ns", retention=True),
+    TableSpec("port_counters", S.PORT_COUNTER, ("job_id", "attempt", "host", "device", "port", "ts_ns"), "first",
+              kind="port_counter", partition_ns="ts_ns", retention=True),
     TableSpec("window_profiles", S.WINDOW_PROFILE, ("job_id", "attempt", "window_id", "dp_rank", "pp_rank", "optype"),
               "first", kind="window_profile", partition_ns="end_ns", retention=True),
     TableSpec("regressions", S.REGRESSION, ("job_id", "kind", "attempt", "window_id", "scope"), "first",

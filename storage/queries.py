@@ -50,6 +50,18 @@ def _limit(default: int) -> ParamSpec:
     return ParamSpec("limit", "UInt64", default, "at most this many rows")
 
 
+# A port's counters summed over its rows; -1 (the port lacks the counter) only where every row lacks it. Summed
+# under other names, renamed outside: ClickHouse substitutes an alias that is also a column's name into the
+# aggregate itself.
+_PORT_COUNTS = ("xmit_wait", "xmit_discards", "rcv_discards", "symbol_errors", "rcv_errors", "link_downed",
+                "link_error_recovery", "xmit_bytes", "rcv_bytes")
+_PORT_INNER = ", ".join(f"countIf({c} >= 0) AS n_{c}, sumIf({c}, {c} >= 0) AS s_{c}" for c in _PORT_COUNTS) + (
+    ", sum(elapsed_ns) AS t_elapsed, max(ts_ns) AS t_last, argMax(state, ts_ns) AS t_state, max(reset) AS t_reset, "
+    "count() AS t_samples")
+_PORT_OUTER = ", ".join(f"if(n_{c} = 0, -1, s_{c}) AS {c}" for c in _PORT_COUNTS) + (
+    ", t_elapsed AS elapsed_ns, t_last AS ts_ns, t_state AS state, t_reset AS reset, t_samples AS samples")
+
+
 def _job_required() -> ParamSpec:
     return ParamSpec("job_id", "String", None, "the job")
 
@@ -407,6 +419,29 @@ _QUERIES = [
         "ORDER BY found_ns, job_id, scope LIMIT {limit:UInt64}",
         (SINCE, UNTIL, _limit(1_000_000)),
         "workers found over their own best, in a period",
+    ),
+    # -- hosts' fabric ports (core.schema.PORT_COUNTER; ingest/port_counters.py) --------------------------------
+    NamedQuery(
+        "job_port_counters",
+        f"SELECT host, device, port, {_PORT_OUTER} FROM (SELECT host, device, port, {_PORT_INNER} FROM port_counters "
+        "WHERE job_id = {job_id:String} AND attempt = if({attempt:Int32} >= 0, {attempt:Int32}, (SELECT max(attempt) "
+        "FROM port_counters WHERE job_id = {job_id:String})) AND ts_ns >= {since:Int64} AND ts_ns < {until:Int64} "
+        "GROUP BY host, device, port) ORDER BY host, device, port LIMIT {limit:UInt64}",
+        (_job_required(), ParamSpec("attempt", "Int32", -1, "the attempt (-1: the latest)"), SINCE, UNTIL,
+         _limit(10_000)),
+        "each port of a job attempt's hosts summed over a period: transmit waits (ticks), discards, errors, "
+        "link downs and recoveries, data sent and received (bytes); -1 where the port lacks the counter",
+    ),
+    NamedQuery(
+        "lemon_port_errors",
+        f"SELECT job_id, attempt, host, device, port, {_PORT_OUTER} FROM (SELECT job_id, attempt, host, device, port, "
+        f"{_PORT_INNER} FROM port_counters "
+        "WHERE ts_ns >= {since:Int64} AND ts_ns < {until:Int64} GROUP BY job_id, attempt, host, device, port "
+        "HAVING s_link_downed > 0 OR s_link_error_recovery > 0 OR s_symbol_errors > 0 OR s_rcv_errors > 0 "
+        "OR s_xmit_discards > 0 OR s_rcv_discards > 0) ORDER BY job_id, attempt, host, device, port "
+        "LIMIT {limit:UInt64}",
+        (SINCE, UNTIL, _limit(1_000_000)),
+        "ports with errors, discards, link downs or recoveries per job attempt in a period (lemon-host evidence)",
     ),
     NamedQuery(
         "alert_history",

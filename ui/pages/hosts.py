@@ -25,7 +25,7 @@ period_d = float(hosts["period_s"].iloc[0]) / 86400
 lemons = hosts[hosts["lemon"]]
 st.caption(f"Scored {ago(scored, NOW)} ({when(scored, NOW, TZ)}) over the last {period_d:g} days. A host is a "
            "lemon when enough distinct jobs implicated it (a slow worker, a hang or node loss, a worker over its "
-           "own best) and that many would be unlikely by chance for the GPU-hours it ran.")
+           "own best, errors or link downs on its fabric ports) and that many would be unlikely by chance for the GPU-hours it ran.")
 c = st.columns(3)
 c[0].metric("Lemon hosts", len(lemons))
 c[1].metric("Hosts implicated", len(hosts))

@@ -15,6 +15,7 @@ from analyzers.explain import duration, explain_hang, explain_window, link_sente
 from core.schema import STORED_INF
 from ui.data import advise_window, job_choices, named, named_live, now_ns, viewer_tz, window_timeline
 from ui.hang_view import flame_svg, grid_svg, picture, recorder_rows
+from ui.fabric_view import port_panel
 from ui.readable import ago, alert_text, md_escape, when
 from ui.widgets import alert_list, heatmap, svg
 
@@ -412,3 +413,19 @@ else:
                 "src", "group", "ratio", title="collective groups x members")
     with st.expander("all cells"):
         st.dataframe(cells, width="stretch", hide_index=True)
+
+# -- fabric ports -----------------------------------------------------------------------------------------------
+st.subheader("Fabric ports")
+st.caption("The InfiniBand/RoCE port counters of the job's hosts (one rank per host reads them with its heartbeats), "
+           "summed over the minutes around this window: transmit waits (data held for want of credits: congestion), "
+           "discards, symbol and receive errors, link downs and recoveries (a flapping link).")
+_w0, _w1 = int(row.get("start_ns", 0) or 0), int(row.get("end_ns", 0) or 0)
+_ports = named("job_port_counters", job_id=job, attempt=attempt,
+               since=max(0, _w0 - 60 * 10**9) if _w0 > 0 else None, until=_w1 + 60 * 10**9 if _w1 > 0 else None)
+_said, _table = port_panel(_ports)
+if _table.empty:
+    st.write("No port counters from this job's hosts around this window (no InfiniBand, or not reported).")
+for s in _said:
+    st.markdown(md_escape(s[0].upper() + s[1:]))
+if not _table.empty:
+    st.dataframe(_table, width="stretch", hide_index=True)
