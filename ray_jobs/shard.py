@@ -193,6 +193,8 @@ class ShardWorker:
         self.windows = WindowReducer(cfg.pipeline, clock, self.sink.window_stored, self._submit,
                                       self.limits.max_world_size, name=f"shard {self.index}",
                                       gpu_of=self.hangs.gpu_of)
+        # A node loss is stored and paged with the restart plan made from its job's last window analysed whole.
+        self.hangs.recovery_of = self.windows.recovery_of
         self.regressions = RegressionReducer(clock, params_of(cfg.regression))
         self.alerts = AlertReducer(AlertRules(cfg.alerts), clock, self._publish)
         self.downtime = DowntimeReducer(clock)
