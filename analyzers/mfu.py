@@ -24,12 +24,12 @@ import numpy as np
 from core.gpus import PEAK_FLOPS_BY_GPU, peak_flops_of  # noqa: F401  (the table is re-exported for readers)
 
 
-def _get(reg: Any, name: str, default: Any = 0) -> Any:
-    v = reg.get(name, default) if isinstance(reg, Mapping) else getattr(reg, name, default)
+def _get(reg: Mapping[str, Any], name: str, default: Any = 0) -> Any:
+    v = reg.get(name, default)
     return default if v is None else v
 
 
-def flops_per_step(registration: Mapping[str, Any] | Any) -> float:
+def flops_per_step(registration: Mapping[str, Any]) -> float:
     """Model FLOPs of one training step from a registration row; 0 if it lacks the information."""
     per_token = float(_get(registration, "flops_per_token", 0.0) or 0.0)
     if per_token <= 0:
@@ -38,7 +38,7 @@ def flops_per_step(registration: Mapping[str, Any] | Any) -> float:
     return per_token * tokens if per_token > 0 and tokens > 0 else 0.0
 
 
-def peak_flops(registration: Mapping[str, Any] | Any) -> float:
+def peak_flops(registration: Mapping[str, Any]) -> float:
     """Peak FLOP/s of one GPU: the registration's, else the table's for its ``gpu_type``, else 0."""
     peak = float(_get(registration, "peak_flops", 0.0) or 0.0)
     if peak > 0:
@@ -46,7 +46,7 @@ def peak_flops(registration: Mapping[str, Any] | Any) -> float:
     return peak_flops_of(_get(registration, "gpu_type", ""))
 
 
-def _n_gpus(registration: Mapping[str, Any] | Any) -> int:
+def _n_gpus(registration: Mapping[str, Any]) -> int:
     n = int(_get(registration, "n_gpus", 0) or 0)
     if n > 0:
         return n
@@ -54,12 +54,11 @@ def _n_gpus(registration: Mapping[str, Any] | Any) -> int:
     return int(np.prod(sizes)) if any(k != 1 for k in sizes) else 0
 
 
-def window_mfu(registration: Mapping[str, Any] | Any, steps: int | Sequence[int],
+def window_mfu(registration: Mapping[str, Any], steps: int | Sequence[int],
                actual_s: float | Sequence[float], ideal_s: float | Sequence[float]) -> tuple[float, float]:
     """(mfu, mfu_ideal) of a window.
 
-    ``registration``: a JOB row (dict) or an object with those
-    attributes. ``steps``: the steps analysed (a count, or the step numbers).
+    ``registration``: a JOB row (a mapping). ``steps``: the steps analysed (a count, or the step numbers).
     ``actual_s`` and ``ideal_s``: per-step seconds in the order of ``steps``,
     or one mean step time each. Non-finite or non-positive step times are left
     out. NaN where FLOPs per step, peak, GPU count or step times are unknown.

@@ -66,10 +66,8 @@ _FLOPS_FIELDS = ("flops_per_token", "params", "tokens_per_step", "peak_flops", "
 
 
 def _flops_info(job: Registration, n_gpus: int) -> dict:
-    """The registration's FLOPs fields: ``job.registration`` (a JOB row) or attributes of
-    ``job``; absent ones are 0, which makes the MFU NaN."""
-    reg = getattr(job, "registration", None)
-    src = reg if isinstance(reg, dict) else {k: getattr(job, k, 0) for k in _FLOPS_FIELDS}
+    """The registration's FLOPs fields (its JOB row); absent ones are 0, which makes the MFU NaN."""
+    src = job.registration or {}
     return {**{k: src.get(k, 0) for k in _FLOPS_FIELDS}, "n_gpus": n_gpus}
 
 
@@ -229,8 +227,7 @@ def layout_conflict(job: Registration, ops: pa.Table) -> str:
     """What contradicts the job's layout, or "": the registration's ``layout_problem`` (what the traced ranks
     found when they compared their claims), else two ranks sending op spans as one worker in these ops (an
     exporter that registered none, or an older one)."""
-    reg = getattr(job, "registration", None)
-    problem = str((reg or {}).get("layout_problem") or "") if isinstance(reg, dict) else ""
+    problem = str((job.registration or {}).get("layout_problem") or "")
     if problem:
         return problem
     if ops.num_rows == 0 or "rank" not in ops.column_names:

@@ -14,6 +14,7 @@ reason: visible, and never pinning the offsets.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Callable
 
 import pyarrow as pa
@@ -296,4 +297,6 @@ def resolve_ready(inflight: list[tuple[Any, Any, float]], timeout_s: float):
 
 
 def _is_ref(h: Any) -> bool:
-    return type(h).__name__ == "ObjectRef"
+    """Whether ``h`` is a Ray task's result to wait for (Ray is imported only where tasks run)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and isinstance(h, ray.ObjectRef)
