@@ -10,9 +10,10 @@ the errors and flaps of a bad cable or transceiver (``link_downed``,
 - ``host_verdicts(rows, start_ns, end_ns)``: per host, one short sentence ("port
   mlx5_0/1 of host h1: transmit waits 12% of the window" / "link downed 3 times,
   140 symbol errors"), and whether it is a finding.
-- ``link_fabric_evidence`` / ``with_fabric_evidence``: the hosts of a LINK_FAULT
-  row's ranks whose ports waited or erred, put into the row's ``evidence_json``
-  under ``fabric``, which ``analyzers.explain.link_basis`` words.
+- ``link_fabric_evidence`` / ``with_fabric_evidence``: the hosts of a link
+  finding's ranks whose ports waited or erred, put into its evidence under
+  ``fabric`` inside the window's analysis, which ``analyzers.explain.link_basis``
+  words.
 - ``port_incidents``: port errors (never waits: congestion is the fabric's, not
   the host's) as lemon-host implications (``analyzers.lemons.Incident``).
 
@@ -29,10 +30,9 @@ import json
 from collections import defaultdict
 from typing import Any, Iterable, Mapping
 
-import pyarrow as pa
 
 from analyzers.lemons import Incident
-from core import jsonutil
+from analyzers.links.fault import LinkFault
 
 COUNTS = ("xmit_wait", "xmit_discards", "rcv_discards", "symbol_errors", "rcv_errors", "link_downed",
           "link_error_recovery", "xmit_bytes", "rcv_bytes")
@@ -202,39 +202,21 @@ def link_fabric_evidence(ranks: Iterable[int], rank_hosts: Mapping[int, str], ro
             if verdicts[h].problem]
 
 
-def with_fabric_evidence(link_faults: pa.Table | None, rows: Iterable[Mapping], rank_hosts: Mapping[int, str],
+def with_fabric_evidence(faults: list[LinkFault], rows: Iterable[Mapping], rank_hosts: Mapping[int, str],
                          start_ns: int | None = None, end_ns: int | None = None,
-                         params: FabricParams = FabricParams()) -> pa.Table | None:
-    """LINK_FAULT rows with ``evidence_json['fabric']`` (``link_fabric_evidence`` of each row's src and dst) where
-    a host of theirs had port waits or errors in [start_ns, end_ns]; the table unchanged where none had.
-
-    Where the link finding is made (the window's tables, once the window's span and its ranks' hosts are known):
-    ``tables["link_fault"] = with_fabric_evidence(tables["link_fault"], port_rows, rank_hosts, start_ns, end_ns)``.
-    ``analyzers.explain.link_sentence`` then says it."""
-    if link_faults is None or link_faults.num_rows == 0:
-        return link_faults
+                         params: FabricParams = FabricParams()) -> list[LinkFault]:
+    """A window's link findings, each with ``evidence['fabric']`` (``link_fabric_evidence`` of its src and dst)
+    where a host of theirs had port waits or errors in [start_ns, end_ns]; the others as they were. Made inside
+    the window's analysis (``analyzers.window``: the shard hands the port rows of the job's hosts in its
+    ``WindowContext``); ``analyzers.explain.link_sentence`` then says it."""
     rows = list(rows)
-    if not rows:
-        return link_faults
-    evidence = link_faults["evidence_json"].to_pylist()
-    changed = False
-    for i, (src, dst) in enumerate(zip(link_faults["src"].to_pylist(), link_faults["dst"].to_pylist())):
-        fabric = link_fabric_evidence((src, dst), rank_hosts, rows, start_ns, end_ns, params)
-        if not fabric:
-            continue
-        try:
-            ev = json.loads(evidence[i] or "{}")
-        except ValueError:
-            ev = {}
-        if not isinstance(ev, dict):
-            ev = {"evidence": ev}
-        ev["fabric"] = fabric
-        evidence[i] = jsonutil.dumps(ev)
-        changed = True
-    if not changed:
-        return link_faults
-    i = link_faults.schema.get_field_index("evidence_json")
-    return link_faults.set_column(i, link_faults.schema.field(i), pa.array(evidence, pa.string()))
+    if not rows or not faults:
+        return faults
+    out = []
+    for f in faults:
+        fabric = link_fabric_evidence((f.src, f.dst), rank_hosts, rows, start_ns, end_ns, params)
+        out.append(dataclasses.replace(f, evidence={**f.evidence, "fabric": fabric}) if fabric else f)
+    return out
 
 
 def port_incidents(rows: Iterable[Mapping], params: FabricParams = FabricParams()) -> list[Incident]:

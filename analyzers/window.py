@@ -80,6 +80,11 @@ class WindowContext:
     prior: Prior | None = None
     """What the job's latest analysed window before this one found (``analyzers.links.history``); None: none
     was, and every link finding is a first sighting."""
+    rank_hosts: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    """Rank -> the host it runs on (its heartbeats)."""
+    port_rows: tuple[Mapping[str, Any], ...] = ()
+    """The fabric port counters of the job's hosts around the window (PORT_COUNTER rows): a link finding on a
+    host whose port waited or erred says so (``analyzers.fabric``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,11 +309,25 @@ def _links(ccl: pa.Table | None, key, tcp: pa.Table | None = None,
     try:
         d = diagnose_window(ccl if ccl is not None else codec.empty(S.CCL_RECORD), tcp=tcp)
         if context is not None:
-            d = dataclasses.replace(d, faults=weigh(d.faults, context.prior))
+            faults = weigh(d.faults, context.prior)
+            if context.port_rows and faults:
+                from analyzers.fabric import with_fabric_evidence
+
+                start, end = _span(ccl, tcp)
+                faults = with_fabric_evidence(faults, context.port_rows, context.rank_hosts, start, end)
+            d = dataclasses.replace(d, faults=faults)
         return to_tables(d, key)
     except Exception as e:  # bad records must not cost the window its what-if result
         log.warning("link diagnosis of %s failed: %s", key, e)
         return empty
+
+
+def _span(ccl: pa.Table | None, tcp: pa.Table | None) -> tuple[int | None, int | None]:
+    """The time the window's collective records cover (enter to exit), which its ports' counters are read over;
+    (None, None) where only TCP counters came."""
+    if ccl is None or ccl.num_rows == 0:
+        return None, None
+    return int(pc.min(ccl["enter_ns"]).as_py()), int(pc.max(ccl["exit_ns"]).as_py())
 
 
 _ALWAYS = {"optype_slowdown": S.OPTYPE_SLOWDOWN, "worker_slowdown": S.WORKER_SLOWDOWN,

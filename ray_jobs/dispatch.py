@@ -46,6 +46,10 @@ class WindowReducer:
         the analysis with what the job's window before found (``WindowContext``): the result comes back final."""
         self.cfg = cfg
         self._gpu_of = gpu_of
+        # Set by the shard: where each rank of a job runs (``HangReducer.hosts_of``) and the port counters of
+        # hosts over a span (``PortCounterReducer.ports_of``): a link finding's fabric evidence.
+        self.hosts_of: Callable[[str, int], dict[int, str]] | None = None
+        self.ports_of: Callable[..., list[dict]] | None = None
         self.clock = clock
         self._is_stored = is_stored
         self.tracker = WindowTracker(cfg.idle_timeout_s, is_stored=self._ask_store, ccl_grace_s=cfg.ccl_grace_s)
@@ -189,7 +193,17 @@ class WindowReducer:
                 samples = self._gpu_of(win.key[0], win.key[1])
             except Exception as e:  # evidence is a bonus
                 log.warning("%s: the GPU samples of %s could not be read: %s", self.name, win.key, e)
-        return WindowContext(gpu_samples=samples or {}, prior=self._findings.before(win.key))
+        hosts, ports = {}, ()
+        has_links = (win.ccl is not None and win.ccl.num_rows) or (win.tcp is not None and win.tcp.num_rows)
+        if has_links and self.hosts_of is not None and self.ports_of is not None:
+            try:
+                hosts = self.hosts_of(win.key[0], win.key[1])
+                ports = tuple(self.ports_of(set(hosts.values()))) if hosts else ()
+            except Exception as e:  # evidence is a bonus
+                log.warning("%s: the port counters of %s could not be read: %s", self.name, win.key, e)
+                hosts, ports = {}, ()
+        return WindowContext(gpu_samples=samples or {}, prior=self._findings.before(win.key), rank_hosts=hosts,
+                             port_rows=ports)
 
     def _unit(self, tables: dict[str, pa.Table], win: ReadyWindow, t0: float) -> Unit:
         def stored():

@@ -95,6 +95,11 @@ class HangReducer:
                     del self._gpu[next(iter(self._gpu))]
                 self._gpu[key] = row
 
+    def hosts_of(self, job_id: str, attempt: int) -> dict[int, str]:
+        """Where each rank of a job attempt runs, as its heartbeats say (rank -> host)."""
+        tr = self.trackers.get((job_id, attempt))
+        return tr.rank_hosts() if tr is not None else {}
+
     def gpu_of(self, job_id: str, attempt: int) -> dict[int, dict]:
         """The latest GPU sample of each rank of a job attempt (rank -> GPU_SAMPLE fields): hardware evidence."""
         return {k[2]: {n.removeprefix("gpu_"): v for n, v in row.items()}

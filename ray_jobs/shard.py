@@ -199,6 +199,8 @@ class ShardWorker:
         self.alerts = AlertReducer(AlertRules(cfg.alerts), clock, self._publish)
         self.downtime = DowntimeReducer(clock)
         self.ports = PortCounterReducer()
+        # A link finding on a host whose fabric port waited or erred says so (analyzers.fabric).
+        self.windows.hosts_of, self.windows.ports_of = self.hangs.hosts_of, self.ports.ports_of
         # In this order each pass: alerts follow the windows and hangs emitted in the same pass,
         # and the downtime follows the alerts. The ports' rows feed no other reducer.
         self.reducers = (self.windows, self.hangs, self.regressions, self.alerts, self.downtime, self.ports)

@@ -12,6 +12,8 @@ import pyarrow as pa
 from analyzers import explain
 from analyzers.fabric import FabricParams, host_verdicts, port_incidents, with_fabric_evidence
 from analyzers.lemons import LemonParams, lemon_hosts
+from analyzers.links import fault_table
+from analyzers.links.fault import LinkFault
 from core import codec
 from core import schema as S
 from core.config import ValidationConfig
@@ -233,14 +235,10 @@ def test_each_host_gets_a_short_verdict_of_its_ports_in_the_window():
 
 
 def test_a_link_finding_on_a_host_whose_port_waits_or_errs_says_so():
-    faults = codec.from_rows(S.LINK_FAULT, [
-        dict(job_id="j", attempt=0, window_id=0, group="dp", kind="link", src=0, dst=2, confidence=0.95,
-             slowdown=4.0, evidence_json=json.dumps({"cells": []})),
-        dict(job_id="j", attempt=0, window_id=0, group="dp", kind="link", src=4, dst=5, confidence=0.9,
-             slowdown=3.0, evidence_json="{}")])
+    faults = [LinkFault("dp", "link", 0, 2, 0.95, 4.0, {"cells": []}), LinkFault("dp", "link", 4, 5, 0.9, 3.0, {})]
     rank_hosts = {0: "h1", 1: "h1", 2: "h2", 3: "h2", 4: "h3", 5: "h3"}
     out = with_fabric_evidence(faults, window_rows(), rank_hosts, T0 - 2 * SEC, T0 + 8 * SEC)
-    first, second = out.to_pylist()
+    first, second = fault_table(out, ("j", 0, 0)).to_pylist()
     ev = json.loads(first["evidence_json"])
     assert ev["cells"] == [] and [f["host"] for f in ev["fabric"]] == ["h1", "h2"] and ev["fabric"][0]["ranks"] == [0]
     said = explain.link_sentence(first)
@@ -248,6 +246,31 @@ def test_a_link_finding_on_a_host_whose_port_waits_or_errs_says_so():
            "3 times" in said, said
     assert second["evidence_json"] == "{}"  # h3 is healthy: nothing added
     assert with_fabric_evidence(faults, [], rank_hosts) is faults
+
+
+def test_the_window_analysis_puts_the_ports_of_a_link_finding_s_hosts_into_its_evidence():
+    """The shard hands the window's analysis its ranks' hosts and their port rows (``WindowContext``): the slow
+    NIC's host, whose link flapped during the window, is said in the finding; a host without trouble is not."""
+    from analyzers.window import WindowContext, analyze_window
+    from core.layout import JobLayout
+    from core.registration import Registration
+    from generators.faultgen import link_incident
+
+    inc = link_incident("source", 8, 2)
+    culprit = inc.truth["src"]
+    enter = inc.ccl["enter_ns"].to_numpy()
+    shift = int(enter.min()) - (T0 - 2 * SEC)  # the port rows' window onto the records' own clock
+    rows = tuple(dict(r, ts_ns=r["ts_ns"] + shift) for r in window_rows() if r["host"] == "h2")
+    rank_hosts = {r: ("h2" if r == culprit else f"ok{r}") for r in range(8)}
+    reg = Registration("linkjob", 0, JobLayout(dp_size=8, pp_size=1), 1)
+    tables = analyze_window(codec.empty(S.OP_SPAN), reg, ("linkjob", 0, 0), True, "", inc.ccl,
+                            context=WindowContext(rank_hosts=rank_hosts, port_rows=rows))
+    top = max(tables["link_fault"].to_pylist(), key=lambda r: r["confidence"])
+    assert (top["kind"], top["src"]) == ("source", culprit), top
+    fabric = json.loads(top["evidence_json"])["fabric"]
+    # The records span well under a second: the one port reading that covers it is what is said.
+    assert [f["host"] for f in fabric] == ["h2"] and "symbol errors" in fabric[0]["sentence"], fabric
+    assert "port mlx5_0/1 of host h2: 2 link recoveries, 28 symbol errors" in explain.link_sentence(top)
 
 
 def test_port_errors_add_to_the_lemon_host_score():
