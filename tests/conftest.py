@@ -72,9 +72,36 @@ def sleep_guard(real_sleep, test_thread, root: Path):
     return no_sleep
 
 
+def network_guard(real, test_thread, what: str):
+    """A socket method (``connect``, ``bind``) that raises when the test's own thread uses it on an IP socket:
+    a unit test opens no network connection and listens on no port. Unix sockets (the socket pairs event
+    loops wake themselves with) are not the network."""
+    import socket
+    import threading
+
+    def guarded(sock, *args, **kwargs):
+        if threading.current_thread() is test_thread and sock.family in (socket.AF_INET, socket.AF_INET6):
+            raise UnitTierViolation(f"socket.{what}{args[:1]!r} in a unit test: fake the network, or mark the "
+                                    "test integration")
+        return real(sock, *args, **kwargs)
+    return guarded
+
+
+def process_guard(real, test_thread):
+    """A ``subprocess.Popen.__init__`` that raises in the test's own thread: a unit test starts no process."""
+    import threading
+
+    def guarded(popen, args, *rest, **kwargs):
+        if threading.current_thread() is test_thread:
+            raise UnitTierViolation(f"a unit test started a process ({str(args)[:80]}): mark it integration")
+        return real(popen, args, *rest, **kwargs)
+    return guarded
+
+
 @pytest.fixture(autouse=True)
 def unit_tier(request, monkeypatch):
-    """Unit tests run with no Ray and no sleeping in the test's own thread; integration tests may.
+    """Unit tests start no Ray, no process, open no IP socket and do not sleep in the test's own thread;
+    integration tests may.
 
     A unit test that waits on the wall clock is slow and flaky on a loaded CI machine: it
     should drive an injected clock instead (``tests.fakes.ManualClock``) or wait on an event.
@@ -89,7 +116,14 @@ def unit_tier(request, monkeypatch):
     import threading
     import time
 
-    monkeypatch.setattr(time, "sleep", sleep_guard(time.sleep, threading.current_thread(), ROOT))
+    import socket
+    import subprocess
+
+    me = threading.current_thread()
+    monkeypatch.setattr(time, "sleep", sleep_guard(time.sleep, me, ROOT))
+    for what in ("connect", "connect_ex", "bind"):
+        monkeypatch.setattr(socket.socket, what, network_guard(getattr(socket.socket, what), me, what))
+    monkeypatch.setattr(subprocess.Popen, "__init__", process_guard(subprocess.Popen.__init__, me))
     ray = sys.modules.get("ray")
     ray_was_up = ray is not None and ray.is_initialized()
     yield

@@ -83,6 +83,7 @@ def test_default_job_id_names_the_script():
     (["trace", "--job-id", "a b", "--", "true"], "--job-id"),
     (["trace", "--probe-kb", "-1", "--", "true"], "--probe-kb"),
 ])
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_trace_bad_input_is_one_line_and_exit_2(argv, message, tmp_path):
     # A configured (unreachable is fine: checked later) broker keeps this from starting any service.
     env = dict(os.environ, STRAGGLERSCOPE_KAFKA_BOOTSTRAP="127.0.0.1:1")
@@ -93,6 +94,7 @@ def test_trace_bad_input_is_one_line_and_exit_2(argv, message, tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_an_unreachable_configured_broker_is_a_clear_error():
     env = dict(os.environ, STRAGGLERSCOPE_KAFKA_BOOTSTRAP="127.0.0.1:1")
     r = subprocess.run([sys.executable, "-m", "stragglerscope", "trace", "--", "true"], capture_output=True, text=True,

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from core import codec, topics
 from core.layout import JobLayout
 from generators.fleetgen import JobSpec, generate_window
@@ -32,6 +34,7 @@ def _messages() -> list[Message]:
     return regs + ops
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_a_message_that_segfaults_the_shard_is_quarantined_after_three_deaths(tmp_path):
     msgs, store, state = tmp_path / "messages.pickle", tmp_path / "store.pickle", tmp_path / "state"
     msgs.write_bytes(pickle.dumps(_messages()))

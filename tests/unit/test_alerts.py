@@ -52,6 +52,7 @@ import time
 from ray_jobs.alerts import WebhookSender, post_webhook
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_webhook_posts_json_to_a_real_http_server():
     got = []
 

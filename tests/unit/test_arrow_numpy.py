@@ -56,6 +56,7 @@ def test_array_round_trip_with_a_mask():
     assert array(flags).to_pylist() == flags.tolist()
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_the_whatif_command_does_not_import_pandas():
     """The reason for this module: half a second of every `stragglerscope whatif` run."""
     g = ROOT / "tests" / "golden" / "whatif" / "ST"

@@ -40,6 +40,7 @@ def test_bad_config_value(capsys, monkeypatch):
     _one_line_error(capsys, ["run"], "expected int")
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_unreachable_broker(capsys, monkeypatch):
     monkeypatch.setenv("STRAGGLERSCOPE_KAFKA_BOOTSTRAP", "127.0.0.1:1")
     _one_line_error(capsys, ["run"], "no Kafka broker reachable at 127.0.0.1:1")

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 PROBE = textwrap.dedent("""
     import os, numpy as np
     from core.memory import small_pages
@@ -23,10 +25,12 @@ def _probe(env_value: str | None) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_off_by_default_and_inherited_by_children():
     assert _probe(None) == "0 False"
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_the_users_choice_stands():
     assert _probe("1") == "1 True"
     assert _probe("0") == "0 False"

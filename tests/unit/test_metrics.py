@@ -13,6 +13,7 @@ pytest.importorskip("prometheus_client")
 NOT_METRICS = {"shard", "idle", "error"}
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_every_shard_counter_has_one_metric_and_counters_end_in_total():
     fields = {f.name for f in dataclasses.fields(ShardStats)} - NOT_METRICS
     keys = [key for key, *_ in _METRICS]
@@ -35,6 +36,7 @@ def _scrape(port: int) -> dict[tuple[str, str], float]:
     return out
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_scrape_reads_the_shards_status_at_scrape_time_on_loopback():
     calls = []
     live = dataclasses.asdict(ShardStats(shard=0, messages=7, lag=3, loop_seconds_max=0.25))

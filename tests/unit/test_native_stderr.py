@@ -2,6 +2,8 @@
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = r"""
 import logging, os, sys
 from core.logs import NativeStderr
@@ -16,6 +18,7 @@ print("python: after stop", file=sys.stderr)
 """
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_native_stderr_goes_to_the_file_and_python_keeps_the_terminal(tmp_path):
     log = tmp_path / "ray" / "driver.log"
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(log)], capture_output=True, text=True, timeout=60,
@@ -43,6 +46,7 @@ with NativeStderr(sys.argv[1]) as ns:
 """
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_a_library_s_python_lines_follow_its_native_ones_to_the_file(tmp_path):
     """Issue 50: after a node loss Ray's lines (44) came to the driver's terminal; the file stayed empty."""
     log = tmp_path / "driver.log"
@@ -53,6 +57,7 @@ def test_a_library_s_python_lines_follow_its_native_ones_to_the_file(tmp_path):
     assert "ray: node lost" in log.read_text()
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_a_run_with_nothing_to_say_leaves_no_file(tmp_path):
     log = tmp_path / "quiet.log"
     r = subprocess.run([sys.executable, "-c", "import sys\nfrom core.logs import NativeStderr\n"

@@ -31,6 +31,7 @@ def _listener(answer: bytes | None):
     return srv, done
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_a_port_that_is_not_ray_fails_in_one_line_within_the_timeout():
     """ray.init to a listener that is not a GCS retries for ever (measured: killed after 100 s)."""
     srv, done = _listener(None)  # a Kafka broker, say: it waits for a Kafka request
@@ -43,6 +44,7 @@ def test_a_port_that_is_not_ray_fails_in_one_line_within_the_timeout():
     srv.close()
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_a_grpc_server_passes_the_check():
     settings = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # an HTTP/2 SETTINGS frame, as gRPC sends first
     srv, done = _listener(settings)

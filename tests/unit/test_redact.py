@@ -163,6 +163,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 @pytest.mark.parametrize("db", ["db", "bad-db"])
 def test_unreachable_store_is_one_line_without_the_password(db):
     r = _cli("sql", "fleet_summary", "--store", f"clickhouse://admin:{SECRET}@127.0.0.1:{_closed_port()}/{db}")
@@ -173,6 +174,7 @@ def test_unreachable_store_is_one_line_without_the_password(db):
     assert "admin:***@" in out or "unreachable" in out
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_verbose_shows_library_logs_redacted():
     r = _cli("-v", "sql", "fleet_summary", "--store", f"clickhouse://admin:{SECRET}@127.0.0.1:{_closed_port()}/db")
     assert r.returncode == 2

@@ -5,6 +5,8 @@ import socket
 import struct
 import threading
 
+import pytest
+
 from core import schema as S
 from ingest.tcp_flows import TcpFlowSampler, delta, endpoint, parse_tcp_info
 
@@ -48,6 +50,7 @@ def _pair():
     return client, server, drained
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_a_reading_has_every_connection_by_its_two_ends_and_their_counters():
     client, server, drained = _pair()
     try:
@@ -69,6 +72,7 @@ def test_a_reading_has_every_connection_by_its_two_ends_and_their_counters():
         server.close()
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_idle_connections_and_a_short_answer_give_nothing():
     assert parse_tcp_info(b"\x01" + bytes(100)) is None  # a kernel without the busy times
     assert parse_tcp_info(bytes(232)) is None            # not established
@@ -86,6 +90,7 @@ def test_idle_connections_and_a_short_answer_give_nothing():
         server.close()
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_the_path_probes_connections_are_not_read_as_the_jobs():
     """The probe (ingest/path_probe.py) measures its own transfers and marks them: the sampler leaves out every
     connection with an end in ``ignore`` (its listener, the peer listener it sends to), both directions."""

@@ -76,6 +76,7 @@ def test_ray_endpoint(address, want):
     assert ray_endpoint(address) == want
 
 
+@pytest.mark.integration  # starts a process or opens a socket (the unit tier's guard)
 def test_unreachable_ray_fails_fast_in_one_line():
     import socket
 

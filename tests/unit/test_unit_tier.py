@@ -1,4 +1,6 @@
-"""The unit tier's own guard (tests/conftest.py): it must catch a project sleep in the test thread."""
+"""The unit tier's own guard (tests/conftest.py): it must catch a project sleep, a process and an IP socket in
+the test thread."""
+import socket
 import subprocess
 import sys
 import threading
@@ -34,5 +36,17 @@ def test_a_sleep_from_another_thread_or_from_outside_the_project_passes():
 def test_the_fixture_is_active_in_this_unit_test():
     with pytest.raises(UnitTierViolation):
         time.sleep(0)
-    # The standard library's own waits are not held to it.
-    assert subprocess.run([sys.executable, "-c", "pass"], timeout=30).returncode == 0
+    with pytest.raises(UnitTierViolation, match="started a process"):
+        subprocess.run([sys.executable, "-c", "pass"], timeout=30)
+    with socket.socket() as s, pytest.raises(UnitTierViolation, match="fake the network"):
+        s.bind(("127.0.0.1", 0))
+    with socket.socket() as s, pytest.raises(UnitTierViolation, match="fake the network"):
+        s.connect_ex(("127.0.0.1", 9))
+    # Unix socket pairs (an event loop's wake-up) are no network; another thread is the code under test's.
+    a, b = socket.socketpair()
+    a.close(), b.close()
+    done = []
+    t = threading.Thread(target=lambda: done.append(subprocess.run([sys.executable, "-c", "pass"]).returncode))
+    t.start()
+    t.join()
+    assert done == [0]
