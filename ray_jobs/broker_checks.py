@@ -4,7 +4,7 @@
 do not fit. ``check_offsets`` compares the offsets stored for a source with
 the partitions' ends and logs: an offset beyond its partition's end, or read
 from another log than the partition has now, means the broker lost records
-(docs/reliability.md); the pipeline then refuses to start, or rewinds with an
+(RELIABILITY.md); the pipeline then refuses to start, or rewinds with an
 audit row (``kafka.on_lost_log``). ``stragglerscope offsets`` uses the same
 inspection (``inspect_offsets``, ``rewind_offsets``).
 """
