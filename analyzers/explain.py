@@ -537,6 +537,49 @@ def explain_hang(row: Mapping, layout: Mapping | None = None) -> Explanation:
     return Explanation(kind, title(kind), sentence, ("ranks", "doing", "waiting for"), table)
 
 
+# -- for the pager ----------------------------------------------------------------------------------
+# One line each, the alert's summary (the alert table, the alert topic, the webhook): ``ray_jobs.alerts``
+# decides when an alert fires and how severe it is; what it says is worded here, with everything else.
+
+def slowdown_alert(row: Mapping) -> str:
+    """A straggling window: 'job: straggling S=1.42 (slow worker; its GPU: ...), 30% of 64 GPUs wasted ...'."""
+    why = f" ({title(row['verdict']).lower()})" if row["verdict"] else ""
+    hw = next((v["hardware"]["sentence"] for v in verdicts_of(row) if v.get("hardware")), "")
+    if hw:  # what the slow worker's GPU says against its peers' (NVML)
+        why = f" ({title(row['verdict']).lower()}; its GPU: {hw})"
+    return (f"{row['job_id']}: straggling S={row['slowdown']:.2f}{why}, {row['waste_fraction']:.0%} of "
+            f"{row['n_gpus']} GPUs wasted in window {row['window_id']}")
+
+
+def fidelity_alert(row: Mapping) -> str:
+    return (f"{row['job_id']}: simulation fidelity off, launch slowdown {row['launch_slowdown']:.3f} in window "
+            f"{row['window_id']}")
+
+
+def analysis_failed_alert(row: Mapping) -> str:
+    return f"{row['job_id']}: window {row['window_id']} could not be analysed: {row['note'][:200]}"
+
+
+def link_alert(top: Mapping, findings: int, found_before: bool) -> str:
+    """The most confident link finding of a window: 'job: slow: NIC egress of rank 3, in group world (4.0x,
+    confidence 0.95, found in the window before too); 2 finding(s)'."""
+    where = link_element(top["kind"], top["src"], top["dst"])
+    return (f"{top['job_id']}: slow: {where}, in group {top['group']} ({top['slowdown']:.1f}x, confidence "
+            f"{top['confidence']:.2f}{', found in the window before too' if found_before else ''}); "
+            f"{findings} finding(s)")
+
+
+def lemon_alert(score: Any, label: str = "") -> str:
+    """A lemon host (``analyzers.lemons.HostScore``): how many jobs implicated it against how many were expected
+    for its GPU-hours, and the latest finding."""
+    last = score.evidence[-1]
+    jobs = sorted({e["job_id"] for e in score.evidence})
+    where = f" ({label})" if label else ""
+    return (f"host {score.host}{where} is a lemon: {score.jobs} jobs implicated it ({score.incidents} findings) "
+            f"where {score.expected_jobs:.2f} were expected for its {score.gpu_hours:.1f} GPU-hours; jobs "
+            f"{', '.join(jobs[:5])}{' and more' if len(jobs) > 5 else ''}; latest: {last['what']}")
+
+
 # -- for a terminal -------------------------------------------------------------------------------
 
 def _wrapped(label: str, e: Explanation, indent: str, width: int, max_rows: int) -> list[str]:

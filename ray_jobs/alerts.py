@@ -25,7 +25,7 @@ import pyarrow as pa
 from analyzers.hang import hang_summary, recovery_plan_of
 from core import codec, jsonutil
 from core import schema as S
-from analyzers.explain import link_element, title, verdicts_of
+from analyzers.explain import analysis_failed_alert, fidelity_alert, lemon_alert, link_alert, slowdown_alert
 from analyzers.links.history import found_before
 from core.config import AlertConfig
 from ray_jobs.checkpoint import Clock, Unit
@@ -59,15 +59,9 @@ class AlertRules:
         if s == s and s >= self.cfg.slowdown_threshold and row["n_gpus"] >= self.cfg.min_gpus:
             if self._fire(job, "slowdown", now):
                 sev = "critical" if s >= 1.5 else "warning"
-                why = f" ({title(row['verdict']).lower()})" if row["verdict"] else ""
-                hw = next((v["hardware"]["sentence"] for v in verdicts_of(row) if v.get("hardware")), "")
-                if hw:  # what the slow worker's GPU says against its peers' (NVML)
-                    why = f" ({title(row['verdict']).lower()}; its GPU: {hw})"
                 alerts.append(dict(
                     base, alert_id=f"{job}/{row['attempt']}/slowdown/{row['window_id']}", rule="slowdown",
-                    severity=sev,
-                    summary=f"{job}: straggling S={s:.2f}{why}, {row['waste_fraction']:.0%} of "
-                            f"{row['n_gpus']} GPUs wasted in window {row['window_id']}",
+                    severity=sev, summary=slowdown_alert(row),
                     details_json=jsonutil.dumps({k: row[k] for k in ("window_id", "slowdown", "waste_fraction",
                                                                      "wasted_gpu_hours", "verdict", "m_w", "m_s")
                                                  if row[k] == row[k]}),
@@ -77,14 +71,14 @@ class AlertRules:
             alerts.append(dict(
                 base, alert_id=f"{job}/{row['attempt']}/fidelity/{row['window_id']}", rule="fidelity",
                 severity="info",
-                summary=f"{job}: simulation fidelity off, launch slowdown {ls:.3f} in window {row['window_id']}",
+                summary=fidelity_alert(row),
                 details_json=jsonutil.dumps({"launch_slowdown": ls, "window_id": row["window_id"]}),
             ))
         if row["verdict"] == "analysis_failed" and self._fire(job, "analysis_failed", now):
             alerts.append(dict(
                 base, alert_id=f"{job}/{row['attempt']}/analysis_failed/{row['window_id']}",
                 rule="analysis_failed", severity="info",
-                summary=f"{job}: window {row['window_id']} could not be analysed: {row['note'][:200]}",
+                summary=analysis_failed_alert(row),
                 details_json=jsonutil.dumps({"note": row["note"][:2000]}),
             ))
         return alerts
@@ -111,15 +105,10 @@ class AlertRules:
         if not self._fire(f"host/{score.host}", "lemon_host", now):
             return []
         last = score.evidence[-1]
-        jobs = sorted({e["job_id"] for e in score.evidence})
-        where = f" ({labels[score.host]})" if (labels or {}).get(score.host) else ""
         return [dict(
             alert_id=f"host/{score.host}/lemon_host/{now_ns}", job_id=last["job_id"], attempt=last["attempt"],
             ts_ns=now_ns, rule="lemon_host", severity="critical",
-            summary=(f"host {score.host}{where} is a lemon: {score.jobs} jobs implicated it ({score.incidents} "
-                     f"findings) where {score.expected_jobs:.2f} were expected for its {score.gpu_hours:.1f} "
-                     f"GPU-hours; jobs {', '.join(jobs[:5])}{' and more' if len(jobs) > 5 else ''}; latest: "
-                     f"{last['what']}"),
+            summary=lemon_alert(score, (labels or {}).get(score.host, "")),
             details_json=jsonutil.dumps({"host": score.host, "jobs": score.jobs, "incidents": score.incidents,
                                          "gpu_hours": score.gpu_hours, "expected_jobs": score.expected_jobs,
                                          "p_value": score.p_value}),
@@ -160,15 +149,12 @@ class AlertRules:
         rule = "link"
         if not self._fire(top["job_id"], rule, now):
             return []
-        where = link_element(top["kind"], top["src"], top["dst"])
         return [dict(
             alert_id=f"{top['job_id']}/{top['attempt']}/link/{top['window_id']}", job_id=top["job_id"],
             attempt=top["attempt"], ts_ns=now_ns, rule=rule,
             severity="critical" if top["kind"] != "noncomm_slow" and (again or top["confidence"] >= CERTAIN)
             else "warning",
-            summary=f"{top['job_id']}: slow: {where}, in group {top['group']} "
-                    f"({top['slowdown']:.1f}x, confidence {top['confidence']:.2f}"
-                    f"{', found in the window before too' if again else ''}); {len(rows)} finding(s)",
+            summary=link_alert(top, len(rows), again),
             details_json=jsonutil.dumps({k: top[k] for k in ("group", "kind", "src", "dst", "confidence", "slowdown",
                                                              "window_id")}),
         )]
