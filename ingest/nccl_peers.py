@@ -10,12 +10,17 @@ waiting for the receiver's credits or a receiver waiting for data), under the
 collective's event (its communicator's hash and name and the collective's
 sequence number in that communicator, its element count and type).
 
-The plugin we run (a small C library, not built yet: see the note of issue 38)
-writes one fixed-size ``RECORD`` per communicator it sees (``KIND_COMM``) and
-per finished ProxyOp (``KIND_PROXY_OP``) to ``nccl-peers-<pid>.bin`` in the
-directory ``STRAGGLERSCOPE_NCCL_PEERS_DIR`` names, appending, from NCCL's
-proxy thread. Times are ``CLOCK_MONOTONIC`` nanoseconds (Python's
-``time.perf_counter_ns``). This module reads that file off the training thread
+The plugin we run (``ingest/nccl_profiler/plugin.c``, armed by ``stragglerscope
+trace`` on CUDA jobs) writes one fixed-size ``RECORD`` per communicator it sees
+(``KIND_COMM``) and per finished ProxyOp (``KIND_PROXY_OP``; ``KIND_P2P_OP``
+for the ProxyOps of point-to-point calls) to ``nccl-peers-<pid>.bin`` in the
+directory ``STRAGGLERSCOPE_NCCL_PEERS_DIR`` names, appending, from a writer
+thread of its own, and a ``KIND_DROPS`` record with the count of records it
+dropped (its queue full) whenever that count grew. Times are
+``CLOCK_MONOTONIC`` nanoseconds (Python's ``time.perf_counter_ns``). NCCL
+before 2.27 (profiler interface v1-v3) does not tell the plugin a
+communicator's size: its records have ``nranks`` 0, and such a communicator is
+matched by this rank's place in it and the bytes of a collective. This module reads that file off the training thread
 and folds it into the collective records the exporter already sends
 (``peer_transfer_ns``, ``peer_bytes``, one per peer in ``peers`` order; -1 and
 0 for a peer the collective did not talk to, as in a ring), which the link
@@ -26,8 +31,10 @@ place in it match, named alike, or else the one whose collective at the same
 sequence number moved the same bytes, once that singles one out. A record that
 cannot be matched (an unbound communicator, a sequence number whose bytes
 disagree: a collective counted on one side only) is left as it was, and
-counted in ``stats``. Not mapped yet: point-to-point calls (their events carry
-a communicator and a peer but no sequence number).
+counted in ``stats``. Not mapped yet: point-to-point calls. The plugin numbers
+them per communicator, peer and direction (``seq``), but which of our
+``p2p:a>b`` pairs a communicator's peer is needs the communicator's members,
+which NCCL does not tell a profiler; they are counted (``stats.p2p_records``).
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ from typing import Any
 import numpy as np
 
 VERSION = 1
-KIND_COMM, KIND_PROXY_OP = 0, 1
+KIND_COMM, KIND_PROXY_OP, KIND_P2P_OP, KIND_DROPS = 0, 1, 2, 3
 
 RECORD = np.dtype([
     ("version", "<u2"), ("kind", "u1"), ("is_send", "u1"), ("channel", "<i4"),
@@ -51,7 +58,10 @@ RECORD = np.dtype([
     ("start_ns", "<i8"), ("wait_ns", "<i8"), ("end_ns", "<i8"),  # wait: for credits (send), for data (recv)
     ("name", "S32"),                            # the communicator's name (KIND_COMM), as NCCL was told it
 ])
-"""One record of the plugin's file, little-endian, 104 bytes."""
+"""One record of the plugin's file, little-endian, 112 bytes. ``seq``: the collective's number among the
+communicator's collectives of every kind (NCCL's own numbers count each kind apart); for ``KIND_P2P_OP``
+its number among the calls to or from that peer in that direction, and ``reserved`` the peer of the call.
+``KIND_DROPS``: ``bytes`` is how many records the plugin dropped so far."""
 
 ENV_DIR = "STRAGGLERSCOPE_NCCL_PEERS_DIR"
 
@@ -70,6 +80,10 @@ class PeerTimingStats:
     """Collective records given per-peer times."""
     unmatched: int = 0
     """Collective records no communicator could be matched to, or whose sequence number's bytes disagreed."""
+    p2p_records: int = 0
+    """ProxyOps of point-to-point calls read (not mapped to records yet)."""
+    plugin_dropped: int = 0
+    """Records the plugin dropped, its queue full (its last KIND_DROPS record)."""
 
 
 class _Op:
@@ -119,14 +133,22 @@ class PeerTimingFeed:
 
     def _take(self, recs: np.ndarray) -> None:
         self.stats.records += len(recs)
-        ok = (recs["version"] == VERSION) & (recs["nranks"] > 0) & (recs["rank"] >= 0) & (recs["rank"] < recs["nranks"])
+        # nranks 0: a communicator whose size NCCL did not tell (profiler interface v1-v3).
+        sized = recs["nranks"] > 0
+        ok = (recs["version"] == VERSION) & (recs["nranks"] >= 0) & (recs["rank"] >= 0) \
+            & (~sized | (recs["rank"] < recs["nranks"]))
         self.stats.bad_records += int((~ok).sum())
+        drops = recs[ok & (recs["kind"] == KIND_DROPS)]
+        if len(drops):
+            self.stats.plugin_dropped = max(self.stats.plugin_dropped, int(drops["bytes"].max()))
+        self.stats.p2p_records += int((ok & (recs["kind"] == KIND_P2P_OP)).sum())
         for r in recs[ok & (recs["kind"] == KIND_COMM)]:
             self._comms[int(r["comm_hash"])] = (r["name"].split(b"\0")[0].decode("utf-8", "replace"),
                                                 int(r["rank"]), int(r["nranks"]))
         ops = recs[ok & (recs["kind"] == KIND_PROXY_OP)]
-        good = (ops["peer"] >= 0) & (ops["peer"] < ops["nranks"]) & (ops["end_ns"] >= ops["start_ns"])
-        self.stats.bad_records += int((~good).sum()) + int((ok & (recs["kind"] > KIND_PROXY_OP)).sum())
+        good = (ops["peer"] >= 0) & ((ops["nranks"] == 0) | (ops["peer"] < ops["nranks"])) \
+            & (ops["end_ns"] >= ops["start_ns"])
+        self.stats.bad_records += int((~good).sum()) + int((ok & (recs["kind"] > KIND_DROPS)).sum())
         for r in ops[good]:
             key = (int(r["comm_hash"]), int(r["seq"]))
             op = self._ops.get(key)
@@ -156,9 +178,11 @@ class PeerTimingFeed:
             return None
         me, size = ranks.index(rank), len(ranks)
         taken = set(self._bound.values())
-        fits = [h for h, (_, r, n) in self._comms.items() if (r, n) == (me, size) and h not in taken]
+        fits = [h for h, (_, r, n) in self._comms.items() if r == me and n in (size, 0) and h not in taken]
         named = [h for h in fits if self._comms[h][0] == group]
         agree = [h for h in fits if (h, seq) in self._ops and self._ops[(h, seq)].coll_bytes == nbytes]
+        # A communicator of unknown size is never bound by its name alone: its size could differ.
+        named = [h for h in named if self._comms[h][2] or h in agree]
         pick = named or agree
         if len(pick) == 1:
             self._bound[group] = pick[0]

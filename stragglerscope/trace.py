@@ -132,6 +132,12 @@ def _trace(cfg: Config, opts: TraceOptions, job_id: str, layout, sampling, ran: 
                                  heartbeat_s=opts.heartbeat_s, kafka_transport=transport, probe_kb=opts.probe_kb)
         say(f"trace      job {job_id}, profiling {sampling.profile_steps} of every {sampling.every} steps; "
             f"running: {' '.join(opts.command)}")
+        from ingest.nccl_profiler import ensure_built
+
+        # The ranks of a CUDA job arm our NCCL profiler plugin (ingest.autotrace.session) if it is built: build
+        # it here, once, when it is missing or older than its source (a second with gcc; without one the
+        # ranks say so in their warnings and the job runs as it would).
+        ensure_built()
         t0 = time.monotonic()
         code, passed_on = _run_child(opts.command, child_env(settings.to_env()))
         ran.append(code)

@@ -28,6 +28,8 @@ if [ $want_test = 1 ]; then
     [ -x /usr/bin/chromium ] || missing+=(chromium)
     # ZooKeeper: the replicated ClickHouse cluster in tests/storage (18.16 has no Keeper of its own).
     [ -x /usr/share/zookeeper/bin/zkServer.sh ] || missing+=(zookeeper)
+    # The NCCL profiler plugin's tests build and load it (tests/nccl_plugin).
+    command -v gcc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
     if [ ${#missing[@]} -gt 0 ]; then
         if [ "$(id -u)" = 0 ]; then
             echo "setup: apt-get install ${missing[*]}" >&2
@@ -47,4 +49,23 @@ if [ $want_test = 1 ]; then
 else
     echo "setup: pip install -e .[server]" >&2
     .venv/bin/python -m pip install -q -e '.[server]'
+fi
+
+# The NCCL profiler plugin (ingest/nccl_profiler/plugin.c), which `stragglerscope trace` arms on CUDA jobs
+# for each peer's share of a collective: a shared library built with gcc. A missing gcc is installed as
+# the test services are (libc6-dev too: --no-install-recommends leaves out the C headers); without root
+# the set-up goes on, and traced NCCL jobs run without per-peer times (the trace says so).
+if ! command -v gcc >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        echo "setup: apt-get install gcc libc6-dev" >&2
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq
+        apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null
+    else
+        echo "setup: no gcc, the NCCL profiler plugin is not built (as root: apt-get install gcc libc6-dev)" >&2
+    fi
+fi
+if command -v gcc >/dev/null 2>&1; then
+    echo "setup: building the NCCL profiler plugin" >&2
+    .venv/bin/python -m ingest.nccl_profiler >/dev/null
 fi

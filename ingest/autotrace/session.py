@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -225,6 +226,7 @@ def _patch_init(module) -> None:
         return
 
     def init_process_group(*args, **kwargs):
+        _arm_nccl(args, kwargs)  # before NCCL can make a communicator (eager init does it in there)
         out = orig(*args, **kwargs)
         _start()
         return out
@@ -244,12 +246,61 @@ def _patch_init(module) -> None:
             _start()
 
 
+_nccl_checked = False
+_nccl_note: str | None = None  # why the NCCL profiler plugin was not armed, for the session's warnings
+
+
+def _uses_cuda(args: tuple, kwargs: dict) -> bool:
+    """Whether ``init_process_group(*args, **kwargs)`` sets up NCCL: a backend naming it, a CUDA
+    ``device_id``, or no backend on a machine where PyTorch would pick NCCL itself."""
+    device = kwargs.get("device_id")
+    if device is not None and getattr(device, "type", None) == "cuda":
+        return True
+    backend = kwargs.get("backend", args[0] if args else None)
+    if backend not in (None, "", "undefined"):
+        return "nccl" in str(backend).lower()
+    import torch
+    import torch.distributed as dist
+
+    return bool(dist.is_nccl_available() and torch.cuda.is_available())
+
+
+def _arm_nccl(args: tuple = (), kwargs: dict | None = None, known: bool | None = None) -> None:
+    """Point NCCL at our profiler plugin (``ingest.nccl_profiler``) when this job uses CUDA, once per
+    process: each collective's per-peer times then reach its records (``ingest.nccl_peers``). Environment
+    only: NCCL reads it when it makes its first communicator, and the exporter when it starts. Never fails
+    the job; a missing plugin becomes one warning of the session."""
+    global _nccl_checked, _nccl_note
+    settings = _armed
+    if _nccl_checked or settings is None:
+        return
+    try:
+        if not (_uses_cuda(args, kwargs or {}) if known is None else known):
+            return
+        _nccl_checked = True
+        from ingest.nccl_profiler import arm as arm_plugin
+
+        peers_dir = (os.path.join(settings.run_dir, "nccl-peers") if settings.run_dir else
+                     os.path.join(tempfile.gettempdir(), f"stragglerscope-nccl-{settings.job_id}-{settings.attempt}"))
+        _nccl_note = arm_plugin(os.environ, peers_dir)
+    except Exception as e:  # a bonus: the job runs without it
+        _nccl_checked = True
+        _nccl_note = f"the NCCL profiler plugin was not armed ({e!r}): per-peer link times are off"
+
+
 def _start() -> None:
     """Start this process's session (once); never raises into training."""
     global _session
     with _lock:
         if _session is not None or _armed is None:
             return
+        if not _nccl_checked:  # initialised before we could wrap it: NCCL may still make its communicators lazily
+            try:
+                import torch.distributed as dist
+
+                _arm_nccl(known="nccl" in str(dist.get_backend()).lower())
+            except Exception:
+                pass
         try:
             _session = TraceSession(_armed)
         except Exception as e:
@@ -292,6 +343,10 @@ class TraceSession:
         self.settings = settings
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.warnings: list[str] = []
+        if _nccl_note:  # said once for the job: the launcher prints the ranks' warnings deduplicated
+            self.warnings.append(_nccl_note)
+            if self.rank == 0:
+                print(f"stragglerscope trace: warning: {_nccl_note}", file=sys.stderr, flush=True)
         self.problems: list[str] = []   # what no source can reconcile: the registration is flagged with them
         self.order = layout_order(settings.layout)
         self.layout = JobLayout(self.world, 1)
