@@ -276,6 +276,40 @@ class DowntimeAccountant:
         self.max_ts_ns = -1
         self.stats = AccountantStats()
 
+    # -- state for a shard to save -------------------------------------------------
+    def state(self) -> dict:
+        """Plain data (numbers, strings, lists, dicts) to resume from; the settings are the restorer's."""
+        def attempt(a: _Attempt) -> dict:
+            return {"attempt": a.attempt, "reg_ns": a.reg_ns, "first_seen_ns": a.first_seen_ns, "n_gpus": a.n_gpus,
+                    "team": a.team, "model": a.model, "obs": list(a.obs.items()), "loads": list(a.loads.items()),
+                    "signals": [dataclasses.asdict(sig) for sig in a.signals]}
+
+        def job(j: _Job) -> dict:
+            return {"job_id": j.job_id, "attempts": [attempt(a) for a in j.attempts.values()],
+                    "saves": [[a, step, sv.attempt, sv.ts_ns, sv.duration_ns, sorted(sv.ranks), sv.rank0]
+                              for (a, step), sv in j.saves.items()],
+                    "n_gpus": list(j.n_gpus.items()), "from_start": j.from_start, "frontier_ns": j.frontier_ns,
+                    "min_attempt": j.min_attempt, "last_ns": j.last_ns}
+        return {"jobs": [job(j) for j in self.jobs.values()], "max_ts_ns": self.max_ts_ns,
+                "stats": dataclasses.asdict(self.stats)}
+
+    def restore(self, state: dict) -> None:
+        """Take back what ``state`` returned (this accountant's settings stay)."""
+        def attempt(d: dict) -> _Attempt:
+            return _Attempt(d["attempt"], d["reg_ns"], d["first_seen_ns"], d["n_gpus"], d["team"], d["model"],
+                            {int(k): int(v) for k, v in d["obs"]}, {int(k): int(v) for k, v in d["loads"]},
+                            [Signal(**sig) for sig in d["signals"]])
+
+        def job(d: dict) -> _Job:
+            return _Job(d["job_id"], {a.attempt: a for a in map(attempt, d["attempts"])},
+                        {(a, step): _Save(sa, ts, dur, set(ranks), rank0)
+                         for a, step, sa, ts, dur, ranks, rank0 in d["saves"]},
+                        {int(a): n for a, n in d["n_gpus"]}, d["from_start"], d["frontier_ns"], d["min_attempt"],
+                        d["last_ns"])
+        self.jobs = {j.job_id: j for j in map(job, state["jobs"])}
+        self.max_ts_ns = int(state["max_ts_ns"])
+        self.stats = AccountantStats(**state["stats"])
+
     # -- input --------------------------------------------------------------
     def add(self, table: pa.Table, kind: str | None = None) -> None:
         """Any of JOB, CHECKPOINT, HEARTBEAT, HANG or ALERT (kind from the schema metadata)."""

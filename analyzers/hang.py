@@ -240,11 +240,39 @@ class HangTracker:
         self._step_done_at_stall = -1    # the job's last completed step when it began
         self.pauses: list[tuple[int, float, str]] = []  # ended pauses: (step done before it, seconds, what)
 
-    def __setstate__(self, state: dict) -> None:
-        # A tracker pickled by an older shard lacks what was added since: take the new defaults.
-        fresh = HangTracker.__new__(HangTracker)
-        HangTracker.__init__(fresh, state.get("job_id", ""))
-        self.__dict__.update({**fresh.__dict__, **state})
+    # -- state for a shard to save -------------------------------------------------
+    def state(self) -> dict:
+        """Plain data (numbers, strings, lists, dicts) to resume from; the parameters are the restorer's."""
+        return {"job_id": self.job_id, "attempt": self.attempt, "world_size": self.world_size,
+                "ranks": [[r, dataclasses.asdict(st)] for r, st in self.ranks.items()],
+                "entered": {g: list(m.items()) for g, m in self.entered.items()},
+                "completed": {g: list(m.items()) for g, m in self.completed.items()},
+                "group_ranks": {g: sorted(rs) for g, rs in self.group_ranks.items()},
+                "step_times": list(self.step_times),
+                "reported": None if self.reported is None else [*self.reported[:3], list(self.reported[3])],
+                "started": self._started, "open": None if self._open is None else dataclasses.asdict(self._open),
+                "stall_from": self._stall_from, "stall_seen_s": self._stall_seen_s, "stall_what": self._stall_what,
+                "step_done_at_stall": self._step_done_at_stall, "pauses": [list(p) for p in self.pauses]}
+
+    @classmethod
+    def from_state(cls, st: dict, params: HangConfig) -> HangTracker:
+        """A tracker as ``state`` left it, with this process's ``params``. A field a later version added
+        takes its default."""
+        t = cls(st["job_id"], st["attempt"], params, st.get("world_size", 0))
+        known = {f.name for f in dataclasses.fields(_Rank)}
+        t.ranks = {int(r): _Rank(**{k: v for k, v in d.items() if k in known}) for r, d in st["ranks"]}
+        t.entered = {g: {int(r): int(n) for r, n in m} for g, m in st["entered"].items()}
+        t.completed = {g: {int(r): int(n) for r, n in m} for g, m in st["completed"].items()}
+        t.group_ranks = {g: set(rs) for g, rs in st["group_ranks"].items()}
+        t.step_times = list(st["step_times"])
+        rep = st.get("reported")
+        t.reported = None if rep is None else (rep[0], rep[1], rep[2], tuple(rep[3]))
+        t._started = bool(st.get("started", False))
+        t._open = None if st.get("open") is None else Hang(**st["open"])
+        t._stall_from, t._stall_seen_s = st.get("stall_from", -1), st.get("stall_seen_s", 0.0)
+        t._stall_what, t._step_done_at_stall = st.get("stall_what", ""), st.get("step_done_at_stall", -1)
+        t.pauses = [(int(a), float(b), str(c)) for a, b, c in st.get("pauses", [])]
+        return t
 
     # -- input --------------------------------------------------------------
     def add_heartbeats(self, hb: pa.Table) -> None:

@@ -280,11 +280,23 @@ class RegressionDetector:
 
     # -- state for a shard to save ------------------------------------------------
     def state(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if k != "params"}
+        """Plain data (numbers, strings, lists, dicts) to resume from; the parameters are the restorer's."""
+        return {"points": [{**dataclasses.asdict(pt), "workers": [[d, p, t] for (d, p), t in pt.workers.items()]}
+                           for pt in self.points],
+                "baseline": self.baseline, "base_start": self.base_start, "settling": self.settling,
+                "cusum": self.cusum, "run_start": self.run_start, "regressed_from": self.regressed_from,
+                "worker_best": [[d, p, t] for (d, p), t in self.worker_best.items()],
+                "worker_seen": [[d, p, list(ts)] for (d, p), ts in self.worker_seen.items()],
+                "degraded": [list(w) for w in sorted(self.degraded)]}
 
     def restore(self, state: dict[str, Any]) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
+        self.points = [WindowPoint(**{**pt, "workers": {(d, p): t for d, p, t in pt["workers"]}})
+                       for pt in state["points"]]
+        for k in ("baseline", "base_start", "settling", "cusum", "run_start", "regressed_from"):
+            setattr(self, k, state[k])
+        self.worker_best = {(d, p): t for d, p, t in state["worker_best"]}
+        self.worker_seen = {(d, p): list(ts) for d, p, ts in state["worker_seen"]}
+        self.degraded = {tuple(w) for w in state["degraded"]}
 
 
 def _what_moved(before: list[WindowPoint], after: list[WindowPoint], params: RegressionParams

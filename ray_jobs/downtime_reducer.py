@@ -40,12 +40,10 @@ class DowntimeReducer:
 
     def state(self):
         """What a restarted shard resumes from (``ray_jobs.state``): the accountant with its open incidents."""
-        return self.accountant
+        return self.accountant.state()
 
     def restore(self, state) -> None:
-        mine = self.accountant  # its settings are this process's
-        state.lateness_ns, state.step_window_ns, state.keep_ns = mine.lateness_ns, mine.step_window_ns, mine.keep_ns
-        self.accountant = state
+        self.accountant.restore(state)  # its settings are this process's
 
     def snapshot(self) -> dict:
         return dict(downtime_incidents=self.incidents)

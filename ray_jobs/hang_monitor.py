@@ -232,13 +232,13 @@ class HangReducer:
 
     def state(self) -> dict:
         """What a restarted shard resumes from (``ray_jobs.state``): every job's tracker, as of now."""
-        return {"trackers": self.trackers, "freshest_ns": self._freshest_ns}
+        return {"trackers": [tr.state() for tr in self.trackers.values()], "freshest_ns": self._freshest_ns}
 
     def restore(self, state: dict) -> None:
         now = self.clock.monotonic()
-        self.trackers = dict(state["trackers"])
-        for tr in self.trackers.values():
-            tr.params = self.params  # this process's settings, not those of the one that saved them
+        # This process's settings, not those of the one that saved them.
+        trackers = [HangTracker.from_state(st, self.params) for st in state["trackers"]]
+        self.trackers = {(tr.job_id, tr.attempt): tr for tr in trackers}
         self._last_seen = {key: now for key in self.trackers}  # monotonic times do not cross processes
         if int(state["freshest_ns"]) > self._freshest_ns:  # its arrival is unknown here: as of now
             self._freshest_ns, self._freshest_arrived_ns = int(state["freshest_ns"]), self.clock.wall_ns()

@@ -24,9 +24,12 @@ Records read twice are harmless: each reducer keeps maxima, latest values
 and sets, so adding a record again changes nothing. An unchanged snapshot is
 not written again.
 
-The encoding is a pickle of the reducers' plain dataclasses, compressed,
-read back by an unpickler that builds only the classes listed in
-``_ALLOWED``: a state row is data, never code. A snapshot of another
+Each reducer's state is plain data (numbers, strings, lists, dicts, sets):
+each class that keeps state says what of it to save and builds itself back
+from that (``HangTracker.state``/``from_state``, ``DowntimeAccountant``,
+``RegressionDetector``, ``FindingHistory``). The encoding is a pickle of
+that, compressed, read back by an unpickler that builds no class but a set:
+a state row is data, never code. A snapshot of another
 ``FORMAT``, of other partitions (the shard count changed) or that does not
 decode is logged and ignored: the shard starts empty, as it did before.
 """
@@ -40,26 +43,21 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2
-"""Version of the snapshot's encoding and of the state classes it holds; bump it when either changes.
+FORMAT = 3
+"""Version of the snapshot's encoding and of the state it holds; bump it when either changes.
 
 2: the hang monitor's parameters are the ``[hang]`` configuration (``core.config.HangConfig``); its trackers
-keep each rank's watch state and pace, and the job's ended pauses."""
+keep each rank's watch state and pace, and the job's ended pauses.
+3: plain data only (no class of ours is pickled); the window reducer keeps each job's recovery basis."""
 
-_ALLOWED = {
-    "analyzers.hang": {"HangTracker", "_Rank", "Hang"},
-    "core.config": {"HangConfig"},
-    "analyzers.downtime": {"DowntimeAccountant", "AccountantStats", "Signal", "_Save", "_Attempt", "_Job"},
-    "analyzers.regression": {"WindowPoint"},
-    "builtins": {"set", "frozenset"},
-}
+_ALLOWED = {"builtins": {"set", "frozenset"}}
 
 
 class Stateful(Protocol):
     """A reducer whose state outlives the records it was built from."""
 
     def state(self) -> Any:
-        """A picklable value of plain data and the classes in ``_ALLOWED``, enough to resume from."""
+        """Plain data (numbers, strings, lists, dicts, sets), enough to resume from."""
 
     def restore(self, state: Any) -> None:
         """Take back what ``state`` returned (in another process, possibly with other settings)."""
