@@ -13,7 +13,20 @@ import json
 from typing import Any
 
 ENV = {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
-"""What ``trace`` sets for the job where the user has not: 2,000 entries (torch's own suggestion; a few MB)."""
+"""The variables that set the buffer, new and old: ``trace`` sets the one the job's torch reads (``env_for``),
+where the user has set neither: 2,000 entries (torch's own suggestion; a few MB)."""
+
+
+def env_for(torch_version: str | None) -> dict[str, str]:
+    """The Flight Recorder's buffer for a job running ``torch_version`` (None: not installed here, so the job's
+    is newer than the launcher knows): the new name from torch 2.7, the old before it. Both at once made every
+    rank of a torch 2.7+ job print that the old one is deprecated."""
+    try:
+        major, minor = (int(x) for x in (torch_version or "").split("+")[0].split(".")[:2])
+    except ValueError:
+        return {"TORCH_FR_BUFFER_SIZE": ENV["TORCH_FR_BUFFER_SIZE"]}
+    name = "TORCH_FR_BUFFER_SIZE" if (major, minor) >= (2, 7) else "TORCH_NCCL_TRACE_BUFFER_SIZE"
+    return {name: ENV[name]}
 
 MAX_PENDING = 4
 """Collectives not completed, kept per rank (the oldest first): the one a hang is in, and a few after it."""

@@ -59,14 +59,22 @@ def default_job_id(command: list[str], now: float | None = None) -> str:
 
 def child_env(settings_env: dict[str, str], base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment COMMAND runs with: our sitecustomize and this checkout first on PYTHONPATH, and
-    PyTorch's Flight Recorder on (``ingest.flight_recorder.ENV``) unless the user set its buffer."""
+    PyTorch's Flight Recorder on (``ingest.flight_recorder``: the variable the installed torch reads) unless
+    the user set its buffer."""
+    from importlib import metadata
+
     from ingest.flight_recorder import ENV as RECORDER_ENV
+    from ingest.flight_recorder import env_for
 
     env = dict(os.environ if base is None else base)
     path = [str(BOOT_DIR), str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(path)
     if not any(k in env for k in RECORDER_ENV):
-        env.update(RECORDER_ENV)
+        try:
+            torch_version = metadata.version("torch")  # the job runs in this environment as a rule
+        except metadata.PackageNotFoundError:
+            torch_version = None
+        env.update(env_for(torch_version))
     env.update(settings_env)
     return env
 

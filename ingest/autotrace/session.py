@@ -452,11 +452,14 @@ class TraceSession:
             self.problems.append(msg)
         self.warn(f"layout conflict: {msg}")
 
-    def warn(self, msg: str) -> None:
-        """A clear line in the trace log, once per message; never an exception in training."""
+    def warn(self, msg: str, now: bool = True) -> None:
+        """A clear line in the trace log, once per message; never an exception in training. Every warning is
+        in the rank's report, which ``trace``'s summary prints once per job; ``now``: printed by the rank as
+        it happens too (what the user should act on while the job runs), else only there."""
         if msg not in self.warnings:
             self.warnings.append(msg)
-            print(f"stragglerscope trace: rank {self.rank}: warning: {msg}", file=sys.stderr, flush=True)
+            if now:
+                print(f"stragglerscope trace: rank {self.rank}: warning: {msg}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._closed:

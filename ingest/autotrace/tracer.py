@@ -338,10 +338,12 @@ class Tracer:
         gpu = _gpu_type()
         peak = st.peak_flops or _peak_of(gpu)
         if peak <= 0:
+            # Said once, in the job's summary: nothing to do about it while the job runs.
             sess.warn(f"MFU not reported: the peak FLOP/s of device {gpu!r} is not known (set "
-                      "STRAGGLERSCOPE_TRACE_PEAK_FLOPS to one device's peak, e.g. 989e12)")
+                      "STRAGGLERSCOPE_TRACE_PEAK_FLOPS to one device's peak, e.g. 989e12)", now=False)
         elif not flops or not tokens:
-            sess.warn("MFU not reported: no model FLOPs counted in step 0 (no forward with parameters seen)")
+            sess.warn("MFU not reported: no model FLOPs counted in step 0 (no forward with parameters seen)",
+                      now=False)
         source = L.describe_sources(sources)
         row = dict(job_id=st.job_id, attempt=st.attempt, ts_ns=self.exp.now_ns(), team=st.team,
                    model=st.model or self.model_name, n_gpus=sess.world, dp_size=lay.dp_size,

@@ -127,6 +127,10 @@ def test_unchanged_job_is_diagnosed_and_keeps_its_losses(framework, fleet, tmp_p
                         trace=["--config", str(cfg), "--job-id", job, "--sample", SAMPLE])
             assert r.returncode == 0, r.stderr[-3000:]
             assert "instrumentation errors" not in r.stderr, r.stderr[-3000:]
+            # No warning the user did not earn (issue 52): torch's deprecated Flight Recorder variable, the
+            # MFU line once per rank and again in the summary (on CPU the peak is unknown: said once).
+            assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in r.stderr and r.stderr.count("MFU not reported") <= 1, \
+                r.stderr[-3000:]
             results[name] = dict(analysed(store, job), measured=step_time(tmp_path / name), job=job)
         # Instrumented or not, the same losses, bit for bit.
         assert losses(tmp_path / "slow") == losses(tmp_path / "plain")
