@@ -362,6 +362,19 @@ def link_sentence(row: Mapping) -> str:
             f"{row['confidence']:.2f}, from {row.get('group') or 'collectives'}{link_basis(row)})")
 
 
+def job_link_sentence(f: Any) -> str:
+    """The job's one answer (``analyzers.links.job.JobFinding``): 'the NIC of rank 3 (its egress), in 5 of 6
+    windows with a finding since window 0; also named: the link from rank 3 to rank 4 (1)'."""
+    if f.kind == "endpoint":
+        how = "; ".join(f"{link_element(k, s, d)} in {n}" for k, s, d, n in f.named_as)
+        return (f"the network of rank {f.src}: every window with a finding named it, as {how} (of {f.voting} "
+                f"windows, since window {f.since}); the windows differ only on its direction")
+    also = ", ".join(f"{link_element(k, s, d)} ({n})" for k, s, d, n in f.others)
+    return (f"{link_element(f.kind, f.src, f.dst, f.group)}, in {len(f.windows)} of {f.voting} window"
+            f"{'s' if f.voting > 1 else ''} with a finding since window {f.since} (confidence up to "
+            f"{f.confidence:.2f})" + (f"; also named: {also}" if also else ""))
+
+
 # -- hangs ----------------------------------------------------------------------------------------
 
 def parse_ranks(folded: str) -> list[int]:

@@ -323,7 +323,8 @@ def window_header(w: dict) -> str:
 
 def summarize(store, job_id: str, attempt: int, reports: list[dict]) -> str:
     """The job's diagnosis, for a terminal: S per window, verdicts with evidence, top workers, waste, hangs."""
-    from analyzers.explain import hang_lines, link_sentence, window_lines
+    from analyzers.explain import hang_lines, job_link_sentence, link_sentence, window_lines
+    from analyzers.links.job import job_finding
 
     lay = reports[0]["layout"]
     lines = [f"\n== stragglerscope: job {job_id} (attempt {attempt}) ==",
@@ -336,6 +337,10 @@ def summarize(store, job_id: str, attempt: int, reports: list[dict]) -> str:
             links_of_window.setdefault(f["window_id"], []).append(f)
     for found in links_of_window.values():
         found.sort(key=lambda f: -f["confidence"])
+    answer = job_finding(f for found in links_of_window.values() for f in found)
+    if answer is not None:  # one answer for the job first; each window's own findings under it
+        lines += textwrap.wrap(f"network: {job_link_sentence(answer)}", width=110, initial_indent="",
+                               subsequent_indent="    ", break_on_hyphens=False)
     if not wins:
         lines.append("no window was analysed (were any steps profiled? see --sample)")
     wasted = total = 0.0

@@ -172,6 +172,9 @@ def test_job_page_shows_heatmap_verdicts_links_and_hangs(app):
     text = _text(at)
     assert "Worker slowdown" in text and "Per-step slowdown" in text
     assert "Link matrix" in text
+    # ui-001's windows each carry the same slow link: the job's one answer leads the section (issue 52).
+    assert re.search(r"\*\*This job:\*\* The link from rank \d+ to rank \d+, in \d+ of \d+ windows? with a finding "
+                     r"since window \d+", text), text
     at.selectbox(key="job").set_value("ui-002").run()
     text = _text(at)
     assert "Hang" in [s.value for s in at.subheader]

@@ -11,7 +11,9 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from analyzers.explain import duration, explain_hang, explain_window, link_sentence, title, verdicts_of
+from analyzers.explain import (duration, explain_hang, explain_window, job_link_sentence, link_sentence, title,
+                               verdicts_of)
+from analyzers.links.job import job_finding
 from core.schema import STORED_INF
 from ui.data import advise_window, job_choices, named, named_live, now_ns, viewer_tz, window_timeline
 from ui.hang_view import flame_svg, grid_svg, picture, recorder_rows
@@ -387,6 +389,12 @@ st.caption("Time per byte of every directed pair (pipeline sends matched with th
            "the library reported), and each collective group's time per byte once all members were in. "
            "Ratio: over the lower quartile of its class; slow at 3x. A fault is named by intersecting the slow "
            "and the healthy observations.")
+every_link = named("job_links", job_id=job)
+answer = job_finding(every_link[every_link["attempt"] == attempt].to_dict("records")) \
+    if not every_link.empty else None
+if answer is not None:  # the job's one answer over its windows (analyzers.links.job), then this window's own
+    said = job_link_sentence(answer)
+    st.markdown(f"**This job:** {md_escape(said[0].upper() + said[1:])}.")
 links = named("job_links", job_id=job, window_id=wid)
 if not links.empty:
     links = links[links["attempt"] == attempt]
