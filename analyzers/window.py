@@ -313,7 +313,7 @@ def _links(ccl: pa.Table | None, key, tcp: pa.Table | None = None,
             if context.port_rows and faults:
                 from analyzers.fabric import with_fabric_evidence
 
-                start, end = _span(ccl, tcp)
+                start, end = records_span(ccl, tcp)
                 faults = with_fabric_evidence(faults, context.port_rows, context.rank_hosts, start, end)
             d = dataclasses.replace(d, faults=faults)
         return to_tables(d, key)
@@ -322,7 +322,7 @@ def _links(ccl: pa.Table | None, key, tcp: pa.Table | None = None,
         return empty
 
 
-def _span(ccl: pa.Table | None, tcp: pa.Table | None) -> tuple[int | None, int | None]:
+def records_span(ccl: pa.Table | None, tcp: pa.Table | None) -> tuple[int | None, int | None]:
     """The time the window's collective records cover (enter to exit), which its ports' counters are read over;
     (None, None) where only TCP counters came."""
     if ccl is None or ccl.num_rows == 0:

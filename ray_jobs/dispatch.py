@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from analyzers.links.history import FindingHistory, found_in
 from analyzers.recovery_basis import RecoveryBasis
-from analyzers.window import WindowContext, WindowResult, analyze_window_for_shard, failed_window
+from analyzers.window import WindowContext, WindowResult, analyze_window_for_shard, failed_window, records_span
 from core.config import PipelineConfig
 from core.layout import JobLayout
 from core.registration import Registration
@@ -109,9 +109,11 @@ class WindowReducer:
         done, self.inflight = resolve_ready(self.inflight, timeout_s=0.5 if block else 0.0)
         units = []
         for (got, err), win, t0 in done:
-            tables = got.tables if isinstance(got, WindowResult) else got  # a bare table dict: a test's analysis
-            if isinstance(got, WindowResult) and got.recovery is not None:
-                self._keep_recovery(win.key[:2], got.recovery)
+            tables = got  # a bare table dict: a test's analysis
+            if isinstance(got, WindowResult):
+                tables = got.tables
+                if got.recovery is not None:
+                    self._keep_recovery(win.key[:2], got.recovery)
             if tables is None:
                 # The task died after Ray's own retries (worker killed, OOM): store the
                 # failure so the window is visible and its offsets can advance.
@@ -198,7 +200,9 @@ class WindowReducer:
         if has_links and self.hosts_of is not None and self.ports_of is not None:
             try:
                 hosts = self.hosts_of(win.key[0], win.key[1])
-                ports = tuple(self.ports_of(set(hosts.values()))) if hosts else ()
+                # Only the readings over the window's own records travel with the task (the reducer keeps
+                # 15 minutes of every host's ports; the evidence reads the window's span alone).
+                ports = tuple(self.ports_of(set(hosts.values()), *records_span(win.ccl, win.tcp))) if hosts else ()
             except Exception as e:  # evidence is a bonus
                 log.warning("%s: the port counters of %s could not be read: %s", self.name, win.key, e)
                 hosts, ports = {}, ()
