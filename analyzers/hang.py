@@ -131,22 +131,23 @@ def to_tables(hangs: Iterable[Hang], now_ns: int) -> dict[str, pa.Table]:
     return {"hang": codec.from_rows(S.HANG, [_row(h, now_ns) for h in hangs])}
 
 
-def _states_of(row: dict) -> dict[str, str]:
+def _evidence_of(row: dict) -> dict:
+    """A HANG row's evidence, decoded; {} where it is missing or not a JSON object."""
     try:
         ev = json.loads(row.get("evidence_json") or "{}")
     except ValueError:
         return {}
-    states = ev.get("states") if isinstance(ev, dict) else None
+    return ev if isinstance(ev, dict) else {}
+
+
+def _states_of(row: dict) -> dict[str, str]:
+    states = _evidence_of(row).get("states")
     return states if isinstance(states, dict) else {}
 
 
 def recovery_plan_of(row: dict) -> dict | None:
     """The restart plan a node loss's HANG row carries (``ray_jobs.hang_monitor``), or None."""
-    try:
-        ev = json.loads(row.get("evidence_json") or "{}")
-    except ValueError:
-        return None
-    plan = ev.get("recovery_plan") if isinstance(ev, dict) else None
+    plan = _evidence_of(row).get("recovery_plan")
     return plan if isinstance(plan, dict) and plan.get("action") else None
 
 
@@ -186,10 +187,7 @@ def hang_summary(row: dict) -> str:
 
 def ended_sentence(row: dict) -> str:
     """'the communication hang in barrier of group world ended after 70 s: ...' from a hang_ended row."""
-    try:
-        ev = json.loads(row.get("evidence_json") or "{}")
-    except ValueError:
-        ev = {}
+    ev = _evidence_of(row)
     was = {"comm_hang": "communication hang", "noncomm_hang": "non-communication hang", "node_loss": "loss"}.get(
         ev.get("was", ""), "hang")
     where = f" in {row['op']} of group {row['group']}" if row.get("group") else ""
