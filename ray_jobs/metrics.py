@@ -17,6 +17,7 @@ _METRICS = (
     ("heartbeats", "ss_heartbeats_total", "counter", "heartbeat records seen"),
     ("ccl_records", "ss_ccl_records_total", "counter", "collective records seen"),
     ("tcp_flows", "ss_tcp_flows_total", "counter", "TCP connection samples seen"),
+    ("port_counters", "ss_port_counters_total", "counter", "NIC port-counter readings seen"),
     ("windows_stored", "ss_windows_stored_total", "counter", "windows analysed and stored"),
     ("windows_failed", "ss_windows_failed_total", "counter", "windows whose analysis task failed"),
     ("span_windows_kept", "ss_span_windows_kept_total", "counter", "windows whose raw op spans were stored"),
