@@ -23,8 +23,9 @@ A unit the store refuses ``max_attempts`` times while it answers (``probe``)
 is given up: its ``give_up`` returns what to store instead (a window becomes
 a failed window with the reason) or nothing (the rows are dropped, logged and
 counted). A store that is down pins everything: nothing is given up, nothing
-is lost, and the offsets wait. So does a refusal the store marks ``transient``
-(a replicated shard short of its write quorum): it is not the rows' fault.
+is lost, and the offsets wait. So does a refusal that says "not now"
+(``core.errors.RetryLater``: a replicated shard short of its write quorum): it
+is not the rows' fault.
 """
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ import time
 from typing import Any, Callable, Protocol
 
 import pyarrow as pa
+
+from core.errors import RetryLater
+from ray_jobs.transports import OffsetStore, RecordSource, ResultSink
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +52,6 @@ class Clock:
     """
     monotonic: Callable[[], float] = time.monotonic
     wall_ns: Callable[[], int] = time.time_ns
-
-
-class RetryLater(Exception):
-    """A record cannot be handled now through no fault of its own (the store cannot answer a question
-    about it). The shard keeps it, unhandled and not advanced past, and handles it again next pass."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,11 +92,15 @@ class Reducer(Protocol):
 class Checkpoint:
     """Flushes pending units, then stores the offsets they cover (the module docstring has the steps)."""
 
-    def __init__(self, sink, source, committable: Callable[[dict], dict], source_id: str,
+    def __init__(self, results: ResultSink, offsets: OffsetStore, source: RecordSource,
+                 committable: Callable[[dict], dict], source_id: str,
                  commit_interval_s: float, clock: Clock, probe: Callable[[], Any] | None = None,
                  max_attempts: int = 3, state=None):
-        """``state``: a ``ray_jobs.state.StateKeeper`` (None: no reducer state to keep, offsets uncapped)."""
-        self.sink = sink
+        """``results`` and ``offsets`` are one store in production (``ResultWriter``), held by the two roles
+        used here; ``source`` tells the positions read. ``state``: a ``ray_jobs.state.StateKeeper`` (None: no
+        reducer state to keep, offsets uncapped)."""
+        self.results = results
+        self.offsets = offsets
         self.source = source
         self._committable = committable
         self.source_id = source_id
@@ -144,7 +147,7 @@ class Checkpoint:
             committable = self.state.cap(committable)
         if committable != self.committed:  # an idle shard writes nothing
             logs = self.source.log_ids()
-            self.sink.store_offsets(self.source_id, committable, {tp: logs[tp] for tp in committable if tp in logs})
+            self.offsets.store_offsets(self.source_id, committable, {tp: logs[tp] for tp in committable if tp in logs})
             self.committed = committable
             self.commits += 1
             self._due = now + self.commit_interval_s
@@ -161,8 +164,8 @@ class Checkpoint:
         except Exception as e:
             error = e
         self.last_error = f"store: {type(error).__name__}: {error}"[:500]
-        # ``transient``: the store answers but cannot take writes for now (storage.errors.StoreError).
-        if getattr(error, "transient", False) or not self._reachable():
+        # RetryLater: the store answers but cannot take writes for now (storage.errors.StoreBusy).
+        if isinstance(error, RetryLater) or not self._reachable():
             # Down: everything waits as it is, and one write plus one probe per pass is all it costs
             # (a unit-by-unit retry would pay a connect timeout per unit). A refusal counts only
             # while the store answers.
@@ -203,8 +206,8 @@ class Checkpoint:
         for u in units:
             for kind, table in u.tables.items():
                 if table.num_rows:
-                    self.sink.write(kind, table)
-        self.sink.flush()
+                    self.results.write(kind, table)
+        self.results.flush()
 
     def _refused(self, unit: Unit, e: Exception) -> None:
         """The store answers but refused these rows: retried, and given up after ``max_attempts``

@@ -23,9 +23,10 @@ from analyzers.links.history import FindingHistory, found_in
 from analyzers.recovery_basis import RecoveryBasis
 from analyzers.window import WindowContext, WindowResult, analyze_window_for_shard, failed_window, records_span
 from core.config import PipelineConfig
+from core.errors import RetryLater
 from core.layout import JobLayout
 from core.registration import Registration
-from ray_jobs.checkpoint import Clock, RetryLater, Unit
+from ray_jobs.checkpoint import Clock, Unit
 from ray_jobs.windows import ReadyWindow, WindowTracker
 
 log = logging.getLogger(__name__)

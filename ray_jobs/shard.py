@@ -43,14 +43,15 @@ from core.config import Config
 from core.registration import Registration
 from ray_jobs import boundary as B
 from ray_jobs.alerts import AlertOutlet, AlertReducer, AlertRules
-from ray_jobs.checkpoint import Checkpoint, Clock, RetryLater, Unit
+from core.errors import RetryLater
+from ray_jobs.checkpoint import Checkpoint, Clock, Unit
 from ray_jobs.crashes import CrashJournal, default_path
 from ray_jobs.dispatch import WindowReducer
 from ray_jobs.downtime_reducer import DowntimeReducer
 from ray_jobs.regressions import RegressionReducer, params_of
 from ray_jobs.hang_monitor import HangReducer
 from ray_jobs.port_counters import PortCounterReducer
-from ray_jobs.transports import RecordSource, ResultSink
+from ray_jobs.transports import JobRegistry, LostLogs, OffsetStore, Outbox, RecordSource, ResultSink
 from ray_jobs.state import StateKeeper, shard_key
 
 log = logging.getLogger(__name__)
@@ -148,10 +149,10 @@ class ShardWorker:
                  consumer_factory: Callable[[], RecordSource] | None = None,
                  submit: Callable[..., Any] | None = None,
                  clock: Clock = Clock()):
-        """``sink_factory()`` gives the ``ResultSink``, called in ``setup``: a ``ResultWriter`` over the store in
-        production (the shard actor builds it from the pipeline's ``open_store``), a fake in tests.
-        ``consumer_factory()`` gives the ``RecordSource``; the default reads this shard's partitions from Kafka
-        (``KafkaSource``)."""
+        """``sink_factory()`` gives the writer, called in ``setup``: a ``ResultWriter`` over the store in
+        production (the shard actor builds it from the pipeline's ``open_store``), a fake in tests; it plays
+        ``ray_jobs.transports.WRITER_ROLES``. ``consumer_factory()`` gives the reader (``READER_ROLES``); the
+        default reads this shard's partitions from Kafka (``KafkaSource``)."""
         self.index = index
         self.partitions = list(partitions)
         self.cfg = cfg
@@ -170,8 +171,12 @@ class ShardWorker:
         self._loop_max = [0.0, 0.0, 0.0]  # [this minute, the previous minute, when this minute ends]
         self._store_alerted = False  # the store's outage was alerted (once per outage)
         # Made in setup (clients do not pickle); None until then, which is what stop() looks at.
+        # The reader and the writer, each held by the roles the shard uses (ray_jobs.transports).
         self.source: RecordSource | None = None
+        self.lost: LostLogs | None = None
+        self.outbox: Outbox | None = None
         self.sink: ResultSink | None = None
+        self.offsets: OffsetStore | None = None
         self.checkpoint: Checkpoint | None = None
         self.journal: CrashJournal | None = None
         self.outlet: AlertOutlet | None = None
@@ -183,10 +188,13 @@ class ShardWorker:
 
         _pay_import_costs()
         cfg, clock = self.cfg, self.clock
-        self.sink = self._sink_factory()
+        writer = self._sink_factory()
+        self.sink, self.offsets = writer, writer
+        registry: JobRegistry = writer
         self.sink.setup()
-        self.source = self._consumer_factory() if self._consumer_factory else KafkaSource(
+        reader = self._consumer_factory() if self._consumer_factory else KafkaSource(
             cfg.kafka.conn(), topics.INPUT_TOPICS, self.partitions, on_lost_log=cfg.kafka.on_lost_log)
+        self.source, self.lost, self.outbox = reader, reader, reader
         self.limits = cfg.validation
         self.clocks = B.ClockGuard(self.limits)
         self.hangs = HangReducer(cfg.hang, clock=clock)
@@ -206,28 +214,29 @@ class ShardWorker:
         self.reducers = (self.windows, self.hangs, self.regressions, self.alerts, self.downtime, self.ports)
         # The windows hold back their own records' offsets; these three keep state built from records
         # committed long ago, so it is saved with the offsets (ray_jobs.state).
-        self.state = StateKeeper(self.sink, self.source_id, shard_key(self.partitions),
+        self.state = StateKeeper(writer, self.source_id, shard_key(self.partitions),
                                  {"hangs": self.hangs, "alerts": self.alerts, "downtime": self.downtime,
                                   "regressions": self.regressions, "windows": self.windows},
                                  cfg.pipeline.state_interval_s)
         self.checkpoint = Checkpoint(
-            self.sink, self.source, self.windows.committable, self.source_id, cfg.pipeline.commit_interval_s,
-            clock, probe=lambda: self.sink.load_offsets(self.source_id, topics.INPUT_TOPICS, self.partitions),
+            self.sink, self.offsets, self.source, self.windows.committable, self.source_id,
+            cfg.pipeline.commit_interval_s,
+            clock, probe=lambda: self.offsets.load_offsets(self.source_id, topics.INPUT_TOPICS, self.partitions),
             max_attempts=self.MAX_STORE_ATTEMPTS, state=self.state)
         self.journal = CrashJournal(default_path(self.source_id, self.index, cfg.pipeline.state_dir),
                                     self.limits.max_restarts_per_message)
         self.journal.open()
-        stored = self.sink.load_offsets(self.source_id, topics.INPUT_TOPICS, self.partitions)
+        stored = self.offsets.load_offsets(self.source_id, topics.INPUT_TOPICS, self.partitions)
         self.state.load(stored)
-        self.source.seek(stored, self.sink.load_offset_logs(self.source_id, topics.INPUT_TOPICS, self.partitions),
+        self.source.seek(stored, self.offsets.load_offset_logs(self.source_id, topics.INPUT_TOPICS, self.partitions),
                          by=f"shard {self.index}")
         self._audit_resets()
-        self._load_jobs()
-        self.outlet = AlertOutlet(self.source.alert_producer(), cfg.alerts.webhook_url)
+        self._load_jobs(registry)
+        self.outlet = AlertOutlet(self.outbox.alert_producer(), cfg.alerts.webhook_url)
 
-    def _load_jobs(self) -> None:
+    def _load_jobs(self, registry: JobRegistry) -> None:
         """Registrations stored before; a row that does not validate is skipped and reported, never fatal."""
-        for row in self.sink.load_jobs():
+        for row in registry.load_jobs():
             why = B.check_registration(row, None, self.limits, stored=True)
             if not why:
                 try:
@@ -388,14 +397,14 @@ class ShardWorker:
         """Partitions whose log the broker lost while we read them (``kafka.on_lost_log = rewind``): from the
         new log's start. Done between polls, once what was polled of the old log is handled; the open
         windows' hold on the old log's offsets goes (those offsets count in a log that is gone)."""
-        for tp in self.source.lost_logs():
+        for tp in self.lost.lost_logs():
             self.windows.tracker.forget_partition(tp)
-            self.state.rewound(tp, self.source.rewind(tp, by=f"shard {self.index}"))
+            self.state.rewound(tp, self.lost.rewind(tp, by=f"shard {self.index}"))
         self._audit_resets()
 
     def _audit_resets(self) -> None:
         """Each offset the source moved because the broker lost records: a row of the audit table."""
-        resets = self.source.take_resets()
+        resets = self.lost.take_resets()
         if resets:
             now_ns = self.clock.wall_ns()
             rows = [dict(r, source_id=self.source_id, reset_ns=now_ns + i) for i, r in enumerate(resets)]
@@ -517,7 +526,7 @@ class ShardWorker:
         self.checkpoint.add(Unit(f"dead letter {msg.topic}:{msg.partition}@{msg.offset}",
                                  {"dead_letter": codec.from_rows(S.DEAD_LETTER, [row])}))
         try:
-            self.source.dead_letter(msg, reason)
+            self.outbox.dead_letter(msg, reason)
         except Exception as e:  # the dead-letter topic is a copy; the stored row is what counts
             log.warning("shard %d: publishing a dead letter failed: %s", self.index, e)
 

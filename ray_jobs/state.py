@@ -41,6 +41,8 @@ import pickle
 import zlib
 from typing import Any, Protocol
 
+from ray_jobs.transports import StateStore
+
 log = logging.getLogger(__name__)
 
 FORMAT = 3
@@ -89,8 +91,9 @@ def shard_key(partitions) -> str:
 class StateKeeper:
     """Snapshots ``reducers`` with the positions they cover; caps stored offsets at those positions."""
 
-    def __init__(self, sink, source_id: str, shard: str, reducers: dict[str, Stateful], interval_s: float = 10.0):
-        self.sink = sink
+    def __init__(self, store: StateStore, source_id: str, shard: str, reducers: dict[str, Stateful],
+                 interval_s: float = 10.0):
+        self.store = store
         self.source_id = source_id
         self.shard = shard
         self.reducers = reducers
@@ -106,7 +109,7 @@ class StateKeeper:
         """Restore the reducers from the last snapshot (the stored offsets are where it ends); whether one was."""
         self.positions = dict(stored_offsets)
         try:
-            got = self.sink.load_state(self.source_id, self.shard)
+            got = self.store.load_state(self.source_id, self.shard)
         except Exception as e:  # the setup reads offsets from the same store: this is rare, and not fatal
             log.warning("reading the saved state of %s failed, starting without it: %s", self.shard, e)
             return False
@@ -137,7 +140,7 @@ class StateKeeper:
         self._due = now + self.interval_s
         blob = encode({name: r.state() for name, r in self.reducers.items()})
         if blob != self._last:
-            self.sink.store_state(self.source_id, self.shard, FORMAT, blob)  # raises: the old positions stand
+            self.store.store_state(self.source_id, self.shard, FORMAT, blob)  # raises: the old positions stand
             self._last = blob
             self.saves += 1
             self.bytes = len(blob)

@@ -1,16 +1,29 @@
-"""What the shard needs from its two transports, as typed protocols.
+"""What the shard needs from its two transports, as small typed protocols, one per role.
 
-The shard (``ray_jobs.shard.ShardWorker``) reads records from a ``RecordSource``
-and hands results to a ``ResultSink``. In production they are
+The shard (``ray_jobs.shard.ShardWorker``) is given two objects: a reader of the
+input partitions and a writer to the store. In production they are
 ``ray_jobs.kafka_source.KafkaSource`` and ``ray_jobs.result_writer.ResultWriter``
 (over the store); unit tests pass in-memory ones (``tests/fakes.py``). Both
 are created by a factory inside the shard's ``setup()``, never before: Ray
 pickles the shard, and clients do not pickle.
 
-Every member here is called by the shard, its ``Checkpoint`` or its
-``StateKeeper``; a transport implements all of them (a test checks the
-production and the fake ones against these lists), so the shard never probes
-what a transport can do.
+Each object plays several roles, and each part of the shard holds it by the one
+role it uses, so a reader sees at a glance what a part may do:
+
+==================  ==========================================  ==============================
+role                what for                                    used by
+==================  ==========================================  ==============================
+``RecordSource``    read the input in order, track positions    the shard loop, ``Checkpoint``
+``LostLogs``        rewind partitions whose log the broker lost the shard loop
+``Outbox``          dead letters and alerts back to the broker  the shard loop, ``AlertOutlet``
+``ResultSink``      store result tables, exactly once           ``Checkpoint``, ``WindowReducer``
+``OffsetStore``     the offsets those results cover             ``Checkpoint``, the shard's setup
+``StateStore``      the reducers' state to resume from          ``StateKeeper``
+``JobRegistry``     registrations stored before a restart       the shard's setup
+==================  ==========================================  ==============================
+
+Every member is called without probing: a transport implements every member of
+each role it plays (a test checks the production and the fake ones).
 """
 from __future__ import annotations
 
@@ -47,8 +60,15 @@ class RecordSource(Protocol):
 
     def lag(self) -> int: ...
 
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class LostLogs(Protocol):
+    """Partitions whose log the broker lost (``kafka.on_lost_log = rewind``): found, rewound, audited."""
+
     def lost_logs(self) -> list[TopicPartition]:
-        """Partitions whose log the broker lost, waiting to be rewound (``kafka.on_lost_log = rewind``)."""
+        """Partitions whose log the broker lost, waiting to be rewound."""
 
     def rewind(self, tp: TopicPartition, by: str) -> int:
         """Read ``tp`` from its new log's start; returns that offset."""
@@ -56,18 +76,21 @@ class RecordSource(Protocol):
     def take_resets(self) -> list[dict]:
         """The offset moves made since the last call, for the audit table."""
 
+
+@runtime_checkable
+class Outbox(Protocol):
+    """What the shard publishes back to the broker."""
+
     def dead_letter(self, msg, reason: str) -> None:
         """Publish a copy of a refused message with its reason (the stored dead-letter row is the record)."""
 
     def alert_producer(self) -> Callable[[dict], None] | None:
         """A function that publishes an alert, or None where alerts are not published."""
 
-    def close(self) -> None: ...
-
 
 @runtime_checkable
 class ResultSink(Protocol):
-    """Where results, offsets, registrations and shard state are stored."""
+    """Where result tables are stored: buffered, then stored together."""
 
     def setup(self) -> None: ...
 
@@ -79,6 +102,13 @@ class ResultSink(Protocol):
 
     def window_stored(self, key) -> bool: ...
 
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class OffsetStore(Protocol):
+    """The input offsets the stored results cover, with the log each counts in."""
+
     def load_offsets(self, source_id: str, topics: Iterable[str],
                      partitions: Iterable[int]) -> dict[TopicPartition, int]: ...
 
@@ -88,10 +118,24 @@ class ResultSink(Protocol):
     def load_offset_logs(self, source_id: str, topics: Iterable[str],
                          partitions: Iterable[int]) -> dict[TopicPartition, str]: ...
 
+
+@runtime_checkable
+class StateStore(Protocol):
+    """The shard's reducer state, one blob per shard, in a format the ``StateKeeper`` versions."""
+
     def store_state(self, source_id: str, shard: str, fmt: int, state: bytes) -> None: ...
 
     def load_state(self, source_id: str, shard: str) -> tuple[int, bytes] | None: ...
 
+
+@runtime_checkable
+class JobRegistry(Protocol):
+    """Job registrations stored before (a restarted shard knows its jobs' layouts at once)."""
+
     def load_jobs(self) -> list[dict]: ...
 
-    def close(self) -> None: ...
+
+READER_ROLES = (RecordSource, LostLogs, Outbox)
+"""The roles of the object ``consumer_factory`` gives."""
+WRITER_ROLES = (ResultSink, OffsetStore, StateStore, JobRegistry)
+"""The roles of the object ``sink_factory`` gives."""

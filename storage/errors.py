@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 
+from core.errors import RetryLater
+
 
 class StoreError(RuntimeError):
     """A store could not do what was asked: bad URL, unreachable server, refused SQL, bad parameter.
@@ -12,14 +14,21 @@ class StoreError(RuntimeError):
     (``core.redact``); the backend's own exception, if any, is the cause.
     """
 
-    def __init__(self, message: str, transient: bool = False) -> None:
+    def __init__(self, message: str) -> None:
         from core.redact import redact
 
         text = " ".join(str(message).split()) if message else "store error"
         super().__init__(redact(text)[:2000])
-        self.transient = transient
-        """The store answers but cannot take writes for now (a replicated shard short of its quorum,
-        ZooKeeper away): the caller waits and retries, as for an unreachable store; it is not bad data."""
+
+    @property
+    def transient(self) -> bool:
+        """The store answers but cannot take writes for now (``StoreBusy``)."""
+        return isinstance(self, RetryLater)
+
+
+class StoreBusy(StoreError, RetryLater):
+    """The store answers but cannot take writes for now (a replicated shard short of its quorum, ZooKeeper
+    away): the caller waits and retries, as for an unreachable store; it is not bad data."""
 
 
 def first_line(exc: BaseException, limit: int = 500) -> str:

@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from storage import ddl
-from storage.errors import StoreError, first_line
+from storage.errors import StoreBusy, StoreError, first_line
 from storage.sandbox import SQLLimits, limit_error, limited
 from storage.sqltext import WRAPPABLE, external_params_sql
 from storage.store import SQLStore
@@ -470,7 +470,7 @@ class ServerStore(SQLStore):
                 client.disconnect()
                 raise StoreError(f"ClickHouse server at {self.address} refused the login: Code: {e.code}. "
                                  f"{message}") from e
-            raise StoreError(f"Code: {e.code}. {message}", transient=e.code in TRANSIENT_CODES) from e
+            raise (StoreBusy if e.code in TRANSIENT_CODES else StoreError)(f"Code: {e.code}. {message}") from e
         except ch_errors.Error as e:
             raise StoreError(first_line(e)) from e
         except (TypeError, ValueError, KeyError) as e:  # data clickhouse-driver could not encode

@@ -11,6 +11,7 @@ from generators.fleetgen import JobSpec, generate_window
 from ray_jobs.checkpoint import Checkpoint, Unit
 from ray_jobs.shard import ShardStats, ShardWorker
 from tests.fakes import FakeSink, FakeSource, ManualClock, messages_for
+from storage.errors import StoreBusy
 from tests.unit.test_shard import fake_analysis
 
 
@@ -65,7 +66,7 @@ def table(n=1):
 def checkpoint(sink, interval_s=0.0, pos=None):
     pos = pos if pos is not None else {("t", 0): 5}
     clock = ManualClock()
-    return Checkpoint(sink, Positions(pos), lambda p: p, "src", interval_s, clock,
+    return Checkpoint(sink, sink, Positions(pos), lambda p: p, "src", interval_s, clock,
                       probe=lambda: sink.load_offsets("src", [], [])), clock
 
 
@@ -126,9 +127,7 @@ def test_a_refusal_the_store_calls_transient_waits_like_an_outage_and_is_never_g
         def flush(self):
             if self.short:
                 self._buf = {}
-                err = RuntimeError("Code: 285. Number of alive replicas (1) is less than requested quorum (2)")
-                err.transient = True
-                raise err
+                raise StoreBusy("Code: 285. Number of alive replicas (1) is less than requested quorum (2)")
             super().flush()
 
     sink = Short()

@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from ray_jobs.kafka_source import KafkaSource
-from ray_jobs.transports import RecordSource, ResultSink
+from ray_jobs.transports import READER_ROLES, WRITER_ROLES, RecordSource, ResultSink
 from ray_jobs.result_writer import ResultWriter
 from tests.fakes import FakeSink, FakeSource
 
@@ -35,9 +35,12 @@ def _accepts(impl: inspect.Signature, wanted: inspect.Signature) -> list[str]:
     return missing + [f"{n} (required, not in the protocol)" for n in extra]
 
 
-@pytest.mark.parametrize("impl, protocol", [(KafkaSource, RecordSource), (FakeSource, RecordSource),
-                                            (ResultWriter, ResultSink), (FakeSink, ResultSink)],
-                         ids=["KafkaSource", "FakeSource", "ResultWriter", "FakeSink"])
+CASES = [(impl, role) for impls, roles in (((KafkaSource, FakeSource), READER_ROLES),
+                                            ((ResultWriter, FakeSink), WRITER_ROLES))
+         for impl in impls for role in roles]
+
+
+@pytest.mark.parametrize("impl, protocol", CASES, ids=[f"{i.__name__}-{r.__name__}" for i, r in CASES])
 def test_a_transport_has_every_member_the_shard_calls(impl, protocol):
     for name, wanted in _members(protocol).items():
         fn = getattr(impl, name, None)
@@ -48,11 +51,22 @@ def test_a_transport_has_every_member_the_shard_calls(impl, protocol):
 
 def test_built_transports_are_instances_of_the_protocols():
     # No client is made before setup/seek: building them touches no broker and no store.
-    assert isinstance(KafkaSource("127.0.0.1:1", ["ss.ops"], [0]), RecordSource)
-    assert isinstance(FakeSource([]), RecordSource)
-    assert isinstance(ResultWriter("chdb://nowhere"), ResultSink)
-    assert isinstance(FakeSink(), ResultSink)
+    for reader in (KafkaSource("127.0.0.1:1", ["ss.ops"], [0]), FakeSource([])):
+        assert all(isinstance(reader, role) for role in READER_ROLES)
+    for writer in (ResultWriter("chdb://nowhere"), FakeSink()):
+        assert all(isinstance(writer, role) for role in WRITER_ROLES)
     assert not isinstance(object(), RecordSource) and not isinstance(FakeSource([]), ResultSink)
+
+
+def test_each_role_is_small_and_no_member_is_in_two_roles():
+    """The point of the roles: a part of the shard that holds one sees a few members, each with one home."""
+    seen: dict[str, str] = {}
+    for role in READER_ROLES + WRITER_ROLES:
+        names = set(_members(role)) | set(getattr(role, "__annotations__", {}))
+        assert len(names) <= 8, (role.__name__, sorted(names))
+        for name in names - {"close", "setup"}:  # each client is opened and closed once, by its first role
+            assert name not in seen, f"{name} is in {seen[name]} and {role.__name__}"
+            seen[name] = role.__name__
 
 
 def test_the_check_fails_on_a_transport_that_lacks_a_member_or_a_parameter():
