@@ -184,3 +184,18 @@ def check_claims(claims: list[Claim], world: int) -> list[str]:
         if len(dps) > 1:
             problems.append(f"the pipeline of rank {first} has stages on dp {', '.join(map(str, sorted(dps)))}")
     return problems
+
+
+# DeviceMesh dimension names, as torchtitan and others spell them, to the size they are part of. A name
+# not listed is data parallel, with a warning: every other axis of parallelism must be named to be seen.
+MESH_NAMES = {"pp": "pp_size", "pipe": "pp_size", "pipeline": "pp_size",
+               "tp": "tp_size", "tensor": "tp_size",
+               "cp": "cp_size", "context": "cp_size",
+               "dp": "dp_size", "data": "dp_size", "dp_replicate": "dp_size", "dp_shard": "dp_size",
+               "dp_shard_cp": "dp_size", "fsdp": "dp_size", "ddp": "dp_size", "hsdp": "dp_size",
+               "replicate": "dp_size", "shard": "dp_size"}
+
+
+def mesh_axis(name: str) -> str:
+    """The layout size (``"tp_size"``, ...) a DeviceMesh dimension of this name is part of; unknown: DP."""
+    return MESH_NAMES.get(str(name).lower(), "dp_size")

@@ -527,50 +527,6 @@ def resolve_layout(named: dict, world: int, pp: int | None = None, vpp: int | No
     return lay
 
 
-# DeviceMesh dimension names, as torchtitan and others spell them, to the size they are part of. A name
-# not listed is data parallel, with a warning: every other axis of parallelism must be named to be seen.
-_MESH_NAMES = {"pp": "pp_size", "pipe": "pp_size", "pipeline": "pp_size",
-               "tp": "tp_size", "tensor": "tp_size",
-               "cp": "cp_size", "context": "cp_size",
-               "dp": "dp_size", "data": "dp_size", "dp_replicate": "dp_size", "dp_shard": "dp_size",
-               "dp_shard_cp": "dp_size", "fsdp": "dp_size", "ddp": "dp_size", "hsdp": "dp_size",
-               "replicate": "dp_size", "shard": "dp_size"}
-
-
-def mesh_axis(name: str) -> str:
-    """The layout size (``"tp_size"``, ...) a DeviceMesh dimension of this name is part of; unknown: DP."""
-    return _MESH_NAMES.get(str(name).lower(), "dp_size")
-
-
-def mesh_layout(names: tuple[str, ...], shape: tuple[int, ...], coords: tuple[int, ...] | None
-                ) -> tuple[dict[str, int], int | None, int | None, list[str]]:
-    """What a DeviceMesh over the whole job says: (sizes, this rank's dp_rank, pp_rank, unknown names).
-
-    Sizes of dimensions that map to one axis multiply (HSDP's dp_replicate x dp_shard is the DP size); the
-    rank's DP coordinate runs over its DP dimensions in mesh order, outermost first. Coordinates are None
-    for a rank outside the mesh.
-    """
-    sizes: dict[str, int] = {}
-    unknown = []
-    dp_dims: list[int] = []
-    pp_dim = None
-    for i, (name, n) in enumerate(zip(names, shape)):
-        if str(name).lower() not in _MESH_NAMES:
-            unknown.append(str(name))
-        key = mesh_axis(name)
-        sizes[key] = sizes.get(key, 1) * int(n)
-        if key == "dp_size":
-            dp_dims.append(i)
-        elif key == "pp_size":
-            pp_dim = i
-    if coords is None:
-        return sizes, None, None, unknown
-    dp_rank = 0
-    for i in dp_dims:
-        dp_rank = dp_rank * int(shape[i]) + int(coords[i])
-    return sizes, dp_rank, (int(coords[pp_dim]) if pp_dim is not None else 0), unknown
-
-
 def coords_of(rank: int, layout: JobLayout) -> tuple[int, int]:
     """(dp_rank, pp_rank) of a global rank in Megatron's order: TP fastest, then CP, DP, PP slowest."""
     inner = layout.tp_size * layout.cp_size

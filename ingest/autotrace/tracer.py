@@ -1149,15 +1149,13 @@ class Tracer:
         is the pipeline, whatever its name; one a gradient reduction ran over is data parallel; else its
         name says (torchtitan's and common names), and an unknown name counts as DP, with a warning once it
         is settled."""
-        from ingest.autotrace.session import mesh_axis
-
         info = self.mesh_info
         roles = []
         for name, group in zip(info["names"], info["groups"]):
             if self.pp_group is not None and len(group) > 1 and set(group) == self.pp_group:
                 roles.append("pp")
-            elif str(name).lower() in _KNOWN_MESH_NAMES():
-                roles.append(mesh_axis(name)[:2])
+            elif str(name).lower() in L.MESH_NAMES:
+                roles.append(L.mesh_axis(name)[:2])
             elif tuple(sorted(group)) in {tuple(sorted(g)) for g in self.dp_seen}:
                 roles.append("dp")
             else:
@@ -1218,7 +1216,7 @@ class Tracer:
             if "dp" in roles:
                 dp_group, dp_rank = _mesh_dp_group(self.mesh_info, roles), mesh_dp
             unknown = [n for n, r in zip(self.mesh_info["names"], roles) if r == "dp"
-                       and str(n).lower() not in _KNOWN_MESH_NAMES()]
+                       and str(n).lower() not in L.MESH_NAMES]
             if unknown and self.mesh_info.get("named", True):  # an unnamed mesh (FSDP's 1-D one) is DP
                 sess.warn(f"DeviceMesh dimension(s) {', '.join(unknown)} read as data parallel")
         if dp_group is None and pipe is not None:
@@ -1337,12 +1335,6 @@ class _EngineProxy:
 
     def __getattr__(self, name):
         return getattr(self.__dict__["_ss_engine"], name)
-
-
-def _KNOWN_MESH_NAMES():
-    from ingest.autotrace.session import _MESH_NAMES
-
-    return _MESH_NAMES
 
 
 def _mesh_facts(info: dict, roles: list[str]) -> tuple[dict[str, int], list[tuple[int, ...]], int, int]:

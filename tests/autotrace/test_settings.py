@@ -7,7 +7,8 @@ import types
 import pytest
 
 from core.layout import JobLayout
-from ingest.autotrace.session import (SettingsError, TraceSettings, coords_of, mesh_layout, parse_layout, parse_sample,
+from ingest.autotrace.layout import mesh_axis
+from ingest.autotrace.session import (SettingsError, TraceSettings, coords_of, parse_layout, parse_sample,
                                       resolve_layout)
 from ingest.exporter import Sampling
 from stragglerscope.trace import BOOT_DIR, child_env, default_job_id, tidy_spool
@@ -175,14 +176,16 @@ def test_module_hooks_narrow_to_the_outermost_module_after_the_first_step():
 
 
 def test_a_device_mesh_gives_sizes_and_this_ranks_worker():
+    from ingest.autotrace.tracer import _mesh_facts
+
     # torchtitan's mesh: pp x dp_replicate x dp_shard x cp x tp; HSDP's two DP dimensions multiply.
     names, shape = ("pp", "dp_replicate", "dp_shard", "cp", "tp"), (2, 2, 3, 1, 2)
-    sizes, dp, pp, unknown = mesh_layout(names, shape, (1, 1, 2, 0, 1))
-    assert sizes == {"pp_size": 2, "dp_size": 6, "cp_size": 1, "tp_size": 2} and unknown == []
-    assert (dp, pp) == (1 * 3 + 2, 1)
-    assert mesh_layout(names, shape, None)[1:3] == (None, None)  # a rank outside the mesh
-    sizes, dp, pp, unknown = mesh_layout(("ep", "tp"), (4, 2), (3, 0))
-    assert sizes == {"dp_size": 4, "tp_size": 2} and unknown == ["ep"] and (dp, pp) == (3, 0)
+    roles = [mesh_axis(n)[:2] for n in names]
+    groups = [(0, 24), (0, 12), (0, 4, 8), (0,), (0, 1)]
+    sizes, inner, dp, pp = _mesh_facts({"shape": shape, "coords": (1, 1, 2, 0, 1), "groups": groups}, roles)
+    assert sizes == {"pp_size": 2, "dp_size": 6, "cp_size": 1, "tp_size": 2}
+    assert (dp, pp) == (1 * 3 + 2, 1) and inner == [(0, 1)]  # a size-1 CP dimension folds nothing in
+    assert mesh_axis("EP") == "dp_size" and mesh_axis("Pipeline") == "pp_size"  # unknown names count as DP
 
 
 def test_relayout_keeps_what_the_processes_report_and_warns_on_a_contradiction():

@@ -54,6 +54,68 @@ def test_the_checker_sees_lazy_imports(tmp_path):
     assert [m for _, m in _imports(f)] == ["storage", "ray_jobs.shard"]
 
 
+def _module_graph() -> dict[str, set[str]]:
+    """Each project module (not package ``__init__``) and the project modules it imports, lazily or not."""
+    files = {}
+    for pkg in ALLOWED:
+        for f in (ROOT / pkg).rglob("*.py"):
+            if f.name != "__init__.py":
+                files[".".join(f.relative_to(ROOT).with_suffix("").parts)] = f
+    graph = {}
+    for name, f in files.items():
+        deps = set()
+        for _, module in _imports(f):
+            parts = module.split(".")
+            # ``from a.b import c`` names module a.b.c or a name in a.b: the longest that is a module.
+            for k in range(len(parts), 0, -1):
+                if ".".join(parts[:k]) in files:
+                    deps.add(".".join(parts[:k]))
+                    break
+        graph[name] = deps - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that reach each other through imports (strongly connected, more than one)."""
+    order, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's algorithm; the graph is a few hundred modules, recursion is fine
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in order:
+            visit(v)
+    return found
+
+
+def test_no_modules_import_each_other():
+    """A circle (even through a lazy import) means neither module can be read, tested or moved alone."""
+    assert _cycles(_module_graph()) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
 # What only a store object answers to (not ``insert`` or ``query``: lists and frames have those too): an
 # analyzer that calls these was handed a store, whatever it imports.
 STORE_CALLS = {"run_named", "load_offsets", "store_offsets", "window_stored", "load_jobs",
