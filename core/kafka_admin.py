@@ -72,15 +72,6 @@ def log_id(topic_id, cluster_id) -> str:
     return f"cluster:{cluster_id}" if cluster_id else ""
 
 
-def client_log_id(client, topic: str) -> str:
-    """``log_id`` of ``topic`` from a kafka-python client's metadata cache ('' where it has none)."""
-    cluster = getattr(getattr(client, "_client", None), "cluster", None)
-    if cluster is None:
-        return ""
-    get = getattr(cluster, "topic_id", None)
-    return log_id(get(topic) if get else None, getattr(cluster, "cluster_id", None))
-
-
 def topic_logs(bootstrap: KafkaConn | str, topics: Iterable[str], timeout_s: float = 20.0) -> dict[str, str]:
     """``log_id`` of each of ``topics`` that exists; creates nothing."""
     from kafka import KafkaConsumer
@@ -88,17 +79,17 @@ def topic_logs(bootstrap: KafkaConn | str, topics: Iterable[str], timeout_s: flo
 
     conn = as_conn(bootstrap)
     try:
+        kept = KeptClient(KafkaConsumer)
         consumer = KafkaConsumer(bootstrap_servers=conn.bootstrap, client_id="stragglerscope-admin", group_id=None,
-                                 enable_auto_commit=False, allow_auto_create_topics=False,
+                                 enable_auto_commit=False, allow_auto_create_topics=False, kafka_client=kept,
                                  request_timeout_ms=int(timeout_s * 1000) + 1000, **conn.client_options())
     except KafkaError as e:
         raise BrokerError(f"cannot reach Kafka at {conn.describe()}: {_reason(e)}{_why(conn)}") from None
-    no_auto_create(consumer)
     try:
         out = {}
         for t in dict.fromkeys(topics):
             if consumer.partitions_for_topic(t):  # fetches the topic's metadata, its id with it
-                out[t] = client_log_id(consumer, t)
+                out[t] = kept.log_id(t)
         return out
     except KafkaError as e:
         raise BrokerError(f"cannot read topic metadata at {bootstrap}: {_reason(e)}") from None
@@ -121,23 +112,41 @@ def logs_changed(stored: dict[tuple[str, int], int], stored_logs: dict[tuple[str
     return out
 
 
-def no_auto_create(client) -> None:
-    """Stop a kafka-python consumer or producer from creating topics by asking about them.
+class KeptClient:
+    """A kafka-python consumer's or producer's network client, made through their documented ``kafka_client``
+    option: made the usual way, with topic auto-creation off, and kept, so its metadata cache (``cluster``:
+    topic ids, the cluster id, the partitions known) is read through public members.
 
-    ``allow_auto_create_topics=False`` is the documented setting, but
-    kafka-python 3.0 does not hand it on to the client's metadata object, and
-    Tansu then creates any topic a metadata request names, with its default
-    partition count. A topic created that way hides a lost or misconfigured
-    topic (a re-created topic with the wrong partition count lost windows
-    silently), so the setting is put where the requests are built.
+    ``allow_auto_create_topics=False`` is the documented setting, but kafka-python 3.0 does not hand it on to
+    the client's metadata object, and Tansu then creates any topic a metadata request names, with its default
+    partition count. A topic created that way hides a lost or misconfigured topic (a re-created topic with
+    the wrong partition count lost windows silently), so the setting is put where the requests are built,
+    before the client sends its first request.
+
+    ``kind``: the ``KafkaConsumer`` or ``KafkaProducer`` class; its default client is the one made.
     """
-    for path in (("_client", "cluster"), ("_metadata",)):
-        obj = client
-        for attr in path:
-            obj = getattr(obj, attr, None)
-        config = getattr(obj, "config", None)
-        if isinstance(config, dict) and "allow_auto_create_topics" in config:
-            config["allow_auto_create_topics"] = False
+
+    def __init__(self, kind) -> None:
+        self._make = kind.DEFAULT_CONFIG["kafka_client"]
+        self.client = None
+
+    def __call__(self, **config):
+        client = self._make(**config)
+        client.cluster.config["allow_auto_create_topics"] = False
+        self.client = client
+        return client
+
+    @property
+    def cluster(self):
+        """The client's metadata cache (kafka-python's ``ClusterMetadata``); None before the client is made."""
+        return None if self.client is None else self.client.cluster
+
+    def log_id(self, topic: str) -> str:
+        """``log_id`` of ``topic`` from the metadata cache ('' where it has none)."""
+        cluster = self.cluster
+        if cluster is None:
+            return ""
+        return log_id(cluster.topic_id(topic), cluster.cluster_id)
 
 
 def _reason(e: BaseException) -> str:
@@ -424,10 +433,10 @@ def end_offsets(bootstrap: KafkaConn | str, partitions: Iterable[tuple[str, int]
         conn = as_conn(bootstrap)
         consumer = KafkaConsumer(bootstrap_servers=conn.bootstrap, client_id="stragglerscope-admin", group_id=None,
                                  enable_auto_commit=False, auto_offset_reset="none", allow_auto_create_topics=False,
+                                 kafka_client=KeptClient(KafkaConsumer),
                                  max_partition_fetch_bytes=1024, fetch_max_bytes=64 << 10, **conn.client_options())
     except KafkaError as e:
         raise BrokerError(f"cannot reach Kafka at {conn.describe()}: {_reason(e)}{_why(conn)}") from None
-    no_auto_create(consumer)
     try:
         consumer.assign(present)
         deadline = time.monotonic() + timeout_s

@@ -117,7 +117,7 @@ class TelemetryProducer:
     def _default_factory(self):
         from kafka import KafkaProducer
 
-        from core.kafka_admin import no_auto_create
+        from core.kafka_admin import KeptClient
 
         timeout_ms = int(self._delivery_timeout_s * 1000)
         # Idempotent: the broker drops a batch the client retries after a lost acknowledgement.
@@ -128,9 +128,9 @@ class TelemetryProducer:
             linger_ms=self._linger_ms,
             max_request_size=max(topics.MAX_MESSAGE_BYTES + 65536, 1 << 20), retries=3,
             request_timeout_ms=min(timeout_ms, 5000), delivery_timeout_ms=max(timeout_ms, 5000 + self._linger_ms),
-            max_block_ms=5000, allow_auto_create_topics=False, **self.conn.client_options(),
+            max_block_ms=5000, allow_auto_create_topics=False, kafka_client=KeptClient(KafkaProducer),
+            **self.conn.client_options(),
         )
-        no_auto_create(client)
         return client
 
     @property

@@ -247,11 +247,11 @@ class AlertTopic:
             if not made:
                 from kafka import KafkaProducer
 
-                from core.kafka_admin import no_auto_create
+                from core.kafka_admin import KeptClient
 
                 p = KafkaProducer(bootstrap_servers=conn.bootstrap, client_id=client_id, acks=1, linger_ms=5,
-                                  allow_auto_create_topics=False, max_block_ms=3000, **conn.client_options())
-                no_auto_create(p)
+                                  allow_auto_create_topics=False, kafka_client=KeptClient(KafkaProducer),
+                                  max_block_ms=3000, **conn.client_options())
                 made.append(p)
             return made[0]
         return cls(producer)

@@ -95,6 +95,7 @@ class KafkaSource:
         self.max_poll_records = max_poll_records
         self.check_interval_s = check_interval_s
         self._consumer = None
+        self._client = None  # the consumer's network client (core.kafka_admin.KeptClient), for its metadata
         self._producer = None
         self._positions: dict[TopicPartition, int] = {}
         self._end: dict[TopicPartition, int] = {}
@@ -110,16 +111,16 @@ class KafkaSource:
         from kafka import KafkaConsumer
         from kafka import TopicPartition as KTP
 
-        from core.kafka_admin import no_auto_create
+        from core.kafka_admin import KeptClient
 
         self._KTP = KTP
+        self._client = KeptClient(KafkaConsumer)
         self._consumer = KafkaConsumer(
             bootstrap_servers=self.bootstrap, client_id=self.client_id, group_id=None,
             enable_auto_commit=False, auto_offset_reset="none", allow_auto_create_topics=False,
-            max_poll_records=self.max_poll_records, fetch_max_bytes=FETCH_MAX_BYTES,
+            kafka_client=self._client, max_poll_records=self.max_poll_records, fetch_max_bytes=FETCH_MAX_BYTES,
             max_partition_fetch_bytes=PARTITION_FETCH_BYTES, metadata_max_age_ms=30_000, **self.conn.client_options(),
         )
-        no_auto_create(self._consumer)
         if self.generation_s:
             # Every metadata refresh then lists all topics, new generations included (see _follow_generations).
             self._cluster().need_all_topic_metadata = True
@@ -241,7 +242,8 @@ class KafkaSource:
     def _format_log(self, topic_id) -> str:
         from core.kafka_admin import log_id
 
-        return log_id(topic_id, getattr(self._cluster(), "cluster_id", None))
+        cluster = self._cluster()
+        return log_id(topic_id, cluster.cluster_id if cluster is not None else None)
 
     def log_ids(self) -> dict[TopicPartition, str]:
         """The log each assigned partition's position counts in, stored with the offsets (``core.kafka_admin.log_id``):
@@ -259,8 +261,8 @@ class KafkaSource:
         return out
 
     def _cluster(self):
-        """kafka-python's metadata cache of the consumer (None where the client has none)."""
-        return getattr(getattr(self._consumer, "_client", None), "cluster", None)
+        """The consumer's metadata cache (kafka-python's ``ClusterMetadata``; None before ``setup``)."""
+        return self._client.cluster if self._client is not None else None
 
     def _existing(self, fresh: bool = False) -> list:
         """Assigned partitions the broker has; the others become problems.
@@ -277,7 +279,7 @@ class KafkaSource:
         for topic in self.topics:
             parts = None
             with _suppress_kafka():
-                if fresh or not hasattr(cluster, "partitions_for_topic"):
+                if fresh or cluster is None:
                     parts = self._consumer.partitions_for_topic(topic)
                 else:
                     parts = cluster.partitions_for_topic(topic)
@@ -293,8 +295,8 @@ class KafkaSource:
         return out
 
     def _topic_id(self, topic: str):
-        get = getattr(self._cluster(), "topic_id", None)
-        return get(topic) if get else None
+        cluster = self._cluster()
+        return cluster.topic_id(topic) if cluster is not None else None
 
     def _check_topic_ids(self) -> None:
         """A topic whose id changed was deleted and created again: the offsets we hold mean other records."""
@@ -458,13 +460,12 @@ class KafkaSource:
         if self._producer is None:
             from kafka import KafkaProducer
 
-            from core.kafka_admin import no_auto_create
+            from core.kafka_admin import KeptClient
 
             # max_block_ms: a missing topic (the broker lost it) costs the loop seconds, not a minute.
             self._producer = KafkaProducer(bootstrap_servers=self.bootstrap, client_id=self.client_id + "-out",
                                            acks=1, linger_ms=5, allow_auto_create_topics=False, max_block_ms=3000,
-                                           **self.conn.client_options())
-            no_auto_create(self._producer)
+                                           kafka_client=KeptClient(KafkaProducer), **self.conn.client_options())
         return self._producer
 
     def dead_letter(self, msg: Message, reason: str) -> None:
