@@ -22,6 +22,8 @@ import math
 from collections import defaultdict
 from typing import Iterable
 
+from core.config import LemonConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class Incident:
@@ -33,12 +35,8 @@ class Incident:
     what: str        # e.g. "window 400: worker dp3/pp1 S_w 1.42"
 
 
-@dataclasses.dataclass(frozen=True)
-class LemonParams:
-    min_jobs: int = 3
-    """Distinct jobs that must have implicated a host (one bad job implicates its hosts many times)."""
-    max_p: float = 1e-3
-    """... and how unlikely that many jobs may be at the fleet's rate for its exposure, at most."""
+LemonParams = LemonConfig
+"""The scoring's parameters are the ``[lemons]`` section (``core.config.LemonConfig``: ``min_jobs``, ``max_p``)."""
 
 
 @dataclasses.dataclass(frozen=True)

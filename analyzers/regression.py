@@ -41,16 +41,15 @@ from typing import Any
 
 import numpy as np
 
+from core.config import RegressionConfig
+
 
 @dataclasses.dataclass(frozen=True)
-class RegressionParams:
-    min_change: float = 0.10
-    """The smallest slowdown against the job's own past that is a regression (10%: what Falcon gates at;
-    below it step times drift with data and load)."""
-    k_windows: int = 3
-    """... lasting at least this many windows (one slow window is an event, not a regression)."""
-    baseline_windows: int = 5
-    """Windows whose median is the baseline at the start and after each change."""
+class RegressionParams(RegressionConfig):
+    """The ``[regression]`` section's parameters (``core.config.RegressionConfig``: the smallest change, how
+    many windows, the baseline; 10% is what Falcon gates at, below it step times drift with data and load),
+    and the detector's own, which are not configured."""
+
     worker_history: int = 8
     """Windows of a worker's own step times its best is the best rolling median of."""
     share_floor: float = 0.05

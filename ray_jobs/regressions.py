@@ -27,8 +27,8 @@ MAX_JOBS = 50_000
 
 
 def params_of(cfg) -> RegressionParams:
-    """The detector's parameters: the ``[regression]`` section's (``core.config.RegressionConfig``: the same
-    names), and the detector's own defaults for what is not configured."""
+    """The detector's parameters: the ``[regression]`` section's (``RegressionParams`` extends
+    ``core.config.RegressionConfig``), and the detector's own defaults for what is not configured."""
     return RegressionParams(**dataclasses.asdict(cfg))
 
 

@@ -350,14 +350,13 @@ class LemonPasses:
     def start(cls, cfg: Config, store) -> "LemonPasses | None":
         if cfg.lemons.every_s <= 0:
             return None
-        from analyzers.lemons import LemonParams
         from ray_jobs.alerts import AlertOutlet, AlertTopic, DriverAlerts
         from ray_jobs.lemon_watch import LemonWatch, read_topology, restore_lemons
 
         # The same way out as the shards' alerts: the alert table, topic and webhook.
         topic = AlertTopic.for_conn(cfg.kafka.conn(), "stragglerscope-driver-alerts")
         alerts = DriverAlerts(cfg.alerts, store, AlertOutlet(topic.send, cfg.alerts.webhook_url, topic.flush))
-        watch = LemonWatch(store, LemonParams(cfg.lemons.min_jobs, cfg.lemons.max_p), cfg.lemons.period_days * 86400,
+        watch = LemonWatch(store, cfg.lemons, cfg.lemons.period_days * 86400,
                            read_topology(cfg.lemons.topology_file), restore_lemons(store), alerts)
         say(f"lemons     hosts scored across jobs every {cfg.lemons.every_s:g} s over {cfg.lemons.period_days:g} "
             "days (`sql lemon_hosts`)")
