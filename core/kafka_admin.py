@@ -396,9 +396,10 @@ def prepare_topics(bootstrap: KafkaConn | str, partitions: int, replication_fact
                    timeout_s: float = 20.0, min_insync_replicas: int = 0) -> int:
     """Create stragglerscope's missing topics; return the input topics' partition count (``check_partitions``).
 
-    ``outputs``: the dead-letter and alert topics too (the pipeline writes them; exporters do not).
+    ``outputs``: the dead-letter and alert topics too (the pipeline writes them; exporters do not), and the
+    control topic (one partition: ``core.control``).
     """
-    from core.topics import INPUT_TOPICS, TOPIC_ALERTS, TOPIC_DEAD_LETTER, topic_now
+    from core.topics import INPUT_TOPICS, TOPIC_ALERTS, TOPIC_CONTROL, TOPIC_DEAD_LETTER, topic_now
 
     wanted = INPUT_TOPICS + ((TOPIC_DEAD_LETTER, TOPIC_ALERTS) if outputs else ())
     gen_s = as_conn(bootstrap).topic_generation_s
@@ -406,6 +407,9 @@ def prepare_topics(bootstrap: KafkaConn | str, partitions: int, replication_fact
         wanted += tuple(topic_now(t, gen_s) for t in INPUT_TOPICS)
     counts = ensure_topics(bootstrap, wanted, partitions, timeout_s, replication_factor=replication_factor,
                            min_insync_replicas=min_insync_replicas)
+    if outputs:  # run-time changes: one partition, whoever reads them reads them all, in order
+        ensure_topics(bootstrap, [TOPIC_CONTROL], 1, timeout_s, replication_factor=replication_factor,
+                      min_insync_replicas=min_insync_replicas)
     return check_partitions(counts, INPUT_TOPICS, partitions)
 
 

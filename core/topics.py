@@ -10,6 +10,9 @@ TOPIC_JOBS = "ss.jobs"
 TOPIC_CHECKPOINTS = "ss.checkpoints"
 TOPIC_DEAD_LETTER = "ss.dead-letter"
 TOPIC_ALERTS = "ss.alerts"
+TOPIC_CONTROL = "ss.control"
+"""Run-time changes of sampling and thresholds (core/control.py): one partition, so every reader sees them in
+the order they were made; read whole by every exporter and shard, never split by job."""
 INPUT_TOPICS = (TOPIC_JOBS, TOPIC_OPS, TOPIC_CCL, TOPIC_HEARTBEATS, TOPIC_CHECKPOINTS)
 
 MAX_MESSAGE_BYTES = 900_000

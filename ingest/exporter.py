@@ -14,6 +14,10 @@ Contract with the training loop: nothing here blocks it or raises into it.
 - ``instrument_distributed(exporter)`` wraps ``torch.distributed`` collectives
   and point-to-point calls into CCL records (group, per-group sequence
   number, bytes, peers, enter/exit) and tracks the op in flight.
+- ``exporter.follow_control(bootstrap)`` follows the control topic on a daemon
+  thread (``ingest.control``): a change of this job's sampling, a pause of
+  profiling or a new heartbeat period made with `stragglerscope control`
+  applies at the next step end; the training thread only reads one attribute.
 - ``exporter.checkpoint(step, kind)`` (or ``with exporter.checkpointing(step):``)
   reports a finished checkpoint save or load (CHECKPOINT record): the
   downtime accounting needs where a restarted job resumes from.
@@ -191,6 +195,9 @@ class RankExporter:
         self.job_id, self.rank, self.dp_rank, self.pp_rank, self.attempt = job_id, rank, dp_rank, pp_rank, attempt
         self.sink = sink
         self.sampling = sampling
+        # What the control topic asks for (``offer_sampling``, from the follower's thread); taken at a step end.
+        self._wanted_sampling = sampling
+        self.control = None  # ingest.control.ControlFollower, once follow_control started one
         self.heartbeat_s = heartbeat_s
         self.hang_dump_s = hang_dump_s
         self.dump_min_s = dump_min_s
@@ -345,6 +352,21 @@ class RankExporter:
                 self._tcp_marks.put((self._window, self._step, True))
             self._flush_step()
         self._window = None
+        wanted = self._wanted_sampling  # one read: the follower may replace it at any moment
+        if wanted is not self.sampling:
+            self.sampling = wanted  # from the next step on; the step that just ended kept its window
+
+    def offer_sampling(self, sampling) -> None:
+        """The sampling to use from the next step end on (any thread; the training thread is not waited for)."""
+        self._wanted_sampling = sampling
+
+    def follow_control(self, bootstrap) -> None:
+        """Follow the control topic at ``bootstrap`` (a ``KafkaConn`` or host:port) for this job's changes, on a
+        daemon thread (``ingest.control``); idempotent. ``close()`` stops it."""
+        if self.control is None:
+            from ingest.control import ControlFollower
+
+            self.control = ControlFollower.from_conn(self, bootstrap).start()
 
     @property
     def last_step_done(self) -> int:
@@ -900,6 +922,8 @@ class RankExporter:
             self.probe.close()
         self._emit_buffered()
         self._beat("finished")
+        if self.control is not None:
+            self.control.close()
         if self._watch is not None:
             self._watch.close()
 

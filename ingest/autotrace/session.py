@@ -359,6 +359,8 @@ class TraceSession:
                                      attempt=settings.attempt, sampling=settings.sampling,
                                      heartbeat_s=settings.heartbeat_s, hang_dump_s=settings.hang_dump_s)
         self.exporter.worker_spans = speaks
+        # `stragglerscope control` changes this job's sampling and heartbeats at run time (a daemon thread).
+        self.exporter.follow_control(settings.conn())
         if settings.watch:
             from ingest.rank_watch import RankWatch
 

@@ -1,0 +1,309 @@
+"""Run-time control: what may be changed while jobs run, checked in one place, and what is in force.
+
+A change is one JSON record on the control topic (``core.topics.TOPIC_CONTROL``)::
+
+    {"change_id": "...", "who": "alice", "when": <ns>, "scope": "job:<job id>" | "fleet",
+     "what": {"sample": "5/10", "hang_min_s": 30, ...}, "until": <ns, 0 = until cleared>, "clears": ""}
+
+A record whose ``clears`` names a change id ends that change (``"*"``: every change of its scope); its
+``what`` is empty. ``check`` is the only gate: the command line checks before it publishes, and every
+reader checks again what it reads (a record written by anything else is refused there with its reason,
+never applied in part). A change applies whole or not at all: one bad setting refuses the record.
+
+``ControlBook`` folds the records read, in topic order, into what is in force at a time: for a job,
+the fleet's changes and then the job's own, the later of two setting the same name winning. The exporters
+(``ingest.control``) take the sampling, pause and heartbeat settings of their job from it; the shards
+(``ray_jobs.shard``) the hang thresholds. A setting none of the changes in force names keeps the value
+the exporter or the pipeline started with, so a change that expires or is cleared restores it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from typing import Any, Callable
+
+FLEET = "fleet"
+JOB_PREFIX = "job:"
+MAX_JOB_ID_LEN = 128
+_JOB_ID = re.compile(r"[A-Za-z0-9._:/@+=-]+")  # the input boundary's rule (ray_jobs/boundary.py)
+MAX_WHO_LEN = 128
+MAX_RECORD_BYTES = 16_384
+"""A control record is a few hundred bytes; anything far larger is not one of ours."""
+MAX_UNTIL_S = 30 * 86400
+"""A change lasts at most this long past its own time (a forgotten 'every step' must not profile for a year)."""
+
+
+class ControlError(ValueError):
+    """A control record or request that is refused; the message is one line saying why."""
+
+
+def _number(name: str, low: float, high: float, integral: bool = False) -> Callable[[Any], float]:
+    def check(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            try:
+                value = float(str(value))
+            except ValueError:
+                raise ControlError(f"{name} must be a number, got {value!r}") from None
+        if value != value or not low <= value <= high:  # NaN fails the first test
+            raise ControlError(f"{name} = {value!r} is out of range ({low:g} to {high:g})")
+        if integral and value != int(value):
+            raise ControlError(f"{name} must be a whole number, got {value!r}")
+        return int(value) if integral else float(value)
+    return check
+
+
+def parse_sample(value: Any) -> tuple[int, int]:
+    """``"K/N"``: profile K consecutive steps of every N; 1 <= K <= N <= 1,000,000."""
+    m = re.fullmatch(r"\s*(\d{1,7})\s*/\s*(\d{1,7})\s*", str(value))
+    if not m:
+        raise ControlError(f"sample {value!r} is not K/N (e.g. 10/100; 1/1 profiles every step)")
+    k, n = int(m.group(1)), int(m.group(2))
+    if not 1 <= k <= n <= 1_000_000:
+        raise ControlError(f"sample {k}/{n}: need 1 <= K <= N <= 1000000 (K steps profiled out of every N)")
+    return k, n
+
+
+def _sample(value: Any) -> str:
+    k, n = parse_sample(value)
+    return f"{k}/{n}"
+
+
+def _profiling(value: Any) -> str:
+    if value not in ("on", "paused"):
+        raise ControlError(f"profiling must be 'on' or 'paused', got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str
+    check: Callable[[Any], Any]
+    reader: str
+    """Who applies it: 'exporter' (each rank, at its next step end) or 'shard' (the pipeline)."""
+    doc: str
+
+
+# The hang thresholds keep core.config.HangConfig's field names after the "hang_" prefix; their ranges are
+# wide but keep the detector sane (a 0 s threshold would page every job at every pause).
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    Setting("sample", _sample, "exporter", "K/N: profile K consecutive steps of every N (1/1: every step)"),
+    Setting("profiling", _profiling, "exporter", "'paused' stops profiling (heartbeats go on), 'on' resumes it"),
+    Setting("heartbeat_s", _number("heartbeat_s", 0.5, 300), "exporter", "seconds between a rank's heartbeats"),
+    Setting("hang_min_s", _number("hang_min_s", 1, 86400), "shard",
+            "once the job's pace is known, no progress for at least this long is a hang"),
+    Setting("hang_quiet_factor", _number("hang_quiet_factor", 1, 100), "shard",
+            "... and for this many times the job's longest normal wait between two ops"),
+    Setting("hang_floor_s", _number("hang_floor_s", 1, 86400), "shard",
+            "until the ranks report their pace, no progress for at least this long is a hang"),
+    Setting("hang_k_steps", _number("hang_k_steps", 1, 10000), "shard",
+            "... and for this many median step times"),
+    Setting("hang_silent_s", _number("hang_silent_s", 1, 3600), "shard",
+            "in a stall, a rank silent this long is the missing one"),
+    Setting("hang_heartbeat_timeout_s", _number("hang_heartbeat_timeout_s", 5, 86400), "shard",
+            "ranks silent this long while others report are lost (node loss)"),
+    Setting("hang_startup_s", _number("hang_startup_s", 1, 86400), "shard",
+            "before the first step, no progress for this long is a hang"),
+    Setting("hang_checkpoint_s", _number("hang_checkpoint_s", 1, 86400), "shard",
+            "inside a checkpoint save or load, no progress for this long is a hang"),
+)}
+HANG_PREFIX = "hang_"
+
+
+def describe_settings() -> str:
+    """One line per setting, for ``--help``."""
+    return "\n".join(f"  {s.name:<26} {s.doc} (applied by the {s.reader})" for s in SETTINGS.values())
+
+
+def check_job_id(job_id: Any) -> str:
+    if not isinstance(job_id, str) or not job_id:
+        raise ControlError("the job id is empty")
+    if len(job_id) > MAX_JOB_ID_LEN:
+        raise ControlError(f"the job id is {len(job_id)} characters long, over {MAX_JOB_ID_LEN}")
+    if not _JOB_ID.fullmatch(job_id):
+        raise ControlError(f"the job id {job_id[:40]!r} has characters outside A-Z a-z 0-9 . _ - : / @ + =")
+    return job_id
+
+
+def scope_of(job_id: str | None) -> str:
+    """The scope naming one job, or the fleet when ``job_id`` is None."""
+    return FLEET if job_id is None else JOB_PREFIX + check_job_id(job_id)
+
+
+def check_scope(scope: Any) -> str:
+    if scope == FLEET:
+        return scope
+    if not isinstance(scope, str) or not scope.startswith(JOB_PREFIX):
+        raise ControlError(f"scope must be 'fleet' or 'job:<job id>', got {str(scope)[:60]!r}")
+    check_job_id(scope[len(JOB_PREFIX):])
+    return scope
+
+
+def check_what(what: Any) -> dict[str, Any]:
+    """Every setting checked, or ControlError naming the first bad one; nothing is returned in part."""
+    if not isinstance(what, dict):
+        raise ControlError("what must be an object of settings")
+    unknown = sorted(k for k in what if k not in SETTINGS)
+    if unknown:
+        raise ControlError(f"unknown setting {unknown[0]!r}; known: {', '.join(SETTINGS)}")
+    out = {name: SETTINGS[name].check(value) for name, value in what.items()}
+    hb = out.get("hang_heartbeat_timeout_s")
+    silent = out.get("hang_silent_s")
+    if hb is not None and silent is not None and silent >= hb:
+        raise ControlError(f"hang_silent_s ({silent:g}) must be below hang_heartbeat_timeout_s ({hb:g}): a missing "
+                           "rank is named before it is declared lost")
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlChange:
+    change_id: str
+    who: str
+    when: int
+    scope: str
+    what: dict
+    until: int = 0
+    clears: str = ""
+
+    @property
+    def job_id(self) -> str | None:
+        return None if self.scope == FLEET else self.scope[len(JOB_PREFIX):]
+
+    def active(self, now_ns: int) -> bool:
+        return not self.until or now_ns < self.until
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    def row(self) -> dict:
+        """The store's row (``core.schema.CONTROL_CHANGE``)."""
+        return dict(change_id=self.change_id, scope=self.scope, job_id=self.job_id or "", who=self.who,
+                    when_ns=self.when, until_ns=self.until, what_json=json.dumps(self.what, sort_keys=True),
+                    clears=self.clears)
+
+    def describe(self) -> str:
+        what = ", ".join(f"{k}={v}" for k, v in sorted(self.what.items())) or f"clears {self.clears}"
+        return f"{self.scope}: {what}"
+
+
+def check(record: Any) -> ControlChange:
+    """A control record (JSON bytes or text, or a dict) as a ``ControlChange``, or ControlError saying why not."""
+    if isinstance(record, (bytes, bytearray, str)):
+        if len(record) > MAX_RECORD_BYTES:
+            raise ControlError(f"the record is {len(record)} bytes, over {MAX_RECORD_BYTES}")
+        try:
+            record = json.loads(record)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ControlError(f"the record is not JSON: {e}") from None
+    if not isinstance(record, dict):
+        raise ControlError("the record is not a JSON object")
+    fields = {f.name for f in dataclasses.fields(ControlChange)}
+    extra = sorted(set(record) - fields)
+    if extra:
+        raise ControlError(f"unknown field {extra[0]!r} in the record")
+    missing = sorted(n for n in ("change_id", "who", "when", "scope", "what") if n not in record)
+    if missing:
+        raise ControlError(f"the record has no {missing[0]!r}")
+    change_id, who = record["change_id"], record["who"]
+    if not isinstance(change_id, str) or not 1 <= len(change_id) <= 64:
+        raise ControlError("change_id must be 1 to 64 characters")
+    if not isinstance(who, str) or not 1 <= len(who) <= MAX_WHO_LEN:
+        raise ControlError(f"who must be 1 to {MAX_WHO_LEN} characters (a user name)")
+    when, until = record["when"], record.get("until", 0)
+    for name, v in (("when", when), ("until", until)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ControlError(f"{name} must be nanoseconds since the epoch (an integer >= 0), got {v!r}")
+    if when <= 0:
+        raise ControlError("when must be the change's time in ns since the epoch")
+    if until and not when < until <= when + MAX_UNTIL_S * 10**9:
+        raise ControlError(f"until must be after when and at most {MAX_UNTIL_S // 86400} days later")
+    clears = record.get("clears", "")
+    if not isinstance(clears, str) or len(clears) > 64:
+        raise ControlError("clears must be a change id or '*'")
+    what = check_what(record["what"])
+    if clears and what:
+        raise ControlError("a record that clears a change sets nothing")
+    if not clears and not what:
+        raise ControlError("the change sets nothing (name at least one setting)")
+    return ControlChange(change_id, who, when, check_scope(record["scope"]), what, until, clears)
+
+
+def make_change(who: str, when_ns: int, job_id: str | None, what: dict, for_s: float = 0.0,
+                clears: str = "") -> ControlChange:
+    """A new change, checked (ControlError on bad input): ``job_id`` None for the fleet; ``for_s`` 0: until
+    cleared."""
+    if for_s < 0 or for_s > MAX_UNTIL_S:
+        raise ControlError(f"the duration must be 0 (until cleared) to {MAX_UNTIL_S // 86400} days")
+    until = when_ns + int(for_s * 1e9) if for_s else 0
+    record = dict(change_id=uuid.uuid4().hex[:16], who=who, when=when_ns, scope=scope_of(job_id), what=what,
+                  until=until, clears=clears)
+    return check(record)
+
+
+def parse_duration(text: str) -> float:
+    """``90s``, ``10m``, ``2h``, ``1d`` or plain seconds, as seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", str(text))
+    if not m:
+        raise ControlError(f"duration {text!r}: want a number with s, m, h or d (e.g. 10m)")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+class ControlBook:
+    """The changes read so far, in topic order, and what is in force at a given time."""
+
+    def __init__(self) -> None:
+        self.changes: dict[str, ControlChange] = {}  # change_id -> setting change, in arrival order
+        self.cleared: dict[str, ControlChange] = {}  # change_id -> the record that cleared it
+        self.refused: list[str] = []                  # one line per record refused, bounded
+        self.version = 0                              # bumped by every record taken: readers re-derive on change
+
+    def add(self, record: Any) -> ControlChange | None:
+        """Take one record (bytes, text, dict or ``ControlChange``); a bad one is counted and refused, never raised."""
+        try:
+            change = record if isinstance(record, ControlChange) else check(record)
+        except ControlError as e:
+            self.refused = (self.refused + [str(e)])[-20:]
+            return None
+        if change.change_id in self.changes or change.change_id in self.cleared:
+            return None  # read again (a reader started over): taken once
+        if change.clears:
+            ids = [i for i, c in self.changes.items()
+                   if (change.clears == "*" and c.scope == change.scope) or i == change.clears]
+            for i in ids:
+                self.cleared[i] = change
+                del self.changes[i]
+            self.cleared[change.change_id] = change
+        else:
+            self.changes[change.change_id] = change
+        self.version += 1
+        return change
+
+    def in_force(self, now_ns: int, job_id: str | None = ...) -> list[ControlChange]:  # type: ignore[assignment]
+        """The changes in force at ``now_ns``, fleet's first then the jobs', each in topic order; ``job_id``
+        given: only those that apply to it (None: the fleet's only)."""
+        live = [c for c in self.changes.values() if c.active(now_ns)]
+        if job_id is not ...:
+            live = [c for c in live if c.scope == FLEET or c.job_id == job_id]
+        return sorted(live, key=lambda c: c.scope != FLEET)  # stable: topic order within each scope
+
+    def settings(self, now_ns: int, job_id: str | None) -> dict[str, Any]:
+        """The settings in force for ``job_id`` (None: fleet-wide only): the job's own over the fleet's, the
+        later over the earlier."""
+        out: dict[str, Any] = {}
+        for c in self.in_force(now_ns, job_id):
+            out.update(c.what)
+        return out
+
+    def jobs(self) -> set[str]:
+        return {c.job_id for c in self.changes.values() if c.job_id is not None}
+
+    def next_expiry(self, now_ns: int) -> int:
+        """When the next change in force runs out (0: none does)."""
+        ends = [c.until for c in self.changes.values() if c.until and c.until > now_ns]
+        return min(ends) if ends else 0
+
+
+def hang_overrides(settings: dict[str, Any]) -> dict[str, float]:
+    """The hang detector's fields (``core.config.HangConfig``) a change's settings name."""
+    return {k[len(HANG_PREFIX):]: v for k, v in settings.items() if k.startswith(HANG_PREFIX)}

@@ -1,0 +1,130 @@
+"""Run-time control: the one check of a change, what is in force, and an exporter taking a change at a step end."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from core.control import ControlBook, ControlError, check, hang_overrides, make_change, parse_duration
+from ingest.control import PAUSED, ControlFollower
+from ingest.exporter import RankExporter, Sampling
+
+T0 = 1_700_000_000 * 10**9
+
+
+def record(**over) -> dict:
+    base = dict(change_id="c1", who="alice", when=T0, scope="job:j1", what={"sample": "5/10"}, until=0)
+    return {**base, **over}
+
+
+@pytest.mark.parametrize("over, why", [
+    (dict(what={"sample": "0/0"}), "need 1 <= K <= N"),
+    (dict(what={"sample": "7/5"}), "need 1 <= K <= N"),
+    (dict(what={"sample": "every"}), "is not K/N"),
+    (dict(what={"sampel": "5/10"}), "unknown setting 'sampel'"),
+    (dict(what={"hang_min_s": 0}), "hang_min_s = 0 is out of range"),
+    (dict(what={"hang_min_s": float("nan")}), "out of range"),
+    (dict(what={"hang_min_s": True}), "must be a number"),
+    (dict(what={"heartbeat_s": 1000}), "heartbeat_s = 1000 is out of range"),
+    (dict(what={"profiling": "off"}), "profiling must be 'on' or 'paused'"),
+    (dict(what={}), "sets nothing"),
+    (dict(scope="job:"), "the job id is empty"),
+    (dict(scope="job:" + "x" * 129), "over 128"),
+    (dict(scope="job:a b"), "characters outside"),
+    (dict(scope="team:x"), "scope must be 'fleet' or 'job:<job id>'"),
+    (dict(until=T0 - 1), "until must be after when"),
+    (dict(when=-5), "when must be nanoseconds"),
+    (dict(who=""), "who must be"),
+    (dict(extra=1), "unknown field 'extra'"),
+    (dict(what={"hang_silent_s": 40, "hang_heartbeat_timeout_s": 30}), "must be below hang_heartbeat_timeout_s"),
+])
+def test_bad_changes_are_refused_with_their_reason(over, why):
+    with pytest.raises(ControlError, match=why.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")) as e:
+        check(json.dumps(record(**over)))
+    assert "\n" not in str(e.value)
+
+
+def test_one_bad_setting_refuses_the_whole_change():
+    """Nothing applies half: a good sampling beside a bad threshold is not taken either."""
+    book = ControlBook()
+    assert book.add(json.dumps(record(what={"sample": "1/1", "hang_min_s": -3}))) is None
+    assert book.settings(T0, "j1") == {} and "hang_min_s" in book.refused[0]
+    assert book.add(b"not json") is None and len(book.refused) == 2
+
+
+def test_a_good_change_round_trips_and_values_are_normalised():
+    c = make_change("bob", T0, "j1", {"sample": " 5 / 10 ", "hang_min_s": "30"}, for_s=600)
+    assert c.what == {"sample": "5/10", "hang_min_s": 30.0} and c.until == T0 + 600 * 10**9
+    assert check(c.to_json()) == c
+    assert c.row()["job_id"] == "j1" and json.loads(c.row()["what_json"]) == c.what
+    with pytest.raises(ControlError, match="the job id is empty"):
+        make_change("bob", T0, "", {"sample": "1/1"})
+
+
+def test_what_is_in_force_job_over_fleet_later_over_earlier_until_it_ends_or_is_cleared():
+    book = ControlBook()
+    fleet = make_change("a", T0, None, {"hang_min_s": 30, "sample": "1/100"})
+    job = make_change("a", T0 + 1, "j1", {"sample": "5/10"}, for_s=60)
+    for c in (fleet, job):
+        book.add(c.to_json())
+    assert book.settings(T0 + 2, "j1") == {"hang_min_s": 30.0, "sample": "5/10"}
+    assert book.settings(T0 + 2, "j2") == {"hang_min_s": 30.0, "sample": "1/100"}
+    assert book.settings(T0 + 61 * 10**9, "j1") == {"hang_min_s": 30.0, "sample": "1/100"}  # the job's ran out
+    assert book.next_expiry(T0 + 2) == job.until
+    assert hang_overrides(book.settings(T0 + 2, "j1")) == {"min_s": 30.0}
+    book.add(make_change("a", T0 + 3, None, {}, clears=fleet.change_id).to_json())
+    assert book.settings(T0 + 4, "j2") == {}
+    book.add(job.to_json())  # read again after a restart: taken once, nothing changes
+    assert [c.change_id for c in book.in_force(T0 + 4)] == [job.change_id]
+    book.add(make_change("a", T0 + 5, "j1", {}, clears="*").to_json())
+    assert book.in_force(T0 + 6) == []
+
+
+def test_durations():
+    assert parse_duration("10m") == 600 and parse_duration("90") == 90 and parse_duration("1.5h") == 5400
+    with pytest.raises(ControlError):
+        parse_duration("soon")
+
+
+class FakeSource:
+    def __init__(self):
+        self.records: list[bytes] = []
+
+    def poll(self, timeout_ms: int) -> list[bytes]:
+        out, self.records = self.records, []
+        return out
+
+
+def test_an_exporter_takes_a_sampling_change_at_its_next_step_end():
+    sent = []
+    exp = RankExporter("j1", 0, 0, 0, sent.append, sampling=Sampling(1, 1000), heartbeat_s=3600, use_cuda=False,
+                       tcp_flows=False, nvml=False, port_counters=False, peer_timings=False)
+    source = FakeSource()
+    follower = ControlFollower(exp, source)  # driven by hand here: no thread
+    try:
+        with exp.step(1):
+            assert not exp.profiling
+            change = make_change("a", T0, "j1", {"sample": "1/1", "heartbeat_s": 1}, for_s=60)
+            source.records.append(change.to_json())
+            follower.take(source.poll(0), T0 + 1)
+            assert not exp.profiling and exp.sampling == Sampling(1, 1000)  # not within the step in progress
+        assert exp.heartbeat_s == 1.0
+        with exp.step(2):
+            assert exp.profiling  # every step from the next on
+        other = make_change("a", T0, "j2", {"profiling": "paused"})
+        follower.take([other.to_json()], T0 + 2)  # another job's change leaves this one alone
+        with exp.step(3):
+            assert exp.profiling
+        follower.take([], change.until)  # the change ran out: the job's own sampling and heartbeats again
+        with exp.step(4):
+            pass
+        with exp.step(5):
+            assert not exp.profiling and exp.sampling == Sampling(1, 1000) and exp.heartbeat_s == 3600
+        follower.take([make_change("a", T0, None, {"profiling": "paused"}).to_json()], change.until + 1)
+        with exp.step(6):
+            pass
+        assert exp.sampling is PAUSED
+        with exp.step(2000):  # would be sampled by its own 1/1000
+            assert not exp.profiling
+    finally:
+        exp.close()
