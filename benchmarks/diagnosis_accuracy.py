@@ -19,10 +19,16 @@ rank in its own network namespace with one fault shaped by ``tc``
 healthy; severe and mild alternate), analysed by a real broker and
 ``stragglerscope run``. Needs root and ``ip netns``; about 25 s a run.
 Each run is scored twice: on its top finding at any confidence, and on the
-top finding the trace summary prints (``LINK_SHOWN_CONFIDENCE``, 0.3; below
+top finding the trace summary prints (``[alerts] link_shown_confidence``, 0.3; below
 it a finding is a hint the console lists with the window's matrix).
 Printed per job: precision and recall per finding kind, and the median time
 from the fault's start to the stored verdict.
+
+Both parts end with a reliability table of the link findings: the top
+finding's stated confidence, in bins, against how often a finding in that bin
+was right (observed precision). The thresholds at which a finding is printed
+and paged (``[alerts] link_shown_confidence``, ``link_alert_confidence``) are
+read off it (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -48,7 +54,28 @@ def sizes(max_ranks: int) -> list[int]:
     return out
 
 
-def link_prediction(inc) -> tuple[str, bool]:
+BINS = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0 + 1e-9)
+"""Edges of the confidence bins of the reliability table (the last bin holds 0.9 to 1.0)."""
+
+
+def reliability(stated: list[tuple[float, bool]], title: str) -> None:
+    """Stated confidence against observed precision, by bin, and the precision of everything at or above
+    each edge (what a threshold there would print or page)."""
+    print(f"-- reliability of {title}: {len(stated)} findings")
+    print(f"{'confidence':<12}{'findings':>9}{'stated (mean)':>15}{'right':>7}{'observed precision':>20}"
+          f"{'at or above: findings':>23}{'precision':>11}")
+    for lo, hi in zip(BINS, BINS[1:]):
+        inside = [(c, ok) for c, ok in stated if lo <= c < hi]
+        above = [ok for c, ok in stated if c >= lo]
+        mean = statistics.mean(c for c, _ in inside) if inside else float("nan")
+        right = sum(ok for _, ok in inside)
+        prec = right / len(inside) if inside else float("nan")
+        prec_above = sum(above) / len(above) if above else float("nan")
+        print(f"{lo:.1f}-{min(hi, 1.0):.1f}{'':<5}{len(inside):>9}{mean:>15.2f}{right:>7}{prec:>20.3f}"
+              f"{len(above):>23}{prec_above:>11.3f}")
+
+
+def link_prediction(inc, stated: list | None = None) -> tuple[str, bool]:
     faults = diagnose(inc.ccl)
     if not faults:
         return "none", inc.kind == "none"
@@ -56,6 +83,8 @@ def link_prediction(inc) -> tuple[str, bool]:
     right = f.kind == inc.kind and {
         "link": (f.src, f.dst) == (t["src"], t["dst"]), "source": f.src == t["src"],
         "destination": f.dst == t["dst"], "noncomm_slow": f.src == t["src"]}.get(f.kind, False)
+    if stated is not None:
+        stated.append((float(f.confidence), bool(right)))
     return f.kind, right
 
 
@@ -122,11 +151,13 @@ def real_runs(n: int, jobs: list[str], hogs: int = 0) -> None:
     with tempfile.TemporaryDirectory() as d, LocalBroker() as broker:
         proc, store = start_fleet(fleet_config(Path(d), broker.bootstrap), Path(d) / "run.log")
         noisy = _cpu_hogs(hogs)
+        every: list[tuple[float, bool]] = []
         try:
             for job in jobs:
                 tp, fp, fn, runs = Counter(), Counter(), Counter(), Counter()
                 tp_s, fp_s = Counter(), Counter()  # scored on what the trace summary prints
                 confident: dict[tuple, int] = {}
+                stated: list[tuple[float, bool]] = []
                 secs: dict[str, list[float]] = {}
                 t0 = time.perf_counter()
                 for i in range(n):
@@ -145,6 +176,8 @@ def real_runs(n: int, jobs: list[str], hogs: int = 0) -> None:
                         else:
                             fp_s[out.shown[0]] += 1
                         conf = out.faults[0]["confidence"] if out.faults else 0.0
+                        if out.faults:  # a healthy run's finding is a wrong one; no finding states nothing
+                            stated.append((float(conf), bool(out.right)))
                         confident[(want, out.right)] = confident.get((want, out.right), 0) + (conf >= 0.9)
                         print(f"  {scn.name:<28} {scn.fault:<20} found {out.found} (confidence {conf:.2f}) "
                               f"{'ok' if out.right else 'WRONG'} {out.seconds_to_verdict:.1f} s; shown "
@@ -162,6 +195,10 @@ def real_runs(n: int, jobs: list[str], hogs: int = 0) -> None:
                     rs = tp_s[kind] / max(1, runs[kind])
                     print(f"{kind:<16}{runs[kind]:>6}{p:>11.3f}{r:>9.3f}{statistics.median(secs[kind]):>20.1f}"
                           f"{ps:>18.3f}{rs:>9.3f}")
+                reliability(stated, f"the top finding of job {job}'s real runs")
+                every.extend(stated)
+            if len(jobs) > 1:
+                reliability(every, "the top finding of every real run")
         finally:
             for p in noisy:
                 p.kill()
@@ -191,7 +228,9 @@ def main() -> int:
     ns = sizes(args.max_ranks)
     t0 = time.perf_counter()
     print("== link diagnosis (C4D: link, source, destination, non-communication slow)")
-    score(LINK_KINDS, link_incident, link_prediction, args.per_kind, ns)
+    stated: list[tuple[float, bool]] = []
+    score(LINK_KINDS, link_incident, lambda inc: link_prediction(inc, stated), args.per_kind, ns)
+    reliability(stated, "the top link finding of generated incidents")
     print("== hang detection")
     score(HANG_KINDS, hang_incident, hang_prediction, args.per_kind, ns)
     print(f"(scored in {time.perf_counter() - t0:.0f} s)")

@@ -144,6 +144,15 @@ class AlertConfig:
     store_down_s: float = 60.0
     """A store unreachable this long is a critical store_down alert on the alert topic and the webhook (not in
     the alert table: it is in the store); its return an info one. 0 = off."""
+    link_shown_confidence: float = 0.3
+    """Link findings at least this confident are printed (trace's summary) and vote for the job's one answer;
+    below it they are hints the console lists with the window's matrix. Thresholds: BENCHMARKS.md, 'How much
+    a link finding's confidence is worth'."""
+    link_confidence: float = 0.5
+    """A window's link finding at least this confident raises a link alert: a warning, critical when the job's
+    window before found the same element or ..."""
+    link_certain: float = 0.9
+    """... when it is at least this confident (a late sender is never critical on one window)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,6 +388,10 @@ def check_kafka_transport(cfg: Config) -> Config:
     if lem.every_s < 0 or lem.period_days <= 0 or lem.min_jobs < 1 or not 0 < lem.max_p <= 1:
         raise ConfigError(f"lemons: every_s at least 0, period_days over 0, min_jobs at least 1 and max_p in (0, 1] "
                           f"(got {lem.every_s:g}, {lem.period_days:g}, {lem.min_jobs}, {lem.max_p:g})")
+    al = cfg.alerts
+    if not 0.0 <= al.link_shown_confidence <= al.link_confidence <= al.link_certain <= 1.0:
+        raise ConfigError(f"alerts: need 0 <= link_shown_confidence <= link_confidence <= link_certain <= 1 (got "
+                          f"{al.link_shown_confidence:g}, {al.link_confidence:g}, {al.link_certain:g})")
     gen = cfg.kafka.topic_generation_s
     if gen not in (-1.0, 0.0) and gen < MIN_TOPIC_GENERATION_S:
         raise ConfigError(f"kafka.topic_generation_s must be -1 (automatic), 0 (off) or at least "

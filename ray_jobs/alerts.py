@@ -33,10 +33,6 @@ from ray_jobs.checkpoint import Clock, Unit
 log = logging.getLogger(__name__)
 
 
-CERTAIN = 0.9
-"""A link finding this confident pages at once; a less confident one only when the next window finds it again."""
-
-
 class AlertRules:
     def __init__(self, cfg: AlertConfig):
         self.cfg = cfg
@@ -132,14 +128,15 @@ class AlertRules:
                                                              "change", "before_s", "after_s", "scope")}),
         )]
 
-    def evaluate_links(self, rows: list[dict], now: float, now_ns: int, min_confidence: float = 0.5) -> list[dict]:
-        """One alert per window for its most confident link fault (LINK_FAULT rows).
+    def evaluate_links(self, rows: list[dict], now: float, now_ns: int) -> list[dict]:
+        """One alert per window for its most confident link fault (LINK_FAULT rows) at ``link_confidence`` or
+        more.
 
         Critical only when the same element was found in the job's window before too, or the finding is
-        near certain (``CERTAIN``): one window's finding alone is a warning. A noisy host made one window's
+        near certain (``link_certain``): one window's finding alone is a warning. A noisy host made one window's
         all-reduce look slow and the next window named another element; a real fault stays where it is.
         """
-        rows = [r for r in rows if r["confidence"] >= min_confidence]
+        rows = [r for r in rows if r["confidence"] >= self.cfg.link_confidence]
         if not rows:
             return []
         top = max(rows, key=lambda r: (r["confidence"], r["slowdown"]))
@@ -152,7 +149,7 @@ class AlertRules:
         return [dict(
             alert_id=f"{top['job_id']}/{top['attempt']}/link/{top['window_id']}", job_id=top["job_id"],
             attempt=top["attempt"], ts_ns=now_ns, rule=rule,
-            severity="critical" if top["kind"] != "noncomm_slow" and (again or top["confidence"] >= CERTAIN)
+            severity="critical" if top["kind"] != "noncomm_slow" and (again or top["confidence"] >= self.cfg.link_certain)
             else "warning",
             summary=link_alert(top, len(rows), again),
             details_json=jsonutil.dumps({k: top[k] for k in ("group", "kind", "src", "dst", "confidence", "slowdown",

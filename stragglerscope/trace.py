@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import ingest.autotrace
-from core.config import Config
+from core.config import AlertConfig, Config
 from core.kafka_conn import KafkaConn
 
 # The children need our sitecustomize, and the folder holding our packages (a source checkout is not on
@@ -184,7 +184,8 @@ def _trace(cfg: Config, opts: TraceOptions, job_id: str, layout, sampling, ran: 
         if pending:
             say(f"trace      {len(pending)} of {len(keys)} windows were not analysed within {opts.timeout_s:.0f} s")
         try:
-            print(summarize(svc.store, job_id, opts.attempt, reports), flush=True)
+            print(summarize(svc.store, job_id, opts.attempt, reports, svc.cfg.alerts.link_shown_confidence),
+                  flush=True)
         except Exception as e:  # the training's exit code matters more than our summary
             say(f"trace      error: could not summarise the job: {e!r}; "
                 f"see stragglerscope sql job_windows --param job_id={job_id}")
@@ -295,11 +296,6 @@ def _read_reports(run_dir: str) -> list[dict]:
     return out
 
 
-LINK_SHOWN_CONFIDENCE = 0.3
-"""Link findings at least this confident are printed in the trace summary (below, they are hints the console
-lists with the window's matrix)."""
-
-
 def analysed(w: dict) -> bool:
     """A stored window has a slowdown (layout conflicts, clock skew, failed analyses and windows without op
     spans have NaN)."""
@@ -321,8 +317,10 @@ def window_header(w: dict) -> str:
             f"(fidelity {w['launch_slowdown']:.3f})")
 
 
-def summarize(store, job_id: str, attempt: int, reports: list[dict]) -> str:
-    """The job's diagnosis, for a terminal: S per window, verdicts with evidence, top workers, waste, hangs."""
+def summarize(store, job_id: str, attempt: int, reports: list[dict],
+              shown: float = AlertConfig.link_shown_confidence) -> str:
+    """The job's diagnosis, for a terminal: S per window, verdicts with evidence, top workers, waste, hangs.
+    ``shown``: link findings at least this confident are printed (``[alerts] link_shown_confidence``)."""
     from analyzers.explain import hang_lines, job_link_sentence, link_sentence, window_lines
     from analyzers.links.job import job_finding
 
@@ -333,11 +331,11 @@ def summarize(store, job_id: str, attempt: int, reports: list[dict]) -> str:
     wins = [w for w in store.run_named("job_windows", {"job_id": job_id}).to_pylist() if w["attempt"] == attempt]
     links_of_window: dict[int, list[dict]] = {}
     for f in store.run_named("job_links", {"job_id": job_id}).to_pylist():
-        if f["attempt"] == attempt and f["confidence"] >= LINK_SHOWN_CONFIDENCE:
+        if f["attempt"] == attempt and f["confidence"] >= shown:
             links_of_window.setdefault(f["window_id"], []).append(f)
     for found in links_of_window.values():
         found.sort(key=lambda f: -f["confidence"])
-    answer = job_finding(f for found in links_of_window.values() for f in found)
+    answer = job_finding((f for found in links_of_window.values() for f in found), shown)
     if answer is not None:  # one answer for the job first; each window's own findings under it
         lines += textwrap.wrap(f"network: {job_link_sentence(answer)}", width=110, initial_indent="",
                                subsequent_indent="    ", break_on_hyphens=False)

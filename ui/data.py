@@ -65,6 +65,13 @@ def job_choices(limit: int = 200) -> list[str]:
     return top["job_id"].tolist() if "job_id" in top else []
 
 
+def link_shown_confidence() -> float:
+    """Link findings at least this confident are the job's answer (``[alerts] link_shown_confidence``)."""
+    from core.config import load
+
+    return load().alerts.link_shown_confidence
+
+
 def free_sql(sql: str) -> pd.DataFrame:
     """Read-only SQL within the ``[sql]`` limits of the configuration (``storage.sandbox``)."""
     from core.config import load

@@ -5,7 +5,8 @@ can name two elements (window 0 "NIC egress of rank 2", window 15 "link 2>1": a 
 one link the ring's sender uses; a capped ingress also slows the ACKs of the rank's own sends). The job's
 answer is worked out from every window's findings:
 
-- each window votes for its most confident finding (at ``SHOWN`` or more);
+- each window votes for its most confident finding (at ``shown`` or more: ``[alerts] link_shown_confidence``,
+  what the trace summary prints);
 - the element with most votes wins (ties: the higher summed confidence, then the earlier first sighting);
 - where the winner has no majority of the voting windows and every winner of a window names one rank
   (as sender, receiver or both), that rank's network is the answer (``endpoint``): the windows agree on
@@ -21,10 +22,6 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-SHOWN = 0.3
-"""A window's finding counts as its vote from this confidence (what the trace summary prints)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class JobFinding:
     kind: str                      # a LinkFault kind; "endpoint" where windows agree on a rank only
@@ -32,7 +29,7 @@ class JobFinding:
     dst: int
     group: str
     windows: tuple[int, ...]       # the windows whose vote it is (for an endpoint: every window naming the rank)
-    voting: int                    # windows with a finding at SHOWN or more
+    voting: int                    # windows with a finding at ``shown`` or more
     since: int                     # its first window
     confidence: float              # the best confidence a supporting window gave it
     named_as: tuple[tuple[str, int, int, int], ...] = ()  # for an endpoint: (kind, src, dst, windows) per element
@@ -43,12 +40,12 @@ def _ranks(kind: str, src: int, dst: int) -> set[int]:
     return {r for r in (src, dst) if r is not None and r >= 0}
 
 
-def job_finding(rows: Iterable[Mapping[str, Any]]) -> JobFinding | None:
+def job_finding(rows: Iterable[Mapping[str, Any]], shown: float) -> JobFinding | None:
     """The job's answer from its windows' LINK_FAULT rows (one attempt), or None where no window found anything
-    at ``SHOWN``."""
+    at ``shown``."""
     best: dict[int, Mapping[str, Any]] = {}
     for r in rows:
-        if r["confidence"] < SHOWN:
+        if r["confidence"] < shown:
             continue
         w = int(r["window_id"])
         cur = best.get(w)

@@ -17,7 +17,7 @@ from analyzers.links.localise import late_senders
 from analyzers.links.measured import MeasuredParams, exchange_arrivals, judge, p2p_observations
 from core import codec
 from core import schema as S
-from stragglerscope.trace import LINK_SHOWN_CONFIDENCE
+from core.config import AlertConfig
 
 DATA = Path(__file__).parent / "data"
 
@@ -42,7 +42,7 @@ def test_a_late_rank_in_a_ring_is_named_though_every_receiver_waits_for_somebody
 def test_a_healthy_ring_gets_nothing_the_trace_summary_would_print(job):
     """Before: healthy_1 had 'late sender: rank 2' at 0.99 (it came after both neighbours in 2 of 5 steps)."""
     d = diagnose_window(_run("ccl_record", job), tcp=_run("tcp_flow", job))
-    shown = [f for f in d.faults if f.confidence >= LINK_SHOWN_CONFIDENCE]
+    shown = [f for f in d.faults if f.confidence >= AlertConfig.link_shown_confidence]
     assert shown == [], shown
     assert not [f for f in d.faults if f.kind == "noncomm_slow"]
 

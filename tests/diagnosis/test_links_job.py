@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from analyzers.explain import job_link_sentence
 from analyzers.links.job import job_finding
+from core.config import AlertConfig
 from stragglerscope.trace import summarize
+
+SHOWN = AlertConfig().link_shown_confidence
 
 
 def row(window, kind, src, dst, conf=0.5, slowdown=3.0, group="world"):
@@ -15,7 +18,7 @@ def row(window, kind, src, dst, conf=0.5, slowdown=3.0, group="world"):
 def test_the_element_most_windows_name_is_the_answer_with_its_support():
     rows = [row(w, "source", 3, -1, 0.9) for w in (0, 5, 10, 15, 20)] + [row(25, "link", 3, 4, 0.95)]
     rows += [row(5, "comm_slow", -1, -1, 0.3), row(10, "link", 0, 1, 0.1)]  # not a window's vote / not shown
-    f = job_finding(rows)
+    f = job_finding(rows, SHOWN)
     assert (f.kind, f.src, f.windows, f.voting, f.since) == ("source", 3, (0, 5, 10, 15, 20), 6, 0)
     said = job_link_sentence(f)
     assert said.startswith("the NIC of rank 3 (its egress), in 5 of 6 windows with a finding since window 0")
@@ -25,20 +28,20 @@ def test_the_element_most_windows_name_is_the_answer_with_its_support():
 def test_windows_that_differ_on_one_rank_s_direction_are_that_rank_s_network():
     """As reported: window 0 'NIC of rank 2', window 15 'link 2>1'; window 0 'ingress of rank 5', window 15
     'link 5>4' (its ACKs come back in through the capped port)."""
-    f = job_finding([row(0, "source", 2, -1, 0.5), row(15, "link", 2, 1, 0.5)])
+    f = job_finding([row(0, "source", 2, -1, 0.5), row(15, "link", 2, 1, 0.5)], SHOWN)
     assert (f.kind, f.src, f.windows) == ("endpoint", 2, (0, 15))
     assert "the network of rank 2: every window with a finding named it" in job_link_sentence(f)
-    g = job_finding([row(0, "destination", -1, 5, 0.6), row(15, "link", 5, 4, 0.5)])
+    g = job_finding([row(0, "destination", -1, 5, 0.6), row(15, "link", 5, 4, 0.5)], SHOWN)
     assert (g.kind, g.src) == ("endpoint", 5)
     # A majority is an answer of its own, even where the others share the rank.
-    h = job_finding([row(w, "destination", -1, 5, 0.6) for w in (0, 5, 10)] + [row(15, "link", 5, 4, 0.5)])
+    h = job_finding([row(w, "destination", -1, 5, 0.6) for w in (0, 5, 10)] + [row(15, "link", 5, 4, 0.5)], SHOWN)
     assert (h.kind, h.dst, len(h.windows)) == ("destination", 5, 3)
 
 
 def test_unrelated_elements_are_not_merged_and_nothing_shown_is_no_answer():
-    f = job_finding([row(0, "link", 1, 2, 0.6), row(5, "source", 5, -1, 0.5)])
+    f = job_finding([row(0, "link", 1, 2, 0.6), row(5, "source", 5, -1, 0.5)], SHOWN)
     assert (f.kind, f.src, f.dst) == ("link", 1, 2) and f.others == (("source", 5, -1, 1),)
-    assert job_finding([row(0, "link", 1, 2, 0.2)]) is None and job_finding([]) is None
+    assert job_finding([row(0, "link", 1, 2, 0.2)], SHOWN) is None and job_finding([], SHOWN) is None
 
 
 class _Store:

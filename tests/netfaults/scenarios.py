@@ -42,7 +42,7 @@ import time
 import uuid
 from pathlib import Path
 
-from stragglerscope.trace import LINK_SHOWN_CONFIDENCE
+from core.config import AlertConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 ZOO = ROOT / "tests" / "training" / "zoo.py"
@@ -114,7 +114,7 @@ class Outcome:
     job_id: str
     found: tuple          # (kind, src, dst) of the top finding, ("none",) without one
     right: bool
-    shown: tuple          # the same of the top finding the trace summary prints (LINK_SHOWN_CONFIDENCE)
+    shown: tuple          # the same of the top finding the trace summary prints (AlertConfig.link_shown_confidence)
     right_shown: bool
     seconds_to_verdict: float
     faults: list[dict]
@@ -146,7 +146,7 @@ def run(scn: Scenario, config: Path, store, *, timeout: float = 240) -> Outcome:
     (row,) = [r for r in store.run_named("job_windows", {"job_id": job_id}).to_pylist() if r["window_id"] == WINDOW]
     faults = store.run_named("job_links", {"job_id": job_id, "window_id": WINDOW}).to_pylist()
     found, right = _verdict(faults, scn.expect)
-    shown, right_shown = _verdict([f for f in faults if f["confidence"] >= LINK_SHOWN_CONFIDENCE], scn.expect)
+    shown, right_shown = _verdict([f for f in faults if f["confidence"] >= AlertConfig.link_shown_confidence], scn.expect)
     return Outcome(scn, job_id, found, right, shown, right_shown, (row["analyzed_ns"] - fault_ns) / 1e9, faults, log)
 
 

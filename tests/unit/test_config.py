@@ -29,6 +29,9 @@ def test_toml_then_environment(tmp_path):
         ("[kafka]\nbootstrapp = 'x'\n", "unknown key kafka.bootstrapp"),
         ("[kafka]\npartitions = 'many'\n", "kafka.partitions: expected int"),
         ("[kafka\n", "not valid TOML"),
+        # A finding printed only at a confidence above the one that pages: the pager would name what nobody sees.
+        ("[alerts]\nlink_shown_confidence = 0.6\n", "link_shown_confidence <= link_confidence"),
+        ("[alerts]\nlink_certain = 1.5\n", "link_certain <= 1"),
     ],
 )
 def test_bad_files_name_what_is_wrong(tmp_path, text, match):

@@ -15,7 +15,8 @@ from analyzers.explain import (duration, explain_hang, explain_window, job_link_
                                verdicts_of)
 from analyzers.links.job import job_finding
 from core.schema import STORED_INF
-from ui.data import advise_window, job_choices, named, named_live, now_ns, viewer_tz, window_timeline
+from ui.data import (advise_window, job_choices, link_shown_confidence, named, named_live, now_ns, viewer_tz,
+                     window_timeline)
 from ui.hang_view import flame_svg, grid_svg, picture, recorder_rows
 from ui.fabric_view import port_panel
 from ui.readable import ago, alert_text, md_escape, when
@@ -390,7 +391,7 @@ st.caption("Time per byte of every directed pair (pipeline sends matched with th
            "Ratio: over the lower quartile of its class; slow at 3x. A fault is named by intersecting the slow "
            "and the healthy observations.")
 every_link = named("job_links", job_id=job)
-answer = job_finding(every_link[every_link["attempt"] == attempt].to_dict("records")) \
+answer = job_finding(every_link[every_link["attempt"] == attempt].to_dict("records"), link_shown_confidence()) \
     if not every_link.empty else None
 if answer is not None:  # the job's one answer over its windows (analyzers.links.job), then this window's own
     said = job_link_sentence(answer)
