@@ -48,10 +48,15 @@ class ControlReader:
     the last (bytes; ``core.control.check`` them). Created lazily: a missing topic is retried, not an error,
     since exporters may start before anyone made a change."""
 
-    def __init__(self, bootstrap: KafkaConn | str, client_id: str = "stragglerscope-control-reader"):
+    def __init__(self, bootstrap: KafkaConn | str, client_id: str = "stragglerscope-control-reader",
+                 retry_s: float = 10.0):
+        """``retry_s``: a missing topic or an unreachable broker is asked again at most this often (a shard
+        polls every loop pass, and a metadata request may wait for seconds)."""
         self.conn = as_conn(bootstrap)
         self.client_id = client_id
+        self.retry_s = retry_s
         self._consumer = None
+        self._next_try = 0.0
         self.problem = ""
 
     def _connect(self) -> bool:
@@ -83,8 +88,14 @@ class ControlReader:
         """The records read since the last call (possibly none); never raises for the broker's sake."""
         from kafka.errors import KafkaError
 
-        if self._consumer is None and not self._connect():
-            return []
+        if self._consumer is None:
+            import time
+
+            if time.monotonic() < self._next_try:
+                return []
+            self._next_try = time.monotonic() + self.retry_s
+            if not self._connect():
+                return []
         try:
             got = self._consumer.poll(timeout_ms=timeout_ms)
         except KafkaError as e:

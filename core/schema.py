@@ -589,6 +589,21 @@ ALERT_ACK = pa.schema([
 ])
 """Acknowledgements from the console: the latest row per alert wins, so an ack can be undone."""
 
+CONTROL_CHANGE = pa.schema([
+    pa.field("change_id", pa.string(), nullable=False, metadata={"unit": "", "doc": "the change's id (core/control.py)"}),
+    pa.field("scope", pa.string(), nullable=False, metadata={"unit": "", "doc": "'fleet' or 'job:<job id>'"}),
+    pa.field("job_id", pa.string(), nullable=False, metadata={"unit": "", "doc": "the job it is for; '' for the fleet"}),
+    pa.field("who", pa.string(), nullable=False, metadata={"unit": "", "doc": "who made it ($USER or --who)"}),
+    pa.field("when_ns", pa.int64(), nullable=False, metadata={"unit": "ns", "doc": "when it was made, wall clock"}),
+    pa.field("until_ns", pa.int64(), nullable=False,
+             metadata={"unit": "ns", "doc": "when it runs out, wall clock; 0: until cleared"}),
+    pa.field("what_json", pa.string(), nullable=False,
+             metadata={"unit": "", "doc": "the settings it makes, JSON ('{}' for a record that clears)"}),
+    pa.field("clears", pa.string(), nullable=False,
+             metadata={"unit": "", "doc": "the change it ends ('*': every change of its scope); '' for a setting change"}),
+], metadata={b"stragglerscope.kind": b"control_change"})
+"""Every run-time change the pipeline read from the control topic: the audit of who changed what, when, until when."""
+
 OPTYPE_WASTE = pa.schema(
     [OPTYPE_SLOWDOWN.field(n) for n in ("job_id", "attempt", "window_id", "optype", "slowdown")]
     + [WINDOW.field(n) for n in ("analyzed_ns", "team", "model", "n_gpus", "gpu_hours")]

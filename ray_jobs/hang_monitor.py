@@ -11,6 +11,7 @@ input does not page anyone about every job at once. Jobs silent for
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
 
@@ -45,6 +46,9 @@ class HangReducer:
         """``recovery_of(job, attempt)``: what a recovery plan needs of the job's last window analysed whole
         (``WindowReducer.recovery_of``); a node loss is stored and paged with the plan made from it."""
         self.params = params
+        # Run-time changes (core.control): the configured thresholds, the fleet's and each job's overrides.
+        self.base_params = params
+        self.job_params: dict[str, HangParams] = {}
         self.recovery_of = recovery_of
         self.clock = clock
         self.every_s = every_s
@@ -80,8 +84,21 @@ class HangReducer:
                 key = (job, attempt)
                 tr = self.trackers.get(key)
                 if tr is None:
-                    tr = self.trackers[key] = HangTracker(job, attempt, self.params)
+                    tr = self.trackers[key] = HangTracker(job, attempt, self.params_for(job))
                 yield key, tr, sub
+
+    def params_for(self, job_id: str) -> HangParams:
+        """The thresholds ``job_id`` is judged by: its own run-time change, else the fleet's, else the configured."""
+        return self.job_params.get(job_id, self.params)
+
+    def set_overrides(self, fleet: dict, jobs: dict[str, dict]) -> None:
+        """Thresholds changed at run time (``core.control.hang_overrides``): ``fleet`` for every job, ``jobs`` per
+        job over the fleet's. Replaces the previous overrides whole (an ended change restores the configured
+        value), and applies from the next evaluation on, to the jobs tracked now and to those to come."""
+        self.params = dataclasses.replace(self.base_params, **fleet)
+        self.job_params = {job: dataclasses.replace(self.params, **o) for job, o in jobs.items() if o}
+        for (job, _), tr in self.trackers.items():
+            tr.params = self.params_for(job)
 
     def _gpu_samples(self, table: pa.Table) -> None:
         """The latest GPU sample of each rank that reported one, for the next GPU_SAMPLE unit."""
@@ -237,7 +254,7 @@ class HangReducer:
     def restore(self, state: dict) -> None:
         now = self.clock.monotonic()
         # This process's settings, not those of the one that saved them.
-        trackers = [HangTracker.from_state(st, self.params) for st in state["trackers"]]
+        trackers = [HangTracker.from_state(st, self.params_for(st["job_id"])) for st in state["trackers"]]
         self.trackers = {(tr.job_id, tr.attempt): tr for tr in trackers}
         self._last_seen = {key: now for key in self.trackers}  # monotonic times do not cross processes
         if int(state["freshest_ns"]) > self._freshest_ns:  # its arrival is unknown here: as of now

@@ -40,6 +40,7 @@ import pyarrow as pa
 from core import codec, topics
 from core import schema as S
 from core.config import Config
+from core.control import ControlBook, hang_overrides
 from core.registration import Registration
 from ray_jobs import boundary as B
 from ray_jobs.alerts import AlertOutlet, AlertReducer, AlertRules
@@ -90,6 +91,10 @@ class ShardStats:
     regressions: int = 0
     recoveries: int = 0
     degraded_workers: int = 0
+    control_changes: int = 0
+    """Run-time changes read from the control topic (``core.control``) and stored; refused ones are not counted."""
+    control_refused: int = 0
+    """Control records refused by ``core.control.check`` (the last reason is logged)."""
     webhook_sent: int = 0
     webhook_failed: int = 0
     webhook_dropped: int = 0
@@ -148,11 +153,14 @@ class ShardWorker:
                  sink_factory: Callable[[], ResultSink],
                  consumer_factory: Callable[[], RecordSource] | None = None,
                  submit: Callable[..., Any] | None = None,
-                 clock: Clock = Clock()):
+                 clock: Clock = Clock(),
+                 control_factory: Callable[[], Any] | None = None):
         """``sink_factory()`` gives the writer, called in ``setup``: a ``ResultWriter`` over the store in
         production (the shard actor builds it from the pipeline's ``open_store``), a fake in tests; it plays
         ``ray_jobs.transports.WRITER_ROLES``. ``consumer_factory()`` gives the reader (``READER_ROLES``); the
-        default reads this shard's partitions from Kafka (``KafkaSource``)."""
+        default reads this shard's partitions from Kafka (``KafkaSource``). ``control_factory()`` gives the
+        reader of run-time changes (``poll(timeout_ms)`` -> control records, ``close()``); the default reads the
+        control topic where the default reader reads Kafka, and there is none beside a reader a test passed."""
         self.index = index
         self.partitions = list(partitions)
         self.cfg = cfg
@@ -160,6 +168,7 @@ class ShardWorker:
         self._consumer_factory = consumer_factory
         self._sink_factory = sink_factory
         self._submit = submit
+        self._control_factory = control_factory
         self.clock = clock
         self.stats = ShardStats(shard=index)
         self._stop = threading.Event()
@@ -180,6 +189,7 @@ class ShardWorker:
         self.checkpoint: Checkpoint | None = None
         self.journal: CrashJournal | None = None
         self.outlet: AlertOutlet | None = None
+        self.controls = None  # the control topic's reader, made in setup
 
     # -- lifecycle ----------------------------------------------------------
     def setup(self) -> None:
@@ -233,6 +243,14 @@ class ShardWorker:
         self._audit_resets()
         self._load_jobs(registry)
         self.outlet = AlertOutlet(self.outbox.alert_producer(), cfg.alerts.webhook_url)
+        self.control_book = ControlBook()
+        self._control_seen, self._control_expiry = 0, 0
+        if self._control_factory is not None:
+            self.controls = self._control_factory()
+        elif self._consumer_factory is None:
+            from core.control_topic import ControlReader
+
+            self.controls = ControlReader(cfg.kafka.conn(), client_id=f"{self.source_id}-control-{self.index}")
 
     def _load_jobs(self, registry: JobRegistry) -> None:
         """Registrations stored before; a row that does not validate is skipped and reported, never fatal."""
@@ -265,7 +283,7 @@ class ShardWorker:
                 self.checkpoint.commit(self.clock.monotonic(), force=True)  # the interval may have held them
             except Exception as e:
                 log.warning("final offset store failed: %s", e)
-        for c in (self.source, self.sink, self.outlet, self.journal):
+        for c in (self.source, self.sink, self.outlet, self.journal, self.controls):
             if c is not None:
                 try:
                     c.close()
@@ -328,6 +346,7 @@ class ShardWorker:
                 if took > SLOW_ITERATION_S / 2:
                     log.warning("shard %d: handling one message on %s (%d bytes) took %.2f s", self.index,
                                 msg.topic, len(msg.value or b""), took)
+        self._take_controls()
         marks.append(("handle", time.perf_counter()))
         for reducer in self.reducers:
             units = reducer.due(now)
@@ -344,6 +363,31 @@ class ShardWorker:
             log.warning("shard %d: slow loop iteration, %.2f s (%s; %d messages)", self.index,
                         marks[-1][1] - marks[0][1], parts, got)
         self._update_stats(got)
+
+    def _take_controls(self) -> None:
+        """Run-time changes read since the last pass: each stored once (the control_changes table, with the
+        results: every shard reads them all, and the table keeps the first row of a change), and the hang
+        thresholds in force handed to the hang reducer before its next evaluation; also when one ran out."""
+        if self.controls is None:
+            return
+        book, refused = self.control_book, len(self.control_book.refused)
+        new = [c for c in (book.add(r) for r in self.controls.poll(0)) if c is not None]
+        if len(book.refused) > refused:
+            self.stats.control_refused += len(book.refused) - refused
+            log.warning("shard %d: control record refused: %s", self.index, book.refused[-1])
+        if new:
+            self.stats.control_changes += len(new)
+            self.checkpoint.add(Unit(f"{len(new)} control change(s)", {
+                "control_change": codec.from_rows(S.CONTROL_CHANGE, [c.row() for c in new])}))
+        now_ns = self.clock.wall_ns()
+        if book.version == self._control_seen and not (self._control_expiry and now_ns >= self._control_expiry):
+            return
+        self._control_seen, self._control_expiry = book.version, book.next_expiry(now_ns)
+        fleet = hang_overrides(book.settings(now_ns, None))
+        jobs = {job: hang_overrides(book.settings(now_ns, job)) for job in book.jobs()}
+        self.hangs.set_overrides(fleet, {job: o for job, o in jobs.items() if o != fleet})
+        log.info("shard %d: hang thresholds changed at run time: fleet %s, jobs %s", self.index, fleet or "as "
+                 "configured", sorted(self.hangs.job_params))
 
     def _update_stats(self, got: int) -> None:
         st = self.stats

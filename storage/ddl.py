@@ -29,7 +29,7 @@ import re
 import pyarrow as pa
 
 from core import schema as S
-from core.schema import ALERT_ACK, OFFSET_RESET, OFFSETS, OPTYPE_WASTE, SHARD_STATE
+from core.schema import ALERT_ACK, CONTROL_CHANGE, OFFSET_RESET, OFFSETS, OPTYPE_WASTE, SHARD_STATE
 
 # --------------------------------------------------------------------------
 # Engine capabilities
@@ -256,6 +256,8 @@ TABLES: tuple[TableSpec, ...] = (
     TableSpec("offset_resets", OFFSET_RESET, ("source_id", "topic", "partition", "reset_ns"), "first",
               kind="offset_reset", partition_ns="reset_ns"),
     TableSpec("shard_state", SHARD_STATE, ("source_id", "shard"), "latest"),
+    TableSpec("control_changes", CONTROL_CHANGE, ("change_id",), "first", kind="control_change",
+              partition_ns="when_ns"),
     TableSpec("alert_acks", ALERT_ACK, ("alert_id",), "latest", kind="alert_ack", latest_by=("acked_ns",)),
     TableSpec("downtime", S.DOWNTIME, ("job_id", "attempt", "incident_id"), "first", kind="downtime",
               partition_ns="incident_id"),

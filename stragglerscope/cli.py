@@ -33,6 +33,7 @@ examples:
   stragglerscope whatif trace.parquet --meta meta.yaml --json out.json
   stragglerscope run --config prod.toml     # against real Kafka, ClickHouse and Ray
   stragglerscope offsets show --config prod.toml   # stored offsets against the broker's ends
+  stragglerscope control set --job J --sample 1/1 --for 10m   # profile every step of a running job
 """
 
 
@@ -49,7 +50,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
                       ("stragglerscope.replay", "ReplayError"), ("actions.advice", "AdviseError"),
                       ("actions.stored_window", "WindowUnavailable"),
                       ("analyzers.whatif", "WhatIfInputError"), ("core.golden", "GoldenTraceError"),
-                      ("core.codec", "DecodeError"),
+                      ("core.codec", "DecodeError"), ("core.control", "ControlError"),
                       ("stragglerscope.trace", "TraceError")):
         try:
             module = __import__(mod, fromlist=[name])
@@ -70,6 +71,50 @@ def _add_stored_window(p: argparse.ArgumentParser) -> None:
     p.add_argument("job", metavar="JOB", help="job id")
     p.add_argument("--window", type=int, help="window id (its first step; default: the latest with raw spans)")
     p.add_argument("--attempt", type=int, default=-1, help="job attempt (default: the latest)")
+
+_CONTROL_EPILOG = """\
+settings (each a flag of `set`; a change names one or more, and applies whole or not at all):
+{settings}
+
+examples:
+  stragglerscope control set --job J --sample 1/1 --for 10m     # profile every step of J for ten minutes
+  stragglerscope control set --job J --sample 5/10              # 5 steps of every 10, until cleared
+  stragglerscope control set --job J --profiling paused --for 1h
+  stragglerscope control set --fleet --hang-min-s 30            # a quieter hang rule for every job
+  stragglerscope control clear --job J                          # end every change of J
+  stragglerscope control clear --fleet --change 3f2a9c0d1e4b5a67
+  stragglerscope control status [--job J]                       # what is in force
+"""
+
+
+def _add_control(sub) -> None:
+    from core.control import SETTINGS, describe_settings
+
+    p = sub.add_parser("control", help="change a running job's or the fleet's sampling and thresholds",
+                       description="Change, while jobs run, the sampling, profiling and heartbeats of a job's ranks "
+                                   "(each rank applies a change at its next step end, never holding training up) "
+                                   "and the hang thresholds the pipeline judges a job by, for one job (--job) or the "
+                                   "fleet (--fleet). A change goes on the control topic (ss.control at "
+                                   "kafka.bootstrap) with who made it, when and until when (--for; default: until "
+                                   "cleared); a job's own change beats the fleet's, a later one an earlier. The "
+                                   "pipeline stores every change in the control_changes table. Bad input (an "
+                                   "unknown setting, a sampling of 0/0, a threshold out of range, a bad job id) is "
+                                   "refused with its reason and nothing is published.",
+                       epilog=_CONTROL_EPILOG.format(settings=describe_settings()),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config(p)
+    p.add_argument("action", choices=("set", "clear", "status"))
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--job", metavar="JOB", help="the job the change is for")
+    where.add_argument("--fleet", action="store_true", help="the change is for every job")
+    p.add_argument("--for", dest="for_", metavar="DURATION", help="set: how long the change lasts (90s, 10m, 2h, "
+                                                                  "1d; default: until cleared)")
+    p.add_argument("--change", metavar="ID", help="clear: the change to end (default: every change of the scope)")
+    p.add_argument("--who", help="who makes the change (default: $USER)")
+    for s in SETTINGS.values():
+        p.add_argument("--" + s.name.replace("_", "-"), dest=f"set_{s.name}", metavar="VALUE" if s.name != "sample"
+                       else "K/N", choices=("on", "paused") if s.name == "profiling" else None, help=s.doc)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -162,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source-id", help="the source (default: kafka.source_id, else kafka.bootstrap)")
     p.add_argument("--yes", action="store_true", help="reset without asking")
     p.add_argument("--store", help="store URL (overrides store.url)")
+
+    _add_control(sub)
 
     p = sub.add_parser("replay", help="backfill historical traces through the pipeline",
                        description="Publish traces (golden trace folders or parquet files, or op-span parquet "
@@ -432,6 +479,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _timeline(args, cfg)
     if cmd == "offsets":
         return _offsets(args, cfg)
+    if cmd == "control":
+        return _control(args, cfg)
     if cmd == "import":
         return _import(args, cfg)
     if cmd == "replay":
@@ -485,6 +534,39 @@ def _dispatch(args: argparse.Namespace) -> int:
         stopping()  # serve's handler would become SIGTERM's default action again as Python exits: -15
         return 0
     raise CLIError(f"unknown command {cmd}")
+
+
+def _control(args: argparse.Namespace, cfg) -> int:
+    from core.control import SETTINGS, parse_duration
+    from stragglerscope.control import control_clear, control_set, control_status, format_status, who_am_i
+
+    if not cfg.kafka.bootstrap:
+        raise CLIError("control needs the fleet's Kafka: set kafka.bootstrap (--config FILE or "
+                       "STRAGGLERSCOPE_KAFKA_BOOTSTRAP)")
+    what = {name: getattr(args, f"set_{name}") for name in SETTINGS if getattr(args, f"set_{name}") is not None}
+    if args.action != "set" and (what or args.for_):
+        raise CLIError(f"{args.action} takes no settings and no --for")
+    if args.action != "clear" and args.change:
+        raise CLIError("--change goes with clear")
+    conn = cfg.kafka.conn()
+    if args.action == "status":
+        changes, book = control_status(conn, args.job)
+        print(format_status(changes, book, args.job))
+        return 0
+    if args.job is None and not args.fleet:  # an empty --job "" is refused by the check, with its reason
+        raise CLIError(f"{args.action} needs --job JOB or --fleet")
+    who = who_am_i(args.who)
+    if args.action == "set":
+        if not what:
+            raise CLIError("set needs at least one setting (see `stragglerscope control --help`)")
+        change = control_set(conn, who, args.job, what, parse_duration(args.for_) if args.for_ else 0.0)
+        until = f" for {args.for_}" if args.for_ else " until cleared"
+        print(f"change {change.change_id}: {change.describe()}{until} (by {who})")
+        return 0
+    change = control_clear(conn, who, args.job, args.change or "*")
+    print(f"change {change.change_id}: {change.scope}: cleared {args.change or 'every change of the scope'} "
+          f"(by {who})")
+    return 0
 
 
 def _timeline(args: argparse.Namespace, cfg) -> int:

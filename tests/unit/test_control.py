@@ -128,3 +128,82 @@ def test_an_exporter_takes_a_sampling_change_at_its_next_step_end():
             assert not exp.profiling
     finally:
         exp.close()
+
+
+class FakeControls:
+    """The control topic as the shard reads it: what the test appends, once."""
+
+    def __init__(self):
+        self.records: list[bytes] = []
+        self.closed = False
+
+    def poll(self, timeout_ms: int) -> list[bytes]:
+        out, self.records = self.records, []
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_shard_stores_each_change_and_judges_the_job_by_its_thresholds_until_the_change_ends():
+    from core.config import Config
+    from generators.faultgen import hang_incident
+    from ray_jobs.shard import ShardWorker
+    from tests.fakes import FakeSink, FakeSource, ManualClock
+
+    clock, sink, controls = ManualClock(), FakeSink(), FakeControls()
+    cfg = Config().replace(pipeline={"commit_interval_s": 0.0, "state_interval_s": 0.0},
+                           hang={"floor_s": 60, "heartbeat_timeout_s": 30})
+    w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: FakeSource([]), sink_factory=lambda: sink,
+                    clock=clock, control_factory=lambda: controls)
+    w.setup()
+    try:
+        inc = hang_incident("comm_hang", 8, 0, job_id="j1")
+        now_ns = clock.wall_ns()
+        quiet = make_change("a", now_ns, "j1", {"hang_floor_s": 86400, "hang_min_s": 86400}, for_s=60)
+        fleet = make_change("a", now_ns, None, {"hang_silent_s": 20})
+        controls.records += [quiet.to_json(), fleet.to_json(), b'{"change_id": "x"}']
+        w.step(poll_timeout_ms=0)
+        assert w.stats.control_changes == 2 and w.stats.control_refused == 1
+        stored = sorted(r["change_id"] for r in sink.rows["control_change"])
+        assert stored == sorted([quiet.change_id, fleet.change_id])
+        w.hangs.add("ccl_record", inc.ccl, now=clock.t)
+        w.hangs.add("heartbeat", inc.heartbeats, now=clock.t)
+        tr = w.hangs.trackers[("j1", 0)]
+        assert (tr.params.floor_s, tr.params.silent_s, tr.params.heartbeat_timeout_s) == (86400, 20, 30)
+        assert w.hangs.params_for("other").floor_s == 60 and w.hangs.params_for("other").silent_s == 20
+        clock.t += 2
+        w.step(poll_timeout_ms=0)  # the shard's own evaluation: quieted, the stall is no hang for this job
+        assert "hang" not in sink.rows and w.stats.hangs == 0
+        clock.t += 60  # the job's change runs out; the fleet's stays
+        w.step(poll_timeout_ms=0)
+        assert (tr.params.floor_s, tr.params.silent_s) == (60, 20)
+        [hang] = sink.rows["hang"]
+        assert hang["job_id"] == "j1" and hang["kind"] == "comm_hang"
+        controls.records.append(make_change("a", clock.wall_ns(), None, {}, clears="*").to_json())
+        w.step(poll_timeout_ms=0)
+        assert w.hangs.params_for("j1") == cfg.hang and len(sink.rows["control_change"]) == 3
+    finally:
+        w.stop()
+    assert controls.closed
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["set", "--job", "j1", "--sample", "0/0"], "sample 0/0: need 1 <= K <= N"),
+    (["set", "--job", "j1", "--sample", "12/10"], "sample 12/10: need 1 <= K <= N"),
+    (["set", "--fleet", "--hang-min-s", "-1"], "hang_min_s = -1.0 is out of range"),
+    (["set", "--job", "", "--sample", "1/1"], "the job id is empty"),
+    (["set", "--job", "x" * 200, "--sample", "1/1"], "over 128"),
+    (["set", "--job", "j1"], "set needs at least one setting"),
+    (["set", "--sample", "1/1"], "set needs --job JOB or --fleet"),
+    (["set", "--job", "j1", "--sample", "1/1", "--for", "soon"], "duration 'soon'"),
+    (["clear", "--job", "j1", "--sample", "1/1"], "clear takes no settings"),
+])
+def test_the_command_refuses_bad_input_in_one_line_before_publishing(argv, why, capsys, monkeypatch):
+    """Refused before any connection (the unit tier would fail a socket): nothing is published."""
+    from stragglerscope.cli import main
+
+    monkeypatch.setenv("STRAGGLERSCOPE_KAFKA_BOOTSTRAP", "127.0.0.1:9")
+    assert main(["control", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("stragglerscope control: error: ") and why in err and err.count("\n") == 1, err
