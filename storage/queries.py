@@ -443,6 +443,15 @@ _QUERIES = [
         (SINCE, UNTIL, _limit(1_000_000)),
         "ports with errors, discards, link downs or recoveries per job attempt in a period (lemon-host evidence)",
     ),
+    # -- run-time changes (core/control.py; `stragglerscope control`) ------------------------------------------
+    NamedQuery(
+        "job_controls",
+        "SELECT change_id, scope, who, when_ns, until_ns, what_json, clears FROM control_changes "
+        "WHERE job_id = {job_id:String} OR scope = 'fleet' ORDER BY when_ns DESC, change_id LIMIT {limit:UInt64}",
+        (_job_required(), _limit(100)),
+        "the run-time changes made for a job and for the fleet, newest first: who, when, until when (0: until "
+        "cleared) and what (JSON), or the change a record cleared",
+    ),
     NamedQuery(
         "alert_history",
         # ANY LEFT JOIN ... USING: the join form both 18.16 and current ClickHouse accept.

@@ -152,6 +152,21 @@ def test_job_page_shows_stored_remedies_and_per_step_heatmaps(app):
     assert not at.exception and not any("No per-step worker cells" in i.value for i in at.info)
 
 
+def test_job_page_shows_the_run_time_changes_made_for_the_job_and_the_fleet(app):
+    at = app.run()
+    at.switch_page("pages/job.py").run()
+    at.selectbox(key="job").set_value("ui-003").run()
+    assert not at.exception, at.exception
+    assert "Run-time changes (3)" in [s.value for s in at.subheader]
+    [df] = [d.value for d in at.dataframe if "settings" in d.value.columns]
+    rows = {r["settings"] or r["state"]: r for r in df.to_dict("records")}
+    assert rows["sample=1/1"]["who"] == "alice" and rows["sample=1/1"]["for"] == "this job"
+    assert rows["sample=1/1"]["state"].startswith("in force until ")
+    assert rows["hang_min_s=30.0"]["state"] == "cleared" and rows["hang_min_s=30.0"]["for"] == "the fleet"
+    at.selectbox(key="job").set_value("ui-004").run()  # another job sees the fleet's changes only
+    assert "Run-time changes (2)" in [s.value for s in at.subheader]
+
+
 def test_job_page_timeline_of_actual_vs_ideal(app):
     at = app.run()
     at.switch_page("pages/job.py").run()

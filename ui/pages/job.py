@@ -76,6 +76,35 @@ else:
         with st.expander(f"The other {len(alerts) - 3} alerts of this job"):
             alert_list(alerts.iloc[3:], NOW, TZ, link_job=False)
 
+# -- run-time changes (`stragglerscope control`) ---------------------------------------------------------
+controls = named_live("job_controls", job_id=job, limit=100)
+if not controls.empty:
+    # Cleared changes are read from the records that cleared them: the table keeps every record, the audit.
+    cleared_ids = set(controls["clears"])
+    fleet_cleared = set(controls.loc[(controls["clears"] == "*") & (controls["scope"] == "fleet"), "when_ns"])
+    job_cleared = set(controls.loc[(controls["clears"] == "*") & (controls["scope"] != "fleet"), "when_ns"])
+
+    def _state(c) -> str:
+        if c["clears"]:
+            return "clears " + ("every change of its scope" if c["clears"] == "*" else c["clears"])
+        ended = c["change_id"] in cleared_ids or any(t > c["when_ns"] for t in (
+            fleet_cleared if c["scope"] == "fleet" else job_cleared))
+        if ended:
+            return "cleared"
+        if c["until_ns"] and c["until_ns"] <= NOW:
+            return "ran out"
+        return "in force" + (f" until {when(c['until_ns'], NOW, TZ)}" if c["until_ns"] else " until cleared")
+
+    st.subheader(f"Run-time changes ({len(controls)})")
+    st.dataframe(pd.DataFrame({
+        "when": [when(t, NOW, TZ) for t in controls["when_ns"]],
+        "who": controls["who"],
+        "for": ["the fleet" if sc == "fleet" else "this job" for sc in controls["scope"]],
+        "settings": [", ".join(f"{k}={v}" for k, v in sorted(json.loads(w).items())) for w in controls["what_json"]],
+        "state": [_state(c) for c in controls.to_dict("records")],
+        "change": controls["change_id"],
+    }), hide_index=True, width="stretch")
+
 # -- hangs -----------------------------------------------------------------------------------------
 hangs = named("job_hangs", job_id=job)
 
