@@ -396,8 +396,8 @@ def prepare_topics(bootstrap: KafkaConn | str, partitions: int, replication_fact
                    timeout_s: float = 20.0, min_insync_replicas: int = 0) -> int:
     """Create stragglerscope's missing topics; return the input topics' partition count (``check_partitions``).
 
-    ``outputs``: the dead-letter and alert topics too (the pipeline writes them; exporters do not), and the
-    control topic (one partition: ``core.control``).
+    ``outputs``: the dead-letter and alert topics too (the pipeline writes them; exporters do not). The
+    control topic (one partition: ``core.control``) is created either way: exporters read it.
     """
     from core.topics import INPUT_TOPICS, TOPIC_ALERTS, TOPIC_CONTROL, TOPIC_DEAD_LETTER, topic_now
 
@@ -407,9 +407,10 @@ def prepare_topics(bootstrap: KafkaConn | str, partitions: int, replication_fact
         wanted += tuple(topic_now(t, gen_s) for t in INPUT_TOPICS)
     counts = ensure_topics(bootstrap, wanted, partitions, timeout_s, replication_factor=replication_factor,
                            min_insync_replicas=min_insync_replicas)
-    if outputs:  # run-time changes: one partition, whoever reads them reads them all, in order
-        ensure_topics(bootstrap, [TOPIC_CONTROL], 1, timeout_s, replication_factor=replication_factor,
-                      min_insync_replicas=min_insync_replicas)
+    # Run-time changes, read by the exporters too (so also without ``outputs``): one partition, whoever reads
+    # them reads them all, in order.
+    ensure_topics(bootstrap, [TOPIC_CONTROL], 1, timeout_s, replication_factor=replication_factor,
+                  min_insync_replicas=min_insync_replicas)
     return check_partitions(counts, INPUT_TOPICS, partitions)
 
 

@@ -1,8 +1,10 @@
 """Run-time control through the real broker: a change made by the command's functions reaches a training rank's
-exporter within a step, and a shard judges a job's next hang by a threshold changed while it runs, and stores
-the change with who made it."""
+exporter within a step, and a real traced job's ranks; a shard judges a job's next hang by a threshold changed
+while it runs, and stores the change with who made it."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import uuid
@@ -155,3 +157,73 @@ def test_a_threshold_change_alters_the_next_hang_decision_of_a_shard_and_is_stor
     assert [h["job_id"] for h in hangs] == [job] and hangs[0]["kind"] == "noncomm_hang"
     assert rows == [dict(who="oncall", what_json='{"hang_floor_s": 2.0}', until_ns=change.until,
                          when_ns=change.when)]
+
+
+def _job_ops(bootstrap: str, job: str) -> list[dict]:
+    """(rank, step, window_id) of every op span of ``job`` on the ops topic so far."""
+    from kafka import KafkaConsumer
+
+    from core import codec, topics
+
+    consumer = KafkaConsumer(topics.TOPIC_OPS, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                             group_id=None, consumer_timeout_ms=2000)
+    try:
+        rows = []
+        for m in consumer:
+            if m.key == job.encode():
+                rows += codec.decode(m.value)[1].select(["rank", "step", "window_id"]).to_pylist()
+        return rows
+    finally:
+        consumer.close()
+
+
+@pytest.mark.slow
+def test_a_real_traced_job_follows_a_sampling_change_made_by_the_command_mid_run(own_broker, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """`stragglerscope trace` of an unchanged 2-rank DDP job on gloo; once its first (and, at 1/1000, only)
+    profiled step is on the broker, `stragglerscope control set --sample 1/1` is run: every rank profiles every
+    step from within a step or two of it on, and the ranks agree within one step."""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from services.ports import free_fixed_port
+    from stragglerscope.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    job = f"ctl-trace-{uuid.uuid4().hex[:6]}"
+    cfg = tmp_path / "kafka.toml"
+    cfg.write_text(f'[kafka]\nbootstrap = "{own_broker.bootstrap}"\npartitions = 2\n')
+    cmd = [sys.executable, "-m", "stragglerscope", "trace", "--config", str(cfg), "--job-id", job, "--sample",
+           "1/1000", "--", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+           "127.0.0.1", "--master-port", str(free_fixed_port()), str(root / "tests" / "training" / "zoo.py"),
+           "--framework", "plain", "--steps", "60", "--gpu-ms", "60"]
+    proc = subprocess.Popen(cmd, cwd=root, stdout=open(tmp_path / "trace.log", "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _job_ops(own_broker.bootstrap, job):  # step 0, the only one 1/1000 profiles, is in
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "trace.log").read_text()[-3000:]
+        monkeypatch.setenv("STRAGGLERSCOPE_KAFKA_BOOTSTRAP", own_broker.bootstrap)
+        assert main(["control", "set", "--job", job, "--sample", "1/1", "--for", "10m", "--who", "tester"]) == 0
+        assert "sample=1/1" in capsys.readouterr().out
+        assert proc.wait(180) == 0, (tmp_path / "trace.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    ops = _job_ops(own_broker.bootstrap, job)
+    by_rank: dict[int, set[int]] = {}
+    for r in ops:
+        assert r["window_id"] == r["step"]  # 1/1000 and 1/1 alike: each profiled step is a window of its own
+        by_rank.setdefault(r["rank"], set()).add(r["step"])
+    assert sorted(by_rank) == [0, 1], by_rank
+    first = {}
+    for rank, steps in by_rank.items():
+        later = sorted(steps - {0})
+        assert later, f"rank {rank} never followed the change: {sorted(steps)}"
+        first[rank] = later[0]
+        assert later == list(range(later[0], 60)), (rank, later)  # every step from then on, to the job's end
+    print(f"first profiled step after the change, per rank: {first}")
+    assert first[0] > 1 and abs(first[0] - first[1]) <= 1, first  # made mid-run; the ranks agree within a step
