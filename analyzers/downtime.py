@@ -84,6 +84,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from analyzers.hang import recovery_plan_of, recovery_sentence
 from core import codec
 from core import schema as S
 
@@ -120,12 +121,16 @@ class Signal:
     n_missing: int
     n_stuck: int
     n_hosts: int
+    recovery: str = ""
+    """A node loss's restart plan, in words (``analyzers.hang.recovery_sentence``); '' without one."""
 
     @classmethod
     def from_hang(cls, row: Mapping[str, Any]) -> "Signal":
         """From a HANG row: its ``hang_id`` is when the hang was detected."""
+        plan = recovery_plan_of(dict(row))
         return cls(int(row["hang_id"]), row["kind"], _count_ranks(row["missing_ranks"]),
-                   _count_ranks(row["stuck_ranks"]), _count_hosts(row["suspect_hosts"]))
+                   _count_ranks(row["stuck_ranks"]), _count_hosts(row["suspect_hosts"]),
+                   recovery_sentence(plan) if plan else "")
 
     @classmethod
     def from_alert(cls, row: Mapping[str, Any]) -> "Signal | None":
@@ -139,8 +144,11 @@ class Signal:
         if not isinstance(d, dict):
             d = {}
         kind = d.get("kind") or ("node_loss" if row["rule"] == "node_loss" else "hang")
+        plan = d.get("recovery_plan")
+        plan = plan if isinstance(plan, dict) and plan.get("action") else None
         return cls(int(row["ts_ns"]), kind, _count_ranks(d.get("missing_ranks", "")),
-                   _count_ranks(d.get("stuck_ranks", "")), _count_hosts(str(d.get("suspect_hosts", ""))))
+                   _count_ranks(d.get("stuck_ranks", "")), _count_hosts(str(d.get("suspect_hosts", ""))),
+                   recovery_sentence(plan) if plan else "")
 
     def names_culprit(self, n_gpus: int) -> bool:
         if self.kind == "node_loss":
@@ -581,6 +589,8 @@ class DowntimeAccountant:
             t0 = max(t0, sv.end_ns)
         alert = min((s.ns for s in inc.signals), default=-1)
         named = [s.ns for s in inc.signals if s.names_culprit(n_gpus)]
+        # The latest plan: a loss found again (more ranks gone) is planned again for the nodes left then.
+        plans = [s.recovery for s in sorted(inc.signals, key=lambda s: s.ns) if s.recovery]
         diagnosed = max(alert, min(named)) if named else -1
         restart = inc.restart.start_ns if inc.restart is not None else -1
         if inc.merged:
@@ -618,6 +628,7 @@ class DowntimeAccountant:
             lost_progress_s=lost_s, reinit_s=reinit, total_s=total, detect_gpu_hours=detect * gh,
             diagnose_gpu_hours=diagnose * gh, isolate_gpu_hours=isolate * gh, lost_progress_gpu_hours=lost_s * gh,
             reinit_gpu_hours=reinit * gh, total_gpu_hours=total * gh, closed=end_ns is None, note="; ".join(notes),
+            recovery_plan=plans[-1] if plans else "",
         )
 
 

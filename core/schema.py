@@ -517,6 +517,8 @@ DOWNTIME = _schema(
         _f("total_gpu_hours", pa.float64(), _GPU_H, "total_s x n_gpus"),
         _f("closed", pa.bool_(), "", "false if the stream ended before the job ran again (clipped there)"),
         _f("note", pa.string(), "", "what was estimated or missing"),
+        _f("recovery_plan", pa.string(), "", "a node loss's restart plan for the nodes left, with its predicted "
+           "step time and throughput (from the job's last window analysed whole); '' without one"),
     ],
 )
 

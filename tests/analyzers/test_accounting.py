@@ -192,10 +192,11 @@ class Timeline:
                 for t, d, dn in zip(ts, done, done_ns)]
         self.tables.append(codec.from_rows(S.HEARTBEAT, rows))
 
-    def hang(self, attempt, ts, kind="comm_hang", missing="3", stuck="0-2,4-15", hosts="h0"):
+    def hang(self, attempt, ts, kind="comm_hang", missing="3", stuck="0-2,4-15", hosts="h0", evidence=None):
         self.tables.append(codec.from_rows(S.HANG, [dict(
             job_id=self.job, attempt=attempt, hang_id=ts * NS, kind=kind, group="", seq=-1, op="", stuck_ranks=stuck,
-            missing_ranks=missing, suspect_hosts=hosts, since_ns=0, duration_s=0.0, evidence_json="{}")]))
+            missing_ranks=missing, suspect_hosts=hosts, since_ns=0, duration_s=0.0,
+            evidence_json=jsonutil.dumps(evidence or {}))]))
 
     def alert(self, attempt, ts, rule="hang", **details):
         self.tables.append(codec.from_rows(S.ALERT, [dict(
@@ -279,6 +280,36 @@ def test_node_loss_without_checkpoint_redoes_every_step_and_a_failed_reinit_is_r
     assert r["lost_progress_s"] == pytest.approx(150)
     assert r["reinit_s"] == pytest.approx(300)  # from the first restart (1000) to the first step (1300)
     assert "never completed a step" in r["note"]
+
+
+PLAN = {"action": "restart on the 1 surviving node as DP 1 x PP 1", "n_nodes": 2, "nodes_alive": 1,
+        "step_time_before_loss_s": 1.0, "step_time_after_s": 2.0, "throughput_vs_before": 0.5}
+
+
+@pytest.mark.parametrize("via", ["hang", "alert"])
+def test_a_node_loss_incident_carries_its_recovery_plan(via):
+    """Issue 54: the plan made when the loss was found (``ray_jobs.hang_monitor``) is on the incident row too,
+    from the HANG row or, where only the alert was seen, from the alert's details."""
+    tl = Timeline()
+    first_attempt(tl)
+    if via == "hang":
+        tl.hang(0, 400, kind="node_loss", missing="8-15", stuck="", hosts="h1", evidence={"recovery_plan": PLAN})
+    else:
+        tl.alert(0, 400, rule="node_loss", kind="node_loss", missing_ranks="8-15", recovery_plan=PLAN)
+    restarted(tl)
+    r = _one(tl.tables)
+    assert r["kind"] == "node_loss"
+    assert r["recovery_plan"] == ("restart on the 1 surviving node as DP 1 x PP 1; predicted 2 s per step, 0.50 of "
+                                  "the throughput before the loss"), r["recovery_plan"]
+
+
+def test_an_incident_without_a_plan_says_nothing_of_one():
+    tl = Timeline()
+    first_attempt(tl)
+    tl.hang(0, 400, kind="node_loss", missing="8-15", stuck="", hosts="h1",
+            evidence={"recovery_plan_missing": "no window of this job was analysed whole before the loss"})
+    restarted(tl)
+    assert _one(tl.tables)["recovery_plan"] == ""
 
 
 def test_a_hang_that_clears_costs_its_stall_and_no_progress():
