@@ -19,7 +19,7 @@ rank in its own network namespace with one fault shaped by ``tc``
 healthy; severe and mild alternate), analysed by a real broker and
 ``stragglerscope run``. Needs root and ``ip netns``; about 25 s a run.
 Each run is scored twice: on its top finding at any confidence, and on the
-top finding the trace summary prints (``[alerts] link_shown_confidence``, 0.3; below
+top finding the trace summary prints (``[alerts] link_shown_confidence``, 0.5; below
 it a finding is a hint the console lists with the window's matrix).
 Printed per job: precision and recall per finding kind, and the median time
 from the fault's start to the stored verdict.

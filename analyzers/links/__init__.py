@@ -74,7 +74,7 @@ TCP_SURE = 0.5
 """A finding from the flows this confident stands instead of what enter and exit times say of the network."""
 CCL_ONLY_CAP = 0.25
 """Most confidence a finding from enter and exit times keeps where the kernel saw every transfer healthy: under
-what the trace summary prints (``[alerts] link_shown_confidence``, 0.3: keep this under it), a hint the console lists with the window's matrix. On 2
+what the trace summary prints (``[alerts] link_shown_confidence``, 0.5: keep this under it), a hint the console lists with the window's matrix. On 2
 shared cores gloo's own threads are starved now and then, and a healthy ring's transfer took 2.7x its class."""
 
 
