@@ -52,7 +52,7 @@ from ray_jobs.downtime_reducer import DowntimeReducer
 from ray_jobs.regressions import RegressionReducer, params_of
 from ray_jobs.hang_monitor import HangReducer
 from ray_jobs.port_counters import PortCounterReducer
-from ray_jobs.transports import JobRegistry, LostLogs, OffsetStore, Outbox, RecordSource, ResultSink
+from ray_jobs.transports import ControlFeed, JobRegistry, LostLogs, OffsetStore, Outbox, RecordSource, ResultSink
 from ray_jobs.state import StateKeeper, shard_key
 
 log = logging.getLogger(__name__)
@@ -154,12 +154,12 @@ class ShardWorker:
                  consumer_factory: Callable[[], RecordSource] | None = None,
                  submit: Callable[..., Any] | None = None,
                  clock: Clock = Clock(),
-                 control_factory: Callable[[], Any] | None = None):
+                 control_factory: Callable[[], ControlFeed] | None = None):
         """``sink_factory()`` gives the writer, called in ``setup``: a ``ResultWriter`` over the store in
         production (the shard actor builds it from the pipeline's ``open_store``), a fake in tests; it plays
         ``ray_jobs.transports.WRITER_ROLES``. ``consumer_factory()`` gives the reader (``READER_ROLES``); the
         default reads this shard's partitions from Kafka (``KafkaSource``). ``control_factory()`` gives the
-        reader of run-time changes (``poll(timeout_ms)`` -> control records, ``close()``); the default reads the
+        reader of run-time changes (``ControlFeed``); the default reads the
         control topic where the default reader reads Kafka, and there is none beside a reader a test passed."""
         self.index = index
         self.partitions = list(partitions)
@@ -189,7 +189,7 @@ class ShardWorker:
         self.checkpoint: Checkpoint | None = None
         self.journal: CrashJournal | None = None
         self.outlet: AlertOutlet | None = None
-        self.controls = None  # the control topic's reader, made in setup
+        self.controls: ControlFeed | None = None  # the control topic's reader, made in setup
 
     # -- lifecycle ----------------------------------------------------------
     def setup(self) -> None:

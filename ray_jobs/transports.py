@@ -20,6 +20,7 @@ role                what for                                    used by
 ``OffsetStore``     the offsets those results cover             ``Checkpoint``, the shard's setup
 ``StateStore``      the reducers' state to resume from          ``StateKeeper``
 ``JobRegistry``     registrations stored before a restart       the shard's setup
+``ControlFeed``     run-time changes (a third object)           the shard loop
 ==================  ==========================================  ==============================
 
 Every member is called without probing: a transport implements every member of
@@ -133,6 +134,17 @@ class JobRegistry(Protocol):
     """Job registrations stored before (a restarted shard knows its jobs' layouts at once)."""
 
     def load_jobs(self) -> list[dict]: ...
+
+
+@runtime_checkable
+class ControlFeed(Protocol):
+    """Run-time changes (``core.control`` records, bytes), from the control topic's start, in order. A third
+    object beside the reader and the writer (``core.control_topic.ControlReader``): the control topic is
+    read whole by every shard, not by partition."""
+
+    def poll(self, timeout_ms: int) -> list: ...
+
+    def close(self) -> None: ...
 
 
 READER_ROLES = (RecordSource, LostLogs, Outbox)

@@ -145,3 +145,18 @@ class ManualClock:
 
     def wall_ns(self) -> int:
         return self.wall() if self.wall is not None else self._wall0 + int(self.t * 1e9)
+
+
+class FakeControls:
+    """The control topic as the shard reads it: what the test appends, once."""
+
+    def __init__(self):
+        self.records: list[bytes] = []
+        self.closed = False
+
+    def poll(self, timeout_ms: int) -> list[bytes]:
+        out, self.records = self.records, []
+        return out
+
+    def close(self) -> None:
+        self.closed = True

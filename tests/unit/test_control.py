@@ -130,26 +130,11 @@ def test_an_exporter_takes_a_sampling_change_at_its_next_step_end():
         exp.close()
 
 
-class FakeControls:
-    """The control topic as the shard reads it: what the test appends, once."""
-
-    def __init__(self):
-        self.records: list[bytes] = []
-        self.closed = False
-
-    def poll(self, timeout_ms: int) -> list[bytes]:
-        out, self.records = self.records, []
-        return out
-
-    def close(self) -> None:
-        self.closed = True
-
-
 def test_a_shard_stores_each_change_and_judges_the_job_by_its_thresholds_until_the_change_ends():
     from core.config import Config
     from generators.faultgen import hang_incident
     from ray_jobs.shard import ShardWorker
-    from tests.fakes import FakeSink, FakeSource, ManualClock
+    from tests.fakes import FakeControls, FakeSink, FakeSource, ManualClock
 
     clock, sink, controls = ManualClock(), FakeSink(), FakeControls()
     cfg = Config().replace(pipeline={"commit_interval_s": 0.0, "state_interval_s": 0.0},

@@ -7,10 +7,11 @@ import inspect
 
 import pytest
 
+from core.control_topic import ControlReader
 from ray_jobs.kafka_source import KafkaSource
-from ray_jobs.transports import READER_ROLES, WRITER_ROLES, RecordSource, ResultSink
 from ray_jobs.result_writer import ResultWriter
-from tests.fakes import FakeSink, FakeSource
+from ray_jobs.transports import READER_ROLES, WRITER_ROLES, ControlFeed, RecordSource, ResultSink
+from tests.fakes import FakeControls, FakeSink, FakeSource
 
 
 def _members(protocol) -> dict[str, inspect.Signature]:
@@ -36,7 +37,8 @@ def _accepts(impl: inspect.Signature, wanted: inspect.Signature) -> list[str]:
 
 
 CASES = [(impl, role) for impls, roles in (((KafkaSource, FakeSource), READER_ROLES),
-                                            ((ResultWriter, FakeSink), WRITER_ROLES))
+                                            ((ResultWriter, FakeSink), WRITER_ROLES),
+                                            ((ControlReader, FakeControls), (ControlFeed,)))
          for impl in impls for role in roles]
 
 
