@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from core import topics
 from core.kafka_conn import KafkaConn, as_conn
@@ -43,6 +43,12 @@ batch over the limit so that a reader can go on), and its decoded size is bounde
 (``validation.max_decoded_mb``)."""
 PARTITION_FETCH_BYTES = 1 << 20
 """... and this much of one partition: one busy partition does not take a poll's whole share."""
+LOST_LOG_GRACE_S = 15.0
+"""How long a partition's end may stay behind the position read before its log counts as lost. A real Kafka
+cluster's new leader learns the high watermark from its followers' next fetches, so just after a failover it
+can answer with an end behind what the old leader had already handed out (Kafka's clients check positions
+against leader epochs for this reason). Taken at once, that moment paused the partition for good as a broker
+that lost records; a broker that really lost its records stays behind."""
 
 
 class KafkaSource:
@@ -60,7 +66,9 @@ class KafkaSource:
     deleted or re-created with fewer partitions), a topic re-created under
     the source (its topic id changed: the broker restarted empty), a position
     beyond the partition's end (the broker lost records; reading on would
-    skip the records it now gives those offsets). Records that expired
+    skip the records it now gives those offsets; only once it has stayed
+    beyond for ``lost_log_grace_s``: a new leader after a failover tells its
+    end late). Records that expired
     before they were read (position before the beginning) are logged and
     skipped: nothing can bring them back. ``poll``, ``positions`` and ``lag``
     never raise for such a partition; the others are read on.
@@ -78,10 +86,12 @@ class KafkaSource:
 
     def __init__(self, bootstrap: KafkaConn | str, topics: Iterable[str], partitions: Iterable[int],
                  client_id: str = "stragglerscope-shard", max_poll_records: int = 500,
-                 check_interval_s: float = 2.0, on_lost_log: str = "stop"):
+                 check_interval_s: float = 2.0, on_lost_log: str = "stop",
+                 lost_log_grace_s: float = LOST_LOG_GRACE_S, clock: Callable[[], float] = time.monotonic):
         """``on_lost_log``: what to do with a partition whose log is not the one its offset counts in (the
         broker lost its data): 'stop' pauses it and reports it in ``problems``; 'rewind' reads the new log
-        from its start, and each such move is kept for the audit (``take_resets``)."""
+        from its start, and each such move is kept for the audit (``take_resets``). ``lost_log_grace_s``: how
+        long an end behind the position is waited out before it is taken for lost records."""
         self.conn = as_conn(bootstrap)
         self.bootstrap = self.conn.bootstrap
         self.families = tuple(topics)
@@ -106,6 +116,12 @@ class KafkaSource:
         self._stored_logs: dict[TopicPartition, str] = {}
         self._lost: dict[TopicPartition, tuple[str, str]] = {}  # (why, old log id): paused until rewound
         self._resets: list[dict] = []  # rewinds done, for the audit table
+        self.lost_log_grace_s = lost_log_grace_s
+        self._clock = clock
+        # (partition, "end" | "fetch") -> when its end was first seen behind the position (a high watermark
+        # below it, or a fetch refused as beyond the end), not yet taken for a loss; each cleared by its own
+        # evidence (a high watermark at or past the position; records fetched).
+        self._behind_since: dict[tuple[TopicPartition, str], float] = {}
 
     def setup(self) -> None:
         from kafka import KafkaConsumer
@@ -389,6 +405,8 @@ class KafkaSource:
             return []
         out = []
         for ktp, records in got.items():
+            if records:  # fetched: a refusal as beyond the end before was the leader's late end
+                self._behind_since.pop(((ktp.topic, ktp.partition), "fetch"), None)
             for r in records:
                 out.append(Message(ktp.topic, ktp.partition, r.offset, r.key, r.value))
         # Registrations first: a window can then see its job's layout in the same batch.
@@ -411,7 +429,21 @@ class KafkaSource:
                 self._consumer.seek(ktp, begin[tp])
                 self.advance(tp, begin[tp])
             elif not self._past_generation(tp[0]):
-                self._log_lost(tp, f"the position {pos} is beyond its end: the broker lost records")
+                if self._still_behind(tp, "fetch"):
+                    self._log_lost(tp, f"the position {pos} is beyond its end: the broker lost records")
+                else:  # fetched again from the same place next poll: the new leader's end may have caught up
+                    with _suppress_kafka():
+                        self._consumer.seek(ktp, pos)
+
+    def _still_behind(self, tp: TopicPartition, how: str) -> bool:
+        """Whether ``tp``'s end has been behind its position (``how``: by its high watermark, or by a refused
+        fetch) for ``lost_log_grace_s``, counted from when it was first seen so."""
+        now = self._clock()
+        since = self._behind_since.setdefault((tp, how), now)
+        if now - since < self.lost_log_grace_s:
+            return False
+        self._behind_since.pop((tp, how), None)
+        return True
 
     def advance(self, tp: TopicPartition, next_offset: int) -> None:
         if next_offset > self._positions.get(tp, -1):
@@ -448,9 +480,10 @@ class KafkaSource:
                 hw = None
             pos = self._positions.get(tp, 0)
             if hw is not None and hw < pos:
-                if not self._past_generation(tp[0]):
+                if not self._past_generation(tp[0]) and self._still_behind(tp, "end"):
                     self._log_lost(tp, f"its end {hw} is behind the position {pos}: the broker lost records")
                 continue
+            self._behind_since.pop((tp, "end"), None)
             # Before the first fetch answer: the end ListOffsets gave at seek(), a lower bound on Tansu.
             end = hw if hw is not None else self._end.get(tp)
             total += max(0, end - pos) if end is not None else 0

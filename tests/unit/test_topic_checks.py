@@ -140,10 +140,13 @@ class FakeConsumer:
         pass
 
 
-def _source(consumer, partitions=range(4), topics=("ss.ops",)):
+def _source(consumer, partitions=range(4), topics=("ss.ops",), grace_s=0.0, clock=None):
+    import time
+
     from ray_jobs.kafka_source import KafkaSource
 
-    src = KafkaSource("127.0.0.1:1", topics, partitions, check_interval_s=0.0)
+    src = KafkaSource("127.0.0.1:1", topics, partitions, check_interval_s=0.0, lost_log_grace_s=grace_s,
+                      clock=clock or time.monotonic)
     src._consumer, src._KTP = consumer, _KTP
     src._tps = [_KTP(t, p) for t in topics for p in partitions]
     return src
@@ -182,6 +185,36 @@ def test_an_end_behind_the_position_is_reported_once_and_paused(caplog):
     assert src.problems == ["ss.ops[1]: its end 3 is behind the position 10: the broker lost records"]
     assert len([r for r in caplog.records if "not reading ss.ops[1]" in r.getMessage()]) == 1
     assert _KTP("ss.ops", 1) in c.paused
+
+
+def test_an_end_behind_the_position_for_a_moment_is_a_failover_not_a_loss():
+    """A real Kafka's new leader tells its high watermark late after a failover: the end falls behind the
+    position read for a moment. Only an end that stays behind for the grace is a broker that lost records."""
+    from kafka.errors import OffsetOutOfRangeError
+
+    now = [0.0]
+    c = FakeConsumer({"ss.ops": 2})
+    src = _source(c, partitions=range(2), grace_s=15.0, clock=lambda: now[0])
+    src.seek({("ss.ops", 0): 10, ("ss.ops", 1): 10})
+    c.hw = {_KTP("ss.ops", 0): 8, _KTP("ss.ops", 1): 10}  # partition 0's new leader, behind by two
+    for t in (0.0, 5.0, 14.9):
+        now[0] = t
+        assert src.lag() == 0 and src.problems == [] and not c.paused
+    c.hw[_KTP("ss.ops", 0)] = 12  # it caught up
+    now[0] = 16.0
+    assert src.lag() == 2 and src.problems == []
+    c.hw[_KTP("ss.ops", 0)] = 9  # behind again later: the grace starts again from here
+    now[0] = 20.0
+    assert src.lag() == 0 and src.problems == []
+    now[0] = 35.0
+    src.lag()
+    assert src.problems == ["ss.ops[0]: its end 9 is behind the position 10: the broker lost records"]
+    # A fetch refused as beyond the end is fetched again from the same position during the grace.
+    c.poll_error = OffsetOutOfRangeError({_KTP("ss.ops", 1): 10})
+    assert src.poll(10) == [] and c.seeks[_KTP("ss.ops", 1)] == 10 and len(src.problems) == 1
+    now[0] = 51.0
+    assert src.poll(10) == []
+    assert src.problems[-1] == "ss.ops[1]: the position 10 is beyond its end: the broker lost records"
 
 
 def test_out_of_range_beyond_the_end_is_a_problem_before_the_beginning_moves_on():
