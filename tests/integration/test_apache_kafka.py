@@ -100,10 +100,11 @@ def test_the_right_password_carries_a_fleet_through_run_into_the_store(sasl_kafk
         os.environ.pop("STRAGGLERSCOPE_KAFKA_SASL_PASSWORD", None)
 
 
-# Quarantined, issue 49 kept open for it: inside the whole suite on 2 cores it failed in 2 of 3 runs on record (alone it
-# passes, 95 s), two ways: (1) 15 and 20 of 36 windows stored, every shard at lag 0 with nothing waiting and no
-# partition reported; (2) after the kill the two surviving brokers answered no request within 5 s for 120 s, so
-# the producer's spool could not deliver. Not explained yet; runs on, its outcome shows as XFAIL or XPASS.
+# Quarantined, issue 49 kept open for it: inside the whole suite on 2 cores it failed in 2 of 3 runs on
+# record (alone it passes, 95 s), two ways: (1) 15 and 20 of 36 windows stored, every shard at lag 0 with
+# nothing waiting and no partition reported; (2) after the kill the two surviving brokers answered no request
+# within 5 s for 120 s, so the producer's spool could not deliver. Not explained yet; it runs on, and its
+# outcome shows as XFAIL or XPASS.
 @pytest.mark.xfail(strict=False, reason="issue 49: a real three-broker failover under a loaded 2-core machine "
                    "loses windows to the pipeline or stalls delivery past 120 s; under investigation")
 def test_three_brokers_the_first_run_starts_and_a_leader_killed_mid_run_loses_nothing(tmp_path):
