@@ -85,27 +85,29 @@ class Setting:
     doc: str
 
 
+def _ranged(name: str, low: float, high: float, reader: str, doc: str) -> Setting:
+    """A numeric setting checked to lie in [low, high] (its name said once)."""
+    return Setting(name, _number(name, low, high), reader, doc)
+
+
 # The hang thresholds keep core.config.HangConfig's field names after the "hang_" prefix; their ranges are
 # wide but keep the detector sane (a 0 s threshold would page every job at every pause).
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("sample", _sample, "exporter", "K/N: profile K consecutive steps of every N (1/1: every step)"),
     Setting("profiling", _profiling, "exporter", "'paused' stops profiling (heartbeats go on), 'on' resumes it"),
-    Setting("heartbeat_s", _number("heartbeat_s", 0.5, 300), "exporter", "seconds between a rank's heartbeats"),
-    Setting("hang_min_s", _number("hang_min_s", 1, 86400), "shard",
+    _ranged("heartbeat_s", 0.5, 300, "exporter", "seconds between a rank's heartbeats"),
+    _ranged("hang_min_s", 1, 86400, "shard",
             "once the job's pace is known, no progress for at least this long is a hang"),
-    Setting("hang_quiet_factor", _number("hang_quiet_factor", 1, 100), "shard",
+    _ranged("hang_quiet_factor", 1, 100, "shard",
             "... and for this many times the job's longest normal wait between two ops"),
-    Setting("hang_floor_s", _number("hang_floor_s", 1, 86400), "shard",
+    _ranged("hang_floor_s", 1, 86400, "shard",
             "until the ranks report their pace, no progress for at least this long is a hang"),
-    Setting("hang_k_steps", _number("hang_k_steps", 1, 10000), "shard",
-            "... and for this many median step times"),
-    Setting("hang_silent_s", _number("hang_silent_s", 1, 3600), "shard",
-            "in a stall, a rank silent this long is the missing one"),
-    Setting("hang_heartbeat_timeout_s", _number("hang_heartbeat_timeout_s", 5, 86400), "shard",
+    _ranged("hang_k_steps", 1, 10000, "shard", "... and for this many median step times"),
+    _ranged("hang_silent_s", 1, 3600, "shard", "in a stall, a rank silent this long is the missing one"),
+    _ranged("hang_heartbeat_timeout_s", 5, 86400, "shard",
             "ranks silent this long while others report are lost (node loss)"),
-    Setting("hang_startup_s", _number("hang_startup_s", 1, 86400), "shard",
-            "before the first step, no progress for this long is a hang"),
-    Setting("hang_checkpoint_s", _number("hang_checkpoint_s", 1, 86400), "shard",
+    _ranged("hang_startup_s", 1, 86400, "shard", "before the first step, no progress for this long is a hang"),
+    _ranged("hang_checkpoint_s", 1, 86400, "shard",
             "inside a checkpoint save or load, no progress for this long is a hang"),
 )}
 HANG_PREFIX = "hang_"
