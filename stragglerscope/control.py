@@ -67,7 +67,7 @@ def format_status(changes: list[ControlChange], book: ControlBook, job_id: str |
         for c in changes:
             what = ", ".join(f"{k}={v}" for k, v in sorted(c.what.items()))
             lines.append(f"{c.change_id:<17} {c.scope[:24]:<24} {c.who[:12]:<12} {_utc(c.when):<20} "
-                         f"{_utc(c.until) if c.until else 'cleared by hand':<20} {what}")
+                         f"{_utc(c.until) if c.until else 'until cleared':<20} {what}")
         if job_id:
             merged = ", ".join(f"{k}={v}" for k, v in sorted(book.settings(time.time_ns(), job_id).items()))
             lines.append(f"in force for {job_id}: {merged}")
