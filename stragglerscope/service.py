@@ -392,6 +392,9 @@ def status_line(statuses: list[dict], placement=None) -> str:
     line = "status     " + "  ".join(
         f"shard {s.get('shard')}: windows={s.get('windows_stored', '?')} "
         f"lag={s.get('lag', '?') if s.get('loops') else '?'} waiting={s.get('windows_waiting', '?')}"
+        # records of windows already analysed (ss_late_records_total): a sender held up longer than
+        # pipeline.idle_timeout_s, whose window went without them, or records read again after a restart
+        f"{' late=%d' % s['late_records'] if s.get('late_records') else ''}"
         f"{' STORE DOWN %.0f s' % s['store_down_s'] if s.get('store_down_s') else ''}"
         f"{' ERROR ' + s['error'] if s.get('error') else ''}" for s in statuses)
     if placement is not None and placement.problems:

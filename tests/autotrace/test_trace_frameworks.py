@@ -90,8 +90,26 @@ def losses(out: Path) -> dict[int, list[float]]:
     return {int(p.stem[4:]): json.loads(p.read_text())["losses"] for p in out.glob("rank*.json")}
 
 
-def step_time(out: Path) -> float:
-    return statistics.median(json.loads((out / "rank0.json").read_text())["step_times"][WINDOW:WINDOW + 6])
+def step_time(out: Path, average=statistics.median) -> float:
+    """Rank 0's step time over the checked window's steps as the script measured it. The median for S: a step
+    the shared machine slowed in one run says nothing of the method. The mean where the analysis's own figure
+    is a mean (``step_time_actual``): compared with a median, one slow step (0.37 s among 0.16 s ones, CI
+    stop 57) read as spans 24% longer than the step, where the means agreed within 2%."""
+    return average(json.loads((out / "rank0.json").read_text())["step_times"][WINDOW:WINDOW + 6])
+
+
+def window_missed(result: dict) -> bool:
+    """Whether the checked window closed on the idle timeout, a rank's records short. On a loaded machine one
+    rank's batch of a mid-window step (megatron, rank 3, step 10, CI stop 57) came too late for its window
+    or not at all: a delivery the machine held up, not a diagnosis, so the attempt is measured again; the
+    fleet's status line counts late records (``late=``), printed with the report."""
+    return not result["row"]["complete"]
+
+
+def fleet_status(cfg: Path) -> str:
+    """The fleet pipeline's last status line (``tests.fleet``'s log beside its configuration)."""
+    lines = [x for x in (cfg.parent / "run.log").read_text(errors="replace").splitlines() if x.startswith("status")]
+    return lines[-1] if lines else "no status line yet"
 
 
 def wait_window(store, job: str, timeout=120) -> dict:
@@ -139,7 +157,8 @@ def test_unchanged_job_is_diagnosed_and_keeps_its_losses(framework, fleet, tmp_p
             # MFU line once per rank and again in the summary (on CPU the peak is unknown: said once).
             assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in r.stderr and r.stderr.count("MFU not reported") <= 1, \
                 r.stderr[-3000:]
-            results[name] = dict(analysed(store, job), measured=step_time(tmp_path / name), job=job)
+            results[name] = dict(analysed(store, job), measured=step_time(tmp_path / name),
+                                 measured_mean=step_time(tmp_path / name, statistics.mean), job=job)
         # Instrumented or not, the same losses, bit for bit.
         assert losses(tmp_path / "slow") == losses(tmp_path / "plain")
         s, c = results["slow"], results["ctrl"]
@@ -149,13 +168,15 @@ def test_unchanged_job_is_diagnosed_and_keeps_its_losses(framework, fleet, tmp_p
         # Each bound is the target plus the noise the control shows (``machine_noise``): on a quiet machine
         # the targets themselves; a wrong method misses by more than any noise.
         noise = machine_noise(c)
-        if abs(err) <= TOLERANCE + noise and all(
-                abs(r["row"]["step_time_actual"] / r["measured"] - 1) <= 0.05 + noise
+        if not any(map(window_missed, (s, c))) and abs(err) <= TOLERANCE + noise and all(
+                abs(r["row"]["step_time_actual"] / r["measured_mean"] - 1) <= 0.05 + noise
                 and abs(r["row"]["launch_slowdown"] - 1) <= 0.1 + noise for r in (s, c)):
             break
     report = (f"{framework}: S={S:.3f} S/control S={predicted:.3f} slowed/control={expected:.3f} ({err:+.1%}) "
               f"fidelity={s['row']['launch_slowdown']:.3f} top={s['top']} dp={s['top_dp']} pp={s['top_pp']} "
-              f"control S={c['row']['slowdown']:.3f} verdict={s['row']['verdict']} (bound {TOLERANCE + noise:.1%})")
+              f"control S={c['row']['slowdown']:.3f} verdict={s['row']['verdict']} (bound {TOLERANCE + noise:.1%})"
+              + "".join(f"; {n} window: {r['row']['note']}" for n, r in results.items() if window_missed(r))
+              + (f"; fleet {fleet_status(cfg)}" if any(map(window_missed, (s, c))) else ""))
     with open(artifacts / "trace_frameworks.txt", "a") as f:
         f.write(report + "\n")
     print(report)
@@ -167,7 +188,7 @@ def test_unchanged_job_is_diagnosed_and_keeps_its_losses(framework, fleet, tmp_p
     for r in (s, c):
         # The recorded spans cover the step the script measured (replaying them with their launch delays
         # gives this actual time), and the simulation without launch delays stays close (fidelity).
-        assert abs(r["row"]["step_time_actual"] / r["measured"] - 1) <= 0.05 + noise, report
+        assert abs(r["row"]["step_time_actual"] / r["measured_mean"] - 1) <= 0.05 + noise, report
         assert abs(r["row"]["launch_slowdown"] - 1) <= 0.1 + noise, report
 
 

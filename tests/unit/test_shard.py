@@ -141,6 +141,31 @@ def test_a_window_missing_a_worker_waits_for_the_idle_timeout():
     assert sink.offsets["src-1"][(topics.TOPIC_OPS, 0)] == 1
 
 
+
+def test_a_batch_after_its_window_closed_on_the_idle_timeout_is_counted_late_and_shown():
+    """A rank's batch held up past ``idle_timeout_s`` finds its window analysed without it: not analysed again,
+    counted, and the status line says so (the only trace of it outside the metrics)."""
+    from stragglerscope.service import status_line
+
+    a = job("a")
+    ops = generate_window(a, 0, STEPS, 0)
+    held_up = pa.compute.equal(ops["dp_rank"], 1)
+    clock = ManualClock()
+    calls = []
+    w, src, _ = make_worker(messages_for([a.registration(0, STEPS), ops.filter(pa.compute.invert(held_up)),
+                                          ops.filter(held_up)]), calls=calls, clock=clock)
+    late = src._pending.pop()
+    run(w)
+    assert "late=" not in status_line([w.status()])
+    clock.t = 11.0
+    run(w, 3)
+    assert len(calls) == 1 and calls[0][1] is False
+    src._pending.append(late)
+    run(w, 3)
+    assert len(calls) == 1  # analysed once
+    assert w.stats.late_records == ops.filter(held_up).num_rows
+    assert f"late={w.stats.late_records}" in status_line([w.status()])
+
 def _all_reduces(spec, window, steps, ranks):
     """One gradient all-reduce per step on each of ``ranks``, as the exporter writes them."""
     n = spec.layout.dp_size * spec.layout.pp_size
