@@ -13,7 +13,7 @@ never applied in part). A change applies whole or not at all: one bad setting re
 ``ControlBook`` folds the records read, in topic order, into what is in force at a time: for a job,
 the fleet's changes and then the job's own, the later of two setting the same name winning. The exporters
 (``ingest.control``) take the sampling, pause and heartbeat settings of their job from it; the shards
-(``ray_jobs.shard``) the hang thresholds. A setting none of the changes in force names keeps the value
+(``ray_jobs.shard``) the hang thresholds, the regression rule's and the link rule's. A setting none of the changes in force names keeps the value
 the exporter or the pipeline started with, so a change that expires or is cleared restores it.
 """
 from __future__ import annotations
@@ -85,9 +85,9 @@ class Setting:
     doc: str
 
 
-def _ranged(name: str, low: float, high: float, reader: str, doc: str) -> Setting:
-    """A numeric setting checked to lie in [low, high] (its name said once)."""
-    return Setting(name, _number(name, low, high), reader, doc)
+def _ranged(name: str, low: float, high: float, reader: str, doc: str, integral: bool = False) -> Setting:
+    """A numeric setting checked to lie in [low, high] (its name said once); ``integral``: a whole number."""
+    return Setting(name, _number(name, low, high, integral), reader, doc)
 
 
 # The hang thresholds keep core.config.HangConfig's field names after the "hang_" prefix; their ranges are
@@ -109,13 +109,27 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _ranged("hang_startup_s", 1, 86400, "shard", "before the first step, no progress for this long is a hang"),
     _ranged("hang_checkpoint_s", 1, 86400, "shard",
             "inside a checkpoint save or load, no progress for this long is a hang"),
+    # The regression rule's thresholds (core.config.RegressionConfig after the "regression_" prefix), within
+    # the bounds core.config.load checks for the [regression] section; a change applies to the windows
+    # analysed after it, against the baseline the job already has.
+    _ranged("regression_min_change", 0.01, 9, "shard",
+            "the smallest slowdown against the job's own baseline that is a regression (0.1: a tenth slower)"),
+    _ranged("regression_k_windows", 1, 100, "shard", "... lasting at least this many windows", integral=True),
+    _ranged("regression_baseline_windows", 1, 100, "shard",
+            "windows whose median step time is the job's baseline (at its start and after each change)",
+            integral=True),
+    # The link rule's threshold (core.config.AlertConfig.link_confidence after the "alerts_" prefix).
+    _ranged("alerts_link_confidence", 0, 1, "shard",
+            "a window's link finding at least this confident raises a link alert"),
 )}
 HANG_PREFIX = "hang_"
+REGRESSION_PREFIX = "regression_"
+ALERTS_PREFIX = "alerts_"
 
 
 def describe_settings() -> str:
     """One line per setting, for ``--help``."""
-    return "\n".join(f"  {s.name:<26} {s.doc} (applied by the {s.reader})" for s in SETTINGS.values())
+    return "\n".join(f"  {s.name:<28} {s.doc} (applied by the {s.reader})" for s in SETTINGS.values())
 
 
 def check_job_id(job_id: Any) -> str:
@@ -306,6 +320,20 @@ class ControlBook:
         return min(ends) if ends else 0
 
 
+def _overrides(settings: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {k[len(prefix):]: v for k, v in settings.items() if k.startswith(prefix)}
+
+
 def hang_overrides(settings: dict[str, Any]) -> dict[str, float]:
     """The hang detector's fields (``core.config.HangConfig``) a change's settings name."""
-    return {k[len(HANG_PREFIX):]: v for k, v in settings.items() if k.startswith(HANG_PREFIX)}
+    return _overrides(settings, HANG_PREFIX)
+
+
+def regression_overrides(settings: dict[str, Any]) -> dict[str, Any]:
+    """The regression detector's fields (``core.config.RegressionConfig``) a change's settings name."""
+    return _overrides(settings, REGRESSION_PREFIX)
+
+
+def alert_overrides(settings: dict[str, Any]) -> dict[str, Any]:
+    """The alert rules' fields (``core.config.AlertConfig``) a change's settings name."""
+    return _overrides(settings, ALERTS_PREFIX)

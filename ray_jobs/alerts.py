@@ -38,6 +38,21 @@ class AlertRules:
         self.cfg = cfg
         self._last: dict[tuple[str, str], float] = {}
         self.suppressed = 0
+        # Run-time changes (core.control): the link threshold for every job, and per job over the fleet's.
+        self.link_confidence = cfg.link_confidence
+        self.job_link_confidence: dict[str, float] = {}
+
+    def link_confidence_for(self, job_id: str) -> float:
+        """The confidence at which ``job_id``'s link findings alert: its own run-time change, else the fleet's,
+        else the configured ``alerts.link_confidence``."""
+        return self.job_link_confidence.get(job_id, self.link_confidence)
+
+    def set_overrides(self, fleet: dict, jobs: dict[str, dict]) -> None:
+        """Alert thresholds changed at run time (``core.control.alert_overrides``): ``fleet`` for every job,
+        ``jobs`` per job over the fleet's. Replaces the previous overrides whole, so a change that ended
+        restores the configured value; applies to the next finding evaluated."""
+        self.link_confidence = fleet.get("link_confidence", self.cfg.link_confidence)
+        self.job_link_confidence = {job: o["link_confidence"] for job, o in jobs.items() if "link_confidence" in o}
 
     def _fire(self, job_id: str, rule: str, now: float) -> bool:
         last = self._last.get((job_id, rule))
@@ -130,13 +145,16 @@ class AlertRules:
 
     def evaluate_links(self, rows: list[dict], now: float, now_ns: int) -> list[dict]:
         """One alert per window for its most confident link fault (LINK_FAULT rows) at ``link_confidence`` or
-        more.
+        more (the job's run-time value, ``link_confidence_for``).
 
         Critical only when the same element was found in the job's window before too, or the finding is
         near certain (``link_certain``): one window's finding alone is a warning. A noisy host made one window's
         all-reduce look slow and the next window named another element; a real fault stays where it is.
         """
-        rows = [r for r in rows if r["confidence"] >= self.cfg.link_confidence]
+        if not rows:
+            return []
+        floor = self.link_confidence_for(rows[0]["job_id"])  # a table per window: one job's findings
+        rows = [r for r in rows if r["confidence"] >= floor]
         if not rows:
             return []
         top = max(rows, key=lambda r: (r["confidence"], r["slowdown"]))

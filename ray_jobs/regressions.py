@@ -56,13 +56,30 @@ class RegressionReducer:
     def __init__(self, clock: Clock, params: RegressionParams = RegressionParams()):
         self.clock = clock
         self.params = params
+        # Run-time changes (core.control): the configured thresholds, and each job's overrides over the fleet's.
+        self.base_params = params
+        self.job_params: dict[str, RegressionParams] = {}
         self.detectors: collections.OrderedDict[str, RegressionDetector] = collections.OrderedDict()
         self._rows: list[dict] = []
         self.found = collections.Counter()  # stored events by kind
 
+    def params_for(self, job_id: str) -> RegressionParams:
+        """The thresholds ``job_id`` is judged by: its own run-time change, else the fleet's, else the configured."""
+        return self.job_params.get(job_id, self.params)
+
+    def set_overrides(self, fleet: dict, jobs: dict[str, dict]) -> None:
+        """Thresholds changed at run time (``core.control.regression_overrides``): ``fleet`` for every job,
+        ``jobs`` per job over the fleet's. Replaces the previous overrides whole, so a change that ended
+        restores the configured value. The detectors keep their history (baseline, CUSUM): the new thresholds
+        judge the windows that come next, so a change takes effect at once instead of after a new baseline."""
+        self.params = dataclasses.replace(self.base_params, **fleet)
+        self.job_params = {job: dataclasses.replace(self.params, **o) for job, o in jobs.items() if o}
+        for job, det in self.detectors.items():
+            det.params = self.params_for(job)
+
     def add(self, kind: str, table: pa.Table, at=None, now: float = 0.0) -> None:
         for job, attempt, point in points_of(table):
-            det = self.detectors.pop(job, None) or RegressionDetector(self.params)
+            det = self.detectors.pop(job, None) or RegressionDetector(self.params_for(job))
             self.detectors[job] = det  # most recent last
             if len(self.detectors) > MAX_JOBS:
                 self.detectors.popitem(last=False)
@@ -91,7 +108,7 @@ class RegressionReducer:
 
     def restore(self, state: dict) -> None:
         for job, st in state.items():
-            det = RegressionDetector(self.params)
+            det = RegressionDetector(self.params_for(job))
             det.restore(st)
             self.detectors[job] = det
 

@@ -40,7 +40,7 @@ import pyarrow as pa
 from core import codec, topics
 from core import schema as S
 from core.config import Config
-from core.control import ControlBook, hang_overrides
+from core.control import SETTINGS, ControlBook, alert_overrides, hang_overrides, regression_overrides
 from core.registration import Registration
 from ray_jobs import boundary as B
 from ray_jobs.alerts import AlertOutlet, AlertReducer, AlertRules
@@ -366,8 +366,9 @@ class ShardWorker:
 
     def _take_controls(self) -> None:
         """Run-time changes read since the last pass: each stored once (the control_changes table, with the
-        results: every shard reads them all, and the table keeps the first row of a change), and the hang
-        thresholds in force handed to the hang reducer before its next evaluation; also when one ran out."""
+        results: every shard reads them all, and the table keeps the first row of a change), and the
+        thresholds in force (hang, regression and link rules) handed to their reducers before their next
+        evaluation; also when one ran out."""
         if self.controls is None:
             return
         book, refused = self.control_book, len(self.control_book.refused)
@@ -383,11 +384,20 @@ class ShardWorker:
         if book.version == self._control_seen and not (self._control_expiry and now_ns >= self._control_expiry):
             return
         self._control_seen, self._control_expiry = book.version, book.next_expiry(now_ns)
-        fleet = hang_overrides(book.settings(now_ns, None))
-        jobs = {job: hang_overrides(book.settings(now_ns, job)) for job in book.jobs()}
-        self.hangs.set_overrides(fleet, {job: o for job, o in jobs.items() if o != fleet})
-        log.info("shard %d: hang thresholds changed at run time: fleet %s, jobs %s", self.index, fleet or "as "
-                 "configured", sorted(self.hangs.job_params))
+        fleet_settings = book.settings(now_ns, None)
+        job_settings = {job: book.settings(now_ns, job) for job in book.jobs()}
+        # Each reducer gets the whole set of its overrides every time (what ended is simply absent), and per
+        # job only where the job's differ from the fleet's.
+        for reducer, overrides in ((self.hangs, hang_overrides), (self.regressions, regression_overrides),
+                                   (self.alerts.rules, alert_overrides)):
+            fleet = overrides(fleet_settings)
+            jobs = {job: overrides(s) for job, s in job_settings.items()}
+            reducer.set_overrides(fleet, {job: o for job, o in jobs.items() if o != fleet})
+        def ours(settings: dict) -> dict:  # the exporters' settings (sampling, heartbeats) are not the shard's
+            return {k: v for k, v in settings.items() if SETTINGS[k].reader == "shard"}
+        log.info("shard %d: thresholds changed at run time: fleet %s, jobs with their own %s", self.index,
+                 ours(fleet_settings) or "as configured",
+                 sorted(j for j, s in job_settings.items() if ours(s) != ours(fleet_settings)))
 
     def _update_stats(self, got: int) -> None:
         st = self.stats

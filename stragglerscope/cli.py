@@ -81,6 +81,8 @@ examples:
   stragglerscope control set --job J --sample 5/10              # 5 steps of every 10, until cleared
   stragglerscope control set --job J --profiling paused --for 1h
   stragglerscope control set --fleet --hang-min-s 30            # a quieter hang rule for every job
+  stragglerscope control set --job J --regression-min-change 0.05   # 5 percent slower is a regression of J
+  stragglerscope control set --fleet --alerts-link-confidence 0.9   # link alerts only when near certain
   stragglerscope control clear --job J                          # end every change of J
   stragglerscope control clear --fleet --change 3f2a9c0d1e4b5a67
   stragglerscope control status [--job J]                       # what is in force
@@ -93,8 +95,8 @@ def _add_control(sub) -> None:
     p = sub.add_parser("control", help="change a running job's or the fleet's sampling and thresholds",
                        description="Change, while jobs run, the sampling, profiling and heartbeats of a job's ranks "
                                    "(each rank applies a change at its next step end, never holding training up) "
-                                   "and the hang thresholds the pipeline judges a job by, for one job (--job) or the "
-                                   "fleet (--fleet). A change goes on the control topic (ss.control at "
+                                   "and the hang, regression and link-alert thresholds the pipeline judges a job by "
+                                   "(at its next decision), for one job (--job) or the fleet (--fleet). A change goes on the control topic (ss.control at "
                                    "kafka.bootstrap) with who made it, when and until when (--for; default: until "
                                    "cleared); a job's own change beats the fleet's, a later one an earlier. The "
                                    "pipeline stores every change in the control_changes table. Bad input (an "

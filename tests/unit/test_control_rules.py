@@ -1,0 +1,185 @@
+"""Run-time control of the alert rules' thresholds: the regression rule's and the link rule's, changed for the
+fleet or one job through the control topic, applied by the shard to the next decision, restored when the change
+ends; and `control set --job` refusing a job the store has never seen."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from core import codec
+from core import schema as S
+from core.config import Config
+from core.control import ControlError, alert_overrides, check, make_change, regression_overrides
+from ray_jobs.shard import ShardWorker
+from tests.fakes import FakeControls, FakeSink, FakeSource, ManualClock
+
+
+def shard(**cfg_over):
+    clock, sink, controls = ManualClock(), FakeSink(), FakeControls()
+    cfg = Config().replace(pipeline={"commit_interval_s": 0.0, "state_interval_s": 0.0}, **cfg_over)
+    w = ShardWorker(0, [0], cfg, "s", consumer_factory=lambda: FakeSource([]), sink_factory=lambda: sink,
+                    clock=clock, control_factory=lambda: controls)
+    w.setup()
+    return w, clock, sink, controls
+
+
+def alerts_of(sink, rule: str) -> list[str]:
+    return sorted(a["job_id"] for a in sink.rows.get("alert", []) if a["rule"] == rule)
+
+
+# -- the regression rule ------------------------------------------------------------------------------------------
+
+def profiles(job: str, slower: float, baseline: int = 5, after: int = 8) -> codec.pa.Table:
+    """WINDOW_PROFILE rows of a job whose step takes 1 s for ``baseline`` windows, then ``slower`` times that
+    (the job as a whole only: no workers, so no degraded-worker events muddle the count)."""
+    rows = []
+    for i in range(baseline + after):
+        step = 1.0 if i < baseline else slower
+        rows.append(dict(job_id=job, attempt=0, window_id=i * 10, first_step=i * 10, end_ns=(i + 1) * 10**10,
+                         dp_rank=-1, pp_rank=-1, rank=-1, optype="step", seconds=step))
+    return codec.from_rows(S.WINDOW_PROFILE, rows)
+
+
+@pytest.mark.parametrize("what, why", [
+    ({"regression_min_change": 0}, "regression_min_change = 0 is out of range"),
+    ({"regression_min_change": 12}, "regression_min_change = 12 is out of range"),
+    ({"regression_k_windows": 2.5}, "regression_k_windows must be a whole number"),
+    ({"regression_k_windows": 0}, "regression_k_windows = 0 is out of range"),
+    ({"regression_baseline_windows": "many"}, "regression_baseline_windows must be a number"),
+    ({"alerts_link_confidence": 1.5}, "alerts_link_confidence = 1.5 is out of range"),
+    ({"alerts_link_confidence": -0.1}, "alerts_link_confidence = -0.1 is out of range"),
+])
+def test_rule_thresholds_out_of_range_are_refused_with_their_reason(what, why):
+    record = dict(change_id="c1", who="alice", when=10**18, scope="fleet", what=what)
+    with pytest.raises(ControlError) as e:
+        check(json.dumps(record))
+    assert why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_rule_thresholds_are_normalised_and_named_by_their_config_fields():
+    c = make_change("a", 10**18, "j1", {"regression_k_windows": "4", "regression_min_change": "0.2",
+                                        "alerts_link_confidence": "0.7", "hang_min_s": 30})
+    assert c.what["regression_k_windows"] == 4 and isinstance(c.what["regression_k_windows"], int)
+    assert regression_overrides(c.what) == {"k_windows": 4, "min_change": 0.2}
+    assert alert_overrides(c.what) == {"link_confidence": 0.7}
+
+
+def test_a_regression_threshold_change_alters_the_next_alert_and_clearing_restores_the_configured_one():
+    """Configured: +10% is a regression. The fleet's change lowers it to +5% and a job's own raises it to +30%
+    (the job's beats the fleet's); once both are cleared, +8% is no regression again and +15% is one."""
+    w, clock, sink, controls = shard()
+    configured = w.cfg.regression
+    try:
+        now_ns = clock.wall_ns()
+        fleet = make_change("a", now_ns, None, {"regression_min_change": 0.05})
+        own = make_change("a", now_ns, "j2", {"regression_min_change": 0.3, "regression_k_windows": 4})
+        controls.records += [fleet.to_json(), own.to_json()]
+        w.step(poll_timeout_ms=0)
+        assert w.regressions.params_for("j1").min_change == 0.05
+        assert (w.regressions.params_for("j2").min_change, w.regressions.params_for("j2").k_windows) == (0.3, 4)
+        w.regressions.add("window_profile", profiles("j1", 1.08))  # +8%: under the configured 10%
+        w.regressions.add("window_profile", profiles("j2", 1.15))  # +15%: over it, under the job's own 30%
+        clock.t += 1
+        w.step(poll_timeout_ms=0)
+        assert alerts_of(sink, "regression") == ["j1"]
+        [reg] = [r for r in sink.rows["regression"] if r["kind"] == "regression"]
+        assert reg["job_id"] == "j1" and abs(reg["change"] - 0.08) < 0.01
+
+        controls.records += [make_change("a", clock.wall_ns(), None, {}, clears="*").to_json(),
+                             make_change("a", clock.wall_ns(), "j2", {}, clears=own.change_id).to_json()]
+        clock.t += 1
+        w.step(poll_timeout_ms=0)
+        assert w.regressions.params_for("j1") == w.regressions.params_for("j2") == w.regressions.base_params
+        assert w.regressions.params.min_change == configured.min_change
+        assert w.regressions.detectors["j1"].params.min_change == configured.min_change  # the live detector too
+        w.regressions.add("window_profile", profiles("j3", 1.08))
+        w.regressions.add("window_profile", profiles("j4", 1.15))
+        clock.t += 1
+        w.step(poll_timeout_ms=0)
+        assert alerts_of(sink, "regression") == ["j1", "j4"]
+    finally:
+        w.stop()
+
+
+def test_a_regression_threshold_change_that_runs_out_restores_the_configured_one():
+    w, clock, sink, controls = shard()
+    try:
+        controls.records.append(make_change("a", clock.wall_ns(), "j1", {"regression_min_change": 0.05},
+                                            for_s=60).to_json())
+        w.step(poll_timeout_ms=0)
+        assert w.regressions.params_for("j1").min_change == 0.05
+        clock.t += 61
+        w.step(poll_timeout_ms=0)
+        assert w.regressions.params_for("j1") == w.regressions.base_params
+        w.regressions.add("window_profile", profiles("j1", 1.08))
+        clock.t += 1
+        w.step(poll_timeout_ms=0)
+        assert alerts_of(sink, "regression") == []
+    finally:
+        w.stop()
+
+
+# -- the link rule ------------------------------------------------------------------------------------------------
+
+def finding(job: str, window: int, confidence: float) -> codec.pa.Table:
+    """One window's LINK_FAULT table: a slow link between ranks 0 and 1, found this confidently."""
+    return codec.from_rows(S.LINK_FAULT, [dict(job_id=job, attempt=0, window_id=window, group="p2p", kind="link",
+                                               src=0, dst=1, confidence=confidence, slowdown=3.0,
+                                               evidence_json="{}")])
+
+
+def test_a_link_threshold_change_alters_whether_the_next_finding_alerts_and_clearing_restores_it():
+    """Configured: 0.5. A job's change to 0.8 silences its 0.6 finding (another job's still alerts); the
+    fleet's change to 0.3 makes a 0.4 finding alert; cleared, the configured 0.5 judges again."""
+    w, clock, sink, controls = shard(alerts={"cooldown_s": 0.0})
+    try:
+        assert w.alerts.rules.link_confidence_for("j1") == 0.5
+        now_ns = clock.wall_ns()
+        own = make_change("a", now_ns, "j1", {"alerts_link_confidence": 0.8})
+        fleet = make_change("a", now_ns, None, {"alerts_link_confidence": 0.3})
+        controls.records += [own.to_json(), fleet.to_json()]
+        w.step(poll_timeout_ms=0)
+        assert w.alerts.rules.link_confidence_for("j1") == 0.8  # the job's own beats the fleet's
+        assert w.alerts.rules.link_confidence_for("j2") == 0.3
+        w.alerts.add("link_fault", finding("j1", 0, 0.6))
+        w.alerts.add("link_fault", finding("j2", 0, 0.6))
+        w.alerts.add("link_fault", finding("j3", 0, 0.4))  # under the configured 0.5, over the fleet's 0.3
+        clock.t += 1
+        w.step(poll_timeout_ms=0)
+        assert alerts_of(sink, "link") == ["j2", "j3"]
+
+        controls.records += [make_change("a", clock.wall_ns(), "j1", {}, clears="*").to_json(),
+                             make_change("a", clock.wall_ns(), None, {}, clears=fleet.change_id).to_json()]
+        clock.t += 1
+        w.step(poll_timeout_ms=0)
+        assert w.alerts.rules.link_confidence_for("j1") == w.alerts.rules.link_confidence_for("j3") == 0.5
+        w.alerts.add("link_fault", finding("j1", 10, 0.6))  # now over the configured 0.5: alerts
+        w.alerts.add("link_fault", finding("j3", 10, 0.4))  # now under it: does not
+        clock.t += 1
+        w.step(poll_timeout_ms=0)
+        assert alerts_of(sink, "link") == ["j1", "j2", "j3"]
+        assert [a["alert_id"] for a in sink.rows["alert"] if a["job_id"] == "j3"] == ["j3/0/link/0"]
+    finally:
+        w.stop()
+
+
+def test_a_link_threshold_change_that_runs_out_restores_the_configured_one():
+    w, clock, sink, controls = shard()
+    try:
+        controls.records.append(make_change("a", clock.wall_ns(), None, {"alerts_link_confidence": 0.9},
+                                            for_s=30).to_json())
+        w.step(poll_timeout_ms=0)
+        w.alerts.add("link_fault", finding("j1", 0, 0.6))
+        clock.t += 1
+        w.step(poll_timeout_ms=0)
+        assert alerts_of(sink, "link") == []
+        clock.t += 30
+        w.step(poll_timeout_ms=0)
+        assert w.alerts.rules.link_confidence_for("j1") == w.cfg.alerts.link_confidence
+        w.alerts.add("link_fault", finding("j1", 10, 0.6))
+        clock.t += 1
+        w.step(poll_timeout_ms=0)
+        assert alerts_of(sink, "link") == ["j1"]
+    finally:
+        w.stop()
