@@ -13,8 +13,9 @@ never applied in part). A change applies whole or not at all: one bad setting re
 ``ControlBook`` folds the records read, in topic order, into what is in force at a time: for a job,
 the fleet's changes and then the job's own, the later of two setting the same name winning. The exporters
 (``ingest.control``) take the sampling, pause and heartbeat settings of their job from it; the shards
-(``ray_jobs.shard``) the hang thresholds, the regression rule's and the link rule's. A setting none of the changes in force names keeps the value
-the exporter or the pipeline started with, so a change that expires or is cleared restores it.
+(``ray_jobs.shard``) the hang thresholds, the regression rule's and the link rule's. A setting none of the
+changes in force names keeps the value the exporter or the pipeline started with, so a change that expires or
+is cleared restores it.
 """
 from __future__ import annotations
 

@@ -83,6 +83,7 @@ examples:
   stragglerscope control set --fleet --hang-min-s 30            # a quieter hang rule for every job
   stragglerscope control set --job J --regression-min-change 0.05   # 5 percent slower is a regression of J
   stragglerscope control set --fleet --alerts-link-confidence 0.9   # link alerts only when near certain
+  stragglerscope control set --job J --sample 1/1 --force       # J is about to start: not registered yet
   stragglerscope control clear --job J                          # end every change of J
   stragglerscope control clear --fleet --change 3f2a9c0d1e4b5a67
   stragglerscope control status [--job J]                       # what is in force
@@ -96,12 +97,14 @@ def _add_control(sub) -> None:
                        description="Change, while jobs run, the sampling, profiling and heartbeats of a job's ranks "
                                    "(each rank applies a change at its next step end, never holding training up) "
                                    "and the hang, regression and link-alert thresholds the pipeline judges a job by "
-                                   "(at its next decision), for one job (--job) or the fleet (--fleet). A change goes on the control topic (ss.control at "
-                                   "kafka.bootstrap) with who made it, when and until when (--for; default: until "
-                                   "cleared); a job's own change beats the fleet's, a later one an earlier. The "
-                                   "pipeline stores every change in the control_changes table. Bad input (an "
-                                   "unknown setting, a sampling of 0/0, a threshold out of range, a bad job id) is "
-                                   "refused with its reason and nothing is published.",
+                                   "(at its next decision), for one job (--job) or the fleet (--fleet). A change "
+                                   "goes on the control topic (ss.control at kafka.bootstrap) with who made it, when "
+                                   "and until when (--for; default: until cleared); a job's own change beats the "
+                                   "fleet's, a later one an earlier. The pipeline stores every change in the "
+                                   "control_changes table. Bad input (an unknown setting, a sampling of 0/0, a "
+                                   "threshold out of range, a bad job id) is refused with its reason and nothing is "
+                                   "published; so is a --job the store (store.url) has never registered, unless "
+                                   "--force says it is about to start.",
                        epilog=_CONTROL_EPILOG.format(settings=describe_settings()),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config(p)
@@ -113,6 +116,9 @@ def _add_control(sub) -> None:
                                                                   "1d; default: until cleared)")
     p.add_argument("--change", metavar="ID", help="clear: the change to end (default: every change of the scope)")
     p.add_argument("--who", help="who makes the change (default: $USER)")
+    p.add_argument("--force", action="store_true",
+                   help="set --job: take a job the store has not registered (one about to start); without it "
+                        "such a job is refused, since a mistyped id would be a change nothing applies")
     for s in SETTINGS.values():
         p.add_argument("--" + s.name.replace("_", "-"), dest=f"set_{s.name}", metavar="VALUE" if s.name != "sample"
                        else "K/N", choices=("on", "paused") if s.name == "profiling" else None, help=s.doc)
@@ -540,7 +546,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _control(args: argparse.Namespace, cfg) -> int:
     from core.control import SETTINGS, parse_duration
-    from stragglerscope.control import control_clear, control_set, control_status, format_status, who_am_i
+    from stragglerscope.control import (control_clear, control_set, control_status, format_status,
+                                        require_registered, who_am_i)
 
     if not cfg.kafka.bootstrap:
         raise CLIError("control needs the fleet's Kafka: set kafka.bootstrap (--config FILE or "
@@ -550,6 +557,8 @@ def _control(args: argparse.Namespace, cfg) -> int:
         raise CLIError(f"{args.action} takes no settings and no --for")
     if args.action != "clear" and args.change:
         raise CLIError("--change goes with clear")
+    if args.force and (args.action != "set" or args.job is None):
+        raise CLIError("--force goes with set --job (the fleet and clear need no registered job)")
     conn = cfg.kafka.conn()
     if args.action == "status":
         changes, book = control_status(conn, args.job)
@@ -561,7 +570,9 @@ def _control(args: argparse.Namespace, cfg) -> int:
     if args.action == "set":
         if not what:
             raise CLIError("set needs at least one setting (see `stragglerscope control --help`)")
-        change = control_set(conn, who, args.job, what, parse_duration(args.for_) if args.for_ else 0.0)
+        # The store's jobs table says whether the job exists (the pipeline stores every registration).
+        known = None if args.force else (lambda job: require_registered(cfg.store.url, job))
+        change = control_set(conn, who, args.job, what, parse_duration(args.for_) if args.for_ else 0.0, known)
         until = f" for {args.for_}" if args.for_ else " until cleared"
         print(f"change {change.change_id}: {change.describe()}{until} (by {who})")
         return 0

@@ -5,12 +5,18 @@ command refuses no exporter or shard would take, and what it accepts every one o
 published on the control topic (``core.control_topic``) and printed with its id, which `clear` takes.
 `status` reads the topic back and lists what is in force now. The pipeline stores every change it reads
 in the ``control_changes`` table (who, when, what, until), which the console's job page shows.
+
+A change for one job is for a job the store has a registration of (``require_registered``): a mistyped job id
+would otherwise be published, stored and never applied, and whoever made it would think it was. The command
+line skips that check with ``--force``, for a job about to start (its ranks read the topic from its start).
 """
 from __future__ import annotations
 
 import getpass
 import os
 import time
+
+from typing import Callable
 
 from core.control import ControlBook, ControlChange, ControlError, make_change
 from core.control_topic import ControlReader, publish
@@ -30,11 +36,47 @@ def who_am_i(given: str | None = None) -> str:
     return who
 
 
-def control_set(conn: KafkaConn | str, who: str, job_id: str | None, what: dict, for_s: float = 0.0) -> ControlChange:
-    """Publish a change of ``what`` for ``job_id`` (None: the fleet) lasting ``for_s`` (0: until cleared)."""
+def control_set(conn: KafkaConn | str, who: str, job_id: str | None, what: dict, for_s: float = 0.0,
+                known: Callable[[str], None] | None = None) -> ControlChange:
+    """Publish a change of ``what`` for ``job_id`` (None: the fleet) lasting ``for_s`` (0: until cleared).
+
+    ``known(job_id)``, given, raises ControlError for a job it does not know (``require_registered``); it runs
+    after the change is checked (bad input is refused without touching the store) and before it is published."""
     change = make_change(who, time.time_ns(), job_id, what, for_s)
+    if known is not None and change.job_id is not None:
+        known(change.job_id)
     publish(conn, change)
     return change
+
+
+def registered(store, job_id: str) -> bool:
+    """Whether the store's ``jobs`` table has a registration (any attempt) of ``job_id``."""
+    t = store.query("SELECT count() AS n FROM jobs WHERE job_id = {job:String}", {"job": job_id})
+    return bool(t.num_rows and t.column("n")[0].as_py())
+
+
+def require_registered(store_url: str, job_id: str, open_store: Callable | None = None) -> None:
+    """ControlError, one line, unless the store at ``store_url`` has registered ``job_id``; a store that cannot
+    be read refuses too (the check was asked for and could not be made), each saying that ``--force`` skips it.
+    ``open_store``: the store's opener (``storage.open_store`` by default; a test passes a fake)."""
+    from core.redact import redact_url
+    from storage import StoreError
+
+    if open_store is None:
+        from storage import open_store
+    try:
+        store = open_store(store_url)
+        try:
+            store.setup()
+            known = registered(store, job_id)
+        finally:
+            store.close()
+    except StoreError as e:  # its message is one line already, any password in it masked
+        raise ControlError(f"cannot check that job {job_id!r} is registered ({str(e)[:300]}): give --force to "
+                           "set it anyway") from None
+    if not known:
+        raise ControlError(f"job {job_id!r} is not registered in the store {redact_url(store_url)} (no run of it "
+                           "has reported): check the id, or give --force for a job about to start")
 
 
 def control_clear(conn: KafkaConn | str, who: str, job_id: str | None, change_id: str = "*") -> ControlChange:

@@ -206,7 +206,9 @@ def test_a_real_traced_job_follows_a_sampling_change_made_by_the_command_mid_run
         while not _job_ops(own_broker.bootstrap, job):  # step 0, the only one 1/1000 profiles, is in
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "trace.log").read_text()[-3000:]
         monkeypatch.setenv("STRAGGLERSCOPE_KAFKA_BOOTSTRAP", own_broker.bootstrap)
-        assert main(["control", "set", "--job", job, "--sample", "1/1", "--for", "10m", "--who", "tester"]) == 0
+        # No pipeline runs here, so no store has registered the job: --force, as for a job about to start.
+        assert main(["control", "set", "--job", job, "--sample", "1/1", "--for", "10m", "--who", "tester",
+                     "--force"]) == 0
         assert "sample=1/1" in capsys.readouterr().out
         assert proc.wait(180) == 0, (tmp_path / "trace.log").read_text()[-3000:]
     finally:

@@ -183,3 +183,95 @@ def test_a_link_threshold_change_that_runs_out_restores_the_configured_one():
         assert alerts_of(sink, "link") == ["j1"]
     finally:
         w.stop()
+
+
+# -- `control set --job` for a job the store has never registered -------------------------------------------------
+
+class FakeStore:
+    """The store as the check reads it: a jobs table of job ids, counted by the query's bound job id."""
+
+    def __init__(self, jobs, opened):
+        self.jobs, self.url, self.closed = set(jobs), "chdb:///fleet/store", False
+        opened.append(self)
+
+    def setup(self):
+        pass
+
+    def query(self, sql, params=None, limits=None):
+        import pyarrow as pa
+
+        assert "FROM jobs" in sql and "{job:String}" in sql, sql
+        return pa.table({"n": pa.array([int(params["job"] in self.jobs)], pa.uint64())})
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """``main(["control", ...])`` against a fake store holding job j1 and a publish that records; nothing
+    reaches a network (the unit tier fails a socket)."""
+    import storage
+    import stragglerscope.control as control
+    from stragglerscope.cli import main
+
+    published, opened = [], []
+    monkeypatch.setenv("STRAGGLERSCOPE_KAFKA_BOOTSTRAP", "127.0.0.1:9")
+    monkeypatch.setenv("STRAGGLERSCOPE_STORE", "chdb:///fleet/store")
+    monkeypatch.setattr(control, "publish", lambda conn, change: published.append(change))
+    monkeypatch.setattr(storage, "open_store", lambda url: FakeStore({"j1"}, opened))
+
+    def run(*argv):
+        rc = main(["control", *argv, "--who", "alice"])
+        out, err = capsys.readouterr()
+        return rc, out, err
+    run.published, run.opened = published, opened
+    return run
+
+
+def test_a_change_for_a_registered_job_is_published(cli):
+    rc, out, err = cli("set", "--job", "j1", "--regression-min-change", "0.05")
+    assert rc == 0 and err == "" and "regression_min_change=0.05" in out
+    [change] = cli.published
+    assert change.job_id == "j1" and change.what == {"regression_min_change": 0.05}
+    [store] = cli.opened
+    assert store.closed
+
+
+def test_a_change_for_a_job_the_store_never_registered_is_refused_unless_forced(cli):
+    rc, out, err = cli("set", "--job", "j-typo", "--sample", "1/1")
+    assert rc == 2 and out == "" and cli.published == []
+    assert err.count("\n") == 1 and err.startswith("stragglerscope control: error: "), err
+    assert "job 'j-typo' is not registered in the store chdb:///fleet/store" in err and "--force" in err
+    assert cli.opened[0].closed
+
+    rc, out, err = cli("set", "--job", "j-next", "--sample", "1/1", "--force")  # about to start
+    assert rc == 0 and [c.job_id for c in cli.published] == ["j-next"]
+    assert len(cli.opened) == 1  # --force: the store was not asked
+
+
+def test_the_fleet_and_clear_need_no_registered_job_and_force_goes_with_set_job_only(cli):
+    assert cli("set", "--fleet", "--alerts-link-confidence", "0.8")[0] == 0
+    assert cli("clear", "--job", "j-typo")[0] == 0  # ending a change is always allowed
+    assert cli.opened == [] and [c.scope for c in cli.published] == ["fleet", "job:j-typo"]
+    for argv in (("set", "--fleet", "--sample", "1/1", "--force"), ("clear", "--job", "j1", "--force")):
+        rc, _, err = cli(*argv)
+        assert rc == 2 and "--force goes with set --job" in err and err.count("\n") == 1, err
+
+
+def test_bad_input_is_refused_before_the_store_is_asked(cli):
+    rc, _, err = cli("set", "--job", "j-typo", "--regression-k-windows", "0")
+    assert rc == 2 and "regression_k_windows = 0.0 is out of range (1 to 100)" in err
+    assert cli.opened == [] and cli.published == []
+
+
+def test_a_store_that_cannot_be_read_refuses_the_change_and_says_force_skips_the_check(cli, monkeypatch):
+    import storage
+    from storage import StoreError
+
+    def down(url):
+        raise StoreError("cannot connect to 10.0.0.5:9000")
+    monkeypatch.setattr(storage, "open_store", down)
+    rc, _, err = cli("set", "--job", "j1", "--sample", "1/1")
+    assert rc == 2 and err.count("\n") == 1 and cli.published == []
+    assert "cannot check that job 'j1' is registered (cannot connect to 10.0.0.5:9000): give --force" in err
