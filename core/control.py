@@ -13,7 +13,7 @@ never applied in part). A change applies whole or not at all: one bad setting re
 ``ControlBook`` folds the records read, in topic order, into what is in force at a time: for a job,
 the fleet's changes and then the job's own, the later of two setting the same name winning. The exporters
 (``ingest.control``) take the sampling, pause and heartbeat settings of their job from it; the shards
-(``ray_jobs.shard``) the hang thresholds, the regression rule's and the link rule's. A setting none of the
+(``ray_jobs.shard``) the hang thresholds, the regression rule's and the alert rules'. A setting none of the
 changes in force names keeps the value the exporter or the pipeline started with, so a change that expires or
 is cleared restores it.
 """
@@ -119,9 +119,21 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     _ranged("regression_baseline_windows", 1, 100, "shard",
             "windows whose median step time is the job's baseline (at its start and after each change)",
             integral=True),
-    # The link rule's threshold (core.config.AlertConfig.link_confidence after the "alerts_" prefix).
+    # The alert rules' thresholds (core.config.AlertConfig after the "alerts_" prefix). The link pair must keep
+    # the order core.config.load checks (link_shown_confidence <= link_confidence <= link_certain); a change
+    # cannot see the configured values, so the shard checks that order when it applies the values in force
+    # (``keep_link_order``).
+    _ranged("alerts_slowdown_threshold", 1, 100, "shard",
+            "a window whose slowdown S is at least this raises a slowdown alert (1.1: a tenth slower)"),
+    _ranged("alerts_min_gpus", 0, 1_000_000, "shard", "... for a job of at least this many GPUs", integral=True),
+    _ranged("alerts_fidelity_tolerance", 0, 10, "shard",
+            "a window whose launch slowdown differs from 1 by more raises a fidelity (info) alert"),
+    _ranged("alerts_cooldown_s", 0, 7 * 86400, "shard",
+            "the same rule alerts a job at most once per this many seconds (0: every time)"),
     _ranged("alerts_link_confidence", 0, 1, "shard",
             "a window's link finding at least this confident raises a link alert"),
+    _ranged("alerts_link_certain", 0, 1, "shard",
+            "... a critical one from this confidence (kept at or above alerts_link_confidence)"),
 )}
 HANG_PREFIX = "hang_"
 REGRESSION_PREFIX = "regression_"
@@ -239,11 +251,12 @@ def check(record: Any) -> ControlChange:
     if not isinstance(clears, str) or len(clears) > 64:
         raise ControlError("clears must be a change id or '*'")
     what = check_what(record["what"])
+    scope = check_scope(record["scope"])
     if clears and what:
         raise ControlError("a record that clears a change sets nothing")
     if not clears and not what:
         raise ControlError("the change sets nothing (name at least one setting)")
-    return ControlChange(change_id, who, when, check_scope(record["scope"]), what, until, clears)
+    return ControlChange(change_id, who, when, scope, what, until, clears)
 
 
 def make_change(who: str, when_ns: int, job_id: str | None, what: dict, for_s: float = 0.0,
@@ -312,6 +325,14 @@ class ControlBook:
             out.update(c.what)
         return out
 
+    def own_settings(self, now_ns: int, job_id: str) -> dict[str, Any]:
+        """The settings ``job_id``'s own changes in force set (without the fleet's), the later over the earlier."""
+        out: dict[str, Any] = {}
+        for c in self.in_force(now_ns, job_id):
+            if c.scope != FLEET:
+                out.update(c.what)
+        return out
+
     def jobs(self) -> set[str]:
         return {c.job_id for c in self.changes.values() if c.job_id is not None}
 
@@ -338,3 +359,45 @@ def regression_overrides(settings: dict[str, Any]) -> dict[str, Any]:
 def alert_overrides(settings: dict[str, Any]) -> dict[str, Any]:
     """The alert rules' fields (``core.config.AlertConfig``) a change's settings name."""
     return _overrides(settings, ALERTS_PREFIX)
+
+
+LINK_SETTINGS = ("alerts_link_confidence", "alerts_link_certain")
+
+
+def link_order_problem(settings: dict[str, Any], configured: Any) -> str:
+    """'' when the link thresholds in force (``settings``, over ``configured``: a ``core.config.AlertConfig``)
+    keep the order ``core.config.load`` checks at start, else one line saying how they break it."""
+    shown = configured.link_shown_confidence
+    conf = settings.get("alerts_link_confidence", configured.link_confidence)
+    certain = settings.get("alerts_link_certain", configured.link_certain)
+    if shown <= conf <= certain:
+        return ""
+    return (f"link thresholds out of order: need alerts.link_shown_confidence ({shown:g}, configured) <= "
+            f"alerts_link_confidence ({conf:g}) <= alerts_link_certain ({certain:g})")
+
+
+def keep_link_order(fleet: dict[str, Any], jobs: dict[str, dict[str, Any]], configured: Any) \
+        -> tuple[dict[str, Any], dict[str, dict[str, Any]], list[str]]:
+    """The settings in force, the fleet's and each job's (``jobs``: each job's own, ``ControlBook.own_settings``),
+    with the link thresholds of every scope whose values break the configured order refused: the fleet's fall
+    back to the configured ones, a job's to the fleet's. Returns the fleet's, each job's over the fleet's, and
+    one line per scope refused.
+
+    Checked where the values are applied, not when a change is made: only the applier knows the configured
+    values, and a change that was in order can leave another out of order when it ends or is cleared (a job's
+    confidence of 0.95 was in order under the fleet's certain of 0.99, not under the configured 0.9). The fleet
+    is checked first, so a job is judged against the fleet's values actually in force."""
+    problems = []
+    why = link_order_problem(fleet, configured)
+    if why:
+        problems.append(f"fleet: {why}; the configured link thresholds stay in force")
+        fleet = {k: v for k, v in fleet.items() if k not in LINK_SETTINGS}
+    merged = {}
+    for job, own in jobs.items():
+        settings = {**fleet, **own}
+        why = link_order_problem(settings, configured)
+        if why:
+            problems.append(f"job:{job}: {why}; the fleet's link thresholds stay in force for it")
+            settings = {**fleet, **{k: v for k, v in own.items() if k not in LINK_SETTINGS}}
+        merged[job] = settings
+    return fleet, merged, problems

@@ -12,6 +12,7 @@ the webhook.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -38,25 +39,31 @@ class AlertRules:
         self.cfg = cfg
         self._last: dict[tuple[str, str], float] = {}
         self.suppressed = 0
-        # Run-time changes (core.control): the link threshold for every job, and per job over the fleet's.
-        self.link_confidence = cfg.link_confidence
-        self.job_link_confidence: dict[str, float] = {}
+        # Run-time changes (core.control): the thresholds for every job (the configured ones with the fleet's
+        # changes), and per job over the fleet's.
+        self.params = cfg
+        self.job_params: dict[str, AlertConfig] = {}
+
+    def params_for(self, job_id: str) -> AlertConfig:
+        """The thresholds ``job_id``'s alerts are judged by: its own run-time change, else the fleet's, else the
+        configured ``[alerts]``. A host's key (``host/NAME``, lemon alerts) is no job: the fleet's."""
+        return self.job_params.get(job_id, self.params)
 
     def link_confidence_for(self, job_id: str) -> float:
-        """The confidence at which ``job_id``'s link findings alert: its own run-time change, else the fleet's,
-        else the configured ``alerts.link_confidence``."""
-        return self.job_link_confidence.get(job_id, self.link_confidence)
+        """The confidence at which ``job_id``'s link findings alert (``params_for``)."""
+        return self.params_for(job_id).link_confidence
 
     def set_overrides(self, fleet: dict, jobs: dict[str, dict]) -> None:
         """Alert thresholds changed at run time (``core.control.alert_overrides``): ``fleet`` for every job,
         ``jobs`` per job over the fleet's. Replaces the previous overrides whole, so a change that ended
-        restores the configured value; applies to the next finding evaluated."""
-        self.link_confidence = fleet.get("link_confidence", self.cfg.link_confidence)
-        self.job_link_confidence = {job: o["link_confidence"] for job, o in jobs.items() if "link_confidence" in o}
+        restores the configured value; applies to the next decision (a cool-down too: it is measured from the
+        rule's last alert, so a shorter one can let the next alert out at once)."""
+        self.params = dataclasses.replace(self.cfg, **fleet)
+        self.job_params = {job: dataclasses.replace(self.params, **o) for job, o in jobs.items() if o}
 
     def _fire(self, job_id: str, rule: str, now: float) -> bool:
         last = self._last.get((job_id, rule))
-        if last is not None and now - last < self.cfg.cooldown_s:
+        if last is not None and now - last < self.params_for(job_id).cooldown_s:
             self.suppressed += 1
             return False
         self._last[(job_id, rule)] = now
@@ -66,8 +73,9 @@ class AlertRules:
         """Alerts for one window result row (a dict of WINDOW fields)."""
         alerts = []
         job, s = row["job_id"], row["slowdown"]
+        p = self.params_for(job)
         base = dict(job_id=job, attempt=row["attempt"], ts_ns=now_ns)
-        if s == s and s >= self.cfg.slowdown_threshold and row["n_gpus"] >= self.cfg.min_gpus:
+        if s == s and s >= p.slowdown_threshold and row["n_gpus"] >= p.min_gpus:
             if self._fire(job, "slowdown", now):
                 sev = "critical" if s >= 1.5 else "warning"
                 alerts.append(dict(
@@ -78,7 +86,7 @@ class AlertRules:
                                                  if row[k] == row[k]}),
                 ))
         ls = row["launch_slowdown"]
-        if ls == ls and abs(ls - 1.0) > self.cfg.fidelity_tolerance and self._fire(job, "fidelity", now):
+        if ls == ls and abs(ls - 1.0) > p.fidelity_tolerance and self._fire(job, "fidelity", now):
             alerts.append(dict(
                 base, alert_id=f"{job}/{row['attempt']}/fidelity/{row['window_id']}", rule="fidelity",
                 severity="info",
@@ -145,7 +153,7 @@ class AlertRules:
 
     def evaluate_links(self, rows: list[dict], now: float, now_ns: int) -> list[dict]:
         """One alert per window for its most confident link fault (LINK_FAULT rows) at ``link_confidence`` or
-        more (the job's run-time value, ``link_confidence_for``).
+        more (the job's run-time values, ``params_for``, as for ``link_certain``).
 
         Critical only when the same element was found in the job's window before too, or the finding is
         near certain (``link_certain``): one window's finding alone is a warning. A noisy host made one window's
@@ -153,8 +161,8 @@ class AlertRules:
         """
         if not rows:
             return []
-        floor = self.link_confidence_for(rows[0]["job_id"])  # a table per window: one job's findings
-        rows = [r for r in rows if r["confidence"] >= floor]
+        p = self.params_for(rows[0]["job_id"])  # a table per window: one job's findings
+        rows = [r for r in rows if r["confidence"] >= p.link_confidence]
         if not rows:
             return []
         top = max(rows, key=lambda r: (r["confidence"], r["slowdown"]))
@@ -167,7 +175,7 @@ class AlertRules:
         return [dict(
             alert_id=f"{top['job_id']}/{top['attempt']}/link/{top['window_id']}", job_id=top["job_id"],
             attempt=top["attempt"], ts_ns=now_ns, rule=rule,
-            severity="critical" if top["kind"] != "noncomm_slow" and (again or top["confidence"] >= self.cfg.link_certain)
+            severity="critical" if top["kind"] != "noncomm_slow" and (again or top["confidence"] >= p.link_certain)
             else "warning",
             summary=link_alert(top, len(rows), again),
             details_json=jsonutil.dumps({k: top[k] for k in ("group", "kind", "src", "dst", "confidence", "slowdown",

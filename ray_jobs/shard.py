@@ -40,7 +40,8 @@ import pyarrow as pa
 from core import codec, topics
 from core import schema as S
 from core.config import Config
-from core.control import SETTINGS, ControlBook, alert_overrides, hang_overrides, regression_overrides
+from core.control import (SETTINGS, ControlBook, alert_overrides, hang_overrides, keep_link_order,
+                          regression_overrides)
 from core.registration import Registration
 from ray_jobs import boundary as B
 from ray_jobs.alerts import AlertOutlet, AlertReducer, AlertRules
@@ -94,7 +95,8 @@ class ShardStats:
     control_changes: int = 0
     """Run-time changes read from the control topic (``core.control``) and stored; refused ones are not counted."""
     control_refused: int = 0
-    """Control records refused by ``core.control.check`` (the last reason is logged)."""
+    """Control records refused by ``core.control.check`` (the last reason is logged), and each time a scope's link
+    thresholds in force were refused for breaking the configured order (``core.control.keep_link_order``)."""
     webhook_sent: int = 0
     webhook_failed: int = 0
     webhook_dropped: int = 0
@@ -245,6 +247,7 @@ class ShardWorker:
         self.outlet = AlertOutlet(self.outbox.alert_producer(), cfg.alerts.webhook_url)
         self.control_book = ControlBook()
         self._control_seen, self._control_expiry = 0, 0
+        self._link_problems: set[str] = set()  # the link-order refusals said already (core.control.keep_link_order)
         if self._control_factory is not None:
             self.controls = self._control_factory()
         elif self._consumer_factory is None:
@@ -367,7 +370,7 @@ class ShardWorker:
     def _take_controls(self) -> None:
         """Run-time changes read since the last pass: each stored once (the control_changes table, with the
         results: every shard reads them all, and the table keeps the first row of a change), and the
-        thresholds in force (hang, regression and link rules) handed to their reducers before their next
+        thresholds in force (hang, regression and alert rules) handed to their reducers before their next
         evaluation; also when one ran out."""
         if self.controls is None:
             return
@@ -384,8 +387,16 @@ class ShardWorker:
         if book.version == self._control_seen and not (self._control_expiry and now_ns >= self._control_expiry):
             return
         self._control_seen, self._control_expiry = book.version, book.next_expiry(now_ns)
-        fleet_settings = book.settings(now_ns, None)
-        job_settings = {job: book.settings(now_ns, job) for job in book.jobs()}
+        # The link thresholds must keep the configured order in every scope; only here are the configured values
+        # and everything in force (what ended, what was cleared) known together, so here a scope that breaks it
+        # is refused: its link values fall back (core.control.keep_link_order), said once while it lasts.
+        fleet_settings, job_settings, problems = keep_link_order(
+            book.settings(now_ns, None), {job: book.own_settings(now_ns, job) for job in book.jobs()}, self.cfg.alerts)
+        for line in problems:
+            if line not in self._link_problems:
+                self.stats.control_refused += 1
+                log.warning("shard %d: control refused: %s", self.index, line)
+        self._link_problems = set(problems)
         # Each reducer gets the whole set of its overrides every time (what ended is simply absent), and per
         # job only where the job's differ from the fleet's.
         for reducer, overrides in ((self.hangs, hang_overrides), (self.regressions, regression_overrides),

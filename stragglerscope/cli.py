@@ -82,7 +82,9 @@ examples:
   stragglerscope control set --job J --profiling paused --for 1h
   stragglerscope control set --fleet --hang-min-s 30            # a quieter hang rule for every job
   stragglerscope control set --job J --regression-min-change 0.05   # 5 percent slower is a regression of J
-  stragglerscope control set --fleet --alerts-link-confidence 0.9   # link alerts only when near certain
+  stragglerscope control set --fleet --alerts-link-confidence 0.9 --alerts-link-certain 0.95  # near certain only
+  stragglerscope control set --job J --alerts-cooldown-s 60 --for 2h  # J's alerts again after a minute
+  stragglerscope control set --job J --alerts-slowdown-threshold 1.3  # only a 30 percent slowdown alerts J
   stragglerscope control set --job J --sample 1/1 --force       # J is about to start: not registered yet
   stragglerscope control clear --job J                          # end every change of J
   stragglerscope control clear --fleet --change 3f2a9c0d1e4b5a67
@@ -96,15 +98,19 @@ def _add_control(sub) -> None:
     p = sub.add_parser("control", help="change a running job's or the fleet's sampling and thresholds",
                        description="Change, while jobs run, the sampling, profiling and heartbeats of a job's ranks "
                                    "(each rank applies a change at its next step end, never holding training up) "
-                                   "and the hang, regression and link-alert thresholds the pipeline judges a job by "
-                                   "(at its next decision), for one job (--job) or the fleet (--fleet). A change "
+                                   "and the hang, regression and alert-rule thresholds (slowdown, fidelity, "
+                                   "cool-down, link confidence and certainty) the pipeline judges a job by (at its "
+                                   "next decision), for one job (--job) or the fleet (--fleet). A change "
                                    "goes on the control topic (ss.control at kafka.bootstrap) with who made it, when "
                                    "and until when (--for; default: until cleared); a job's own change beats the "
                                    "fleet's, a later one an earlier. The pipeline stores every change in the "
                                    "control_changes table. Bad input (an unknown setting, a sampling of 0/0, a "
                                    "threshold out of range, a bad job id) is refused with its reason and nothing is "
                                    "published; so is a --job the store (store.url) has never registered, unless "
-                                   "--force says it is about to start.",
+                                   "--force says it is about to start. The link thresholds in force must keep "
+                                   "the configured order (alerts.link_shown_confidence <= link confidence <= link "
+                                   "certain): the pipeline, which alone knows the configured values, refuses a "
+                                   "scope's link values that break it (they fall back, with a warning in its log).",
                        epilog=_CONTROL_EPILOG.format(settings=describe_settings()),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config(p)

@@ -131,8 +131,9 @@ def finding(job: str, window: int, confidence: float) -> codec.pa.Table:
 
 def test_a_link_threshold_change_alters_whether_the_next_finding_alerts_and_clearing_restores_it():
     """Configured: 0.5. A job's change to 0.8 silences its 0.6 finding (another job's still alerts); the
-    fleet's change to 0.3 makes a 0.4 finding alert; cleared, the configured 0.5 judges again."""
-    w, clock, sink, controls = shard(alerts={"cooldown_s": 0.0})
+    fleet's change to 0.3 makes a 0.4 finding alert; cleared, the configured 0.5 judges again. (Findings from
+    0.3 are shown, so 0.3 keeps the link thresholds' order.)"""
+    w, clock, sink, controls = shard(alerts={"cooldown_s": 0.0, "link_shown_confidence": 0.3})
     try:
         assert w.alerts.rules.link_confidence_for("j1") == 0.5
         now_ns = clock.wall_ns()
@@ -275,3 +276,177 @@ def test_a_store_that_cannot_be_read_refuses_the_change_and_says_force_skips_the
     rc, _, err = cli("set", "--job", "j1", "--sample", "1/1")
     assert rc == 2 and err.count("\n") == 1 and cli.published == []
     assert "cannot check that job 'j1' is registered (cannot connect to 10.0.0.5:9000): give --force" in err
+
+
+# -- the other alert rules: slowdown, fidelity, cool-down, link certainty ------------------------------------------
+
+def window(job: str, slowdown: float, n_gpus: int = 64, window_id: int = 0, launch: float = 1.0) -> dict:
+    """A WINDOW row as the alert rules read it (tests/unit/test_alerts.py's fields)."""
+    return dict(job_id=job, attempt=0, window_id=window_id, slowdown=slowdown, waste_fraction=0.2,
+                wasted_gpu_hours=1.0, n_gpus=n_gpus, verdict="worker", m_w=0.9, m_s=0.0, launch_slowdown=launch,
+                note="")
+
+
+def rules_of(w, job: str, row: dict) -> list[str]:
+    return [a["rule"] for a in w.alerts.rules.evaluate_window(row, 0.0, 0)]
+
+
+@pytest.mark.parametrize("what, why", [
+    ({"alerts_slowdown_threshold": 0.9}, "alerts_slowdown_threshold = 0.9 is out of range (1 to 100)"),
+    ({"alerts_min_gpus": 2.5}, "alerts_min_gpus must be a whole number"),
+    ({"alerts_min_gpus": -1}, "alerts_min_gpus = -1 is out of range"),
+    ({"alerts_fidelity_tolerance": "wide"}, "alerts_fidelity_tolerance must be a number"),
+    ({"alerts_cooldown_s": -5}, "alerts_cooldown_s = -5 is out of range"),
+    ({"alerts_cooldown_s": 8 * 86400}, "alerts_cooldown_s = 691200 is out of range"),
+    ({"alerts_link_certain": 1.01}, "alerts_link_certain = 1.01 is out of range"),
+])
+def test_alert_thresholds_out_of_range_are_refused_with_their_reason(what, why):
+    record = dict(change_id="c1", who="alice", when=10**18, scope="job:j1", what=what)
+    with pytest.raises(ControlError) as e:
+        check(json.dumps(record))
+    assert why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_slowdown_threshold_change_alters_the_next_window_alert_and_clearing_restores_it():
+    """Configured: S >= 1.1 on 8 GPUs or more. The fleet's change asks S >= 1.5; j2's own S >= 1.05 from 4 GPUs
+    and a fidelity tolerance of 0.5. Cleared, the configured thresholds judge again."""
+    w, clock, sink, controls = shard(alerts={"cooldown_s": 0.0})
+    try:
+        now_ns = clock.wall_ns()
+        fleet = make_change("a", now_ns, None, {"alerts_slowdown_threshold": 1.5})
+        own = make_change("a", now_ns, "j2", {"alerts_slowdown_threshold": 1.05, "alerts_min_gpus": 4,
+                                              "alerts_fidelity_tolerance": 0.5})
+        controls.records += [fleet.to_json(), own.to_json()]
+        w.step(poll_timeout_ms=0)
+        assert rules_of(w, "j1", window("j1", 1.3)) == []                     # under the fleet's 1.5
+        assert rules_of(w, "j1", window("j1", 1.6)) == ["slowdown"]
+        assert rules_of(w, "j2", window("j2", 1.08, n_gpus=4, launch=1.2)) == ["slowdown"]  # its own
+        assert rules_of(w, "j3", window("j3", 1.6, launch=1.2)) == ["slowdown", "fidelity"]
+
+        controls.records.append(make_change("a", clock.wall_ns(), None, {}, clears="*").to_json())
+        controls.records.append(make_change("a", clock.wall_ns(), "j2", {}, clears=own.change_id).to_json())
+        clock.t += 1
+        w.step(poll_timeout_ms=0)
+        assert w.alerts.rules.params_for("j2") == w.alerts.rules.params == w.cfg.alerts
+        assert rules_of(w, "j1", window("j1", 1.3)) == ["slowdown"]
+        assert rules_of(w, "j2", window("j2", 1.08, n_gpus=4, launch=1.2)) == ["fidelity"]
+        assert rules_of(w, "j2", window("j2", 1.3, n_gpus=4)) == []           # under the configured 8 GPUs
+    finally:
+        w.stop()
+
+
+def test_a_cooldown_change_alters_whether_the_next_alert_goes_out_and_clearing_restores_it():
+    """Configured: 600 s. j1's own change of 0 lets every alert out; the fleet's 30 s lets j2's second alert
+    out 31 s after its first. Cleared, 600 s holds both back again."""
+    w, clock, sink, controls = shard()
+    try:
+        rules = w.alerts.rules
+        assert rules_of(w, "j1", window("j1", 1.3)) == rules_of(w, "j2", window("j2", 1.3)) == ["slowdown"]
+        assert rules.evaluate_window(window("j1", 1.3, window_id=1), 1.0, 0) == []  # cooling down
+        now_ns = clock.wall_ns()
+        controls.records += [make_change("a", now_ns, "j1", {"alerts_cooldown_s": 0}).to_json(),
+                             make_change("a", now_ns, None, {"alerts_cooldown_s": 30}).to_json()]
+        w.step(poll_timeout_ms=0)
+        assert len(rules.evaluate_window(window("j1", 1.3, window_id=2), 2.0, 0)) == 1
+        assert len(rules.evaluate_window(window("j1", 1.3, window_id=3), 2.0, 0)) == 1
+        assert rules.evaluate_window(window("j2", 1.3, window_id=1), 29.0, 0) == []
+        assert len(rules.evaluate_window(window("j2", 1.3, window_id=2), 31.0, 0)) == 1
+
+        controls.records += [make_change("a", clock.wall_ns(), "j1", {}, clears="*").to_json(),
+                             make_change("a", clock.wall_ns(), None, {}, clears="*").to_json()]
+        clock.t += 1
+        w.step(poll_timeout_ms=0)
+        assert rules.params_for("j1").cooldown_s == rules.params_for("j2").cooldown_s == 600
+        assert rules.evaluate_window(window("j1", 1.3, window_id=4), 100.0, 0) == []
+        assert rules.evaluate_window(window("j2", 1.3, window_id=3), 100.0, 0) == []
+    finally:
+        w.stop()
+
+
+def test_a_link_certain_change_alters_the_next_link_alerts_severity_and_clearing_restores_it():
+    """Configured: critical from 0.9 (on one window). j1's own change to 0.7 makes its 0.75 finding critical;
+    j2's stays a warning; cleared, j1's next 0.75 finding (another element) is a warning again."""
+    w, clock, sink, controls = shard(alerts={"cooldown_s": 0.0})
+    try:
+        own = make_change("a", clock.wall_ns(), "j1", {"alerts_link_certain": 0.7})
+        controls.records.append(own.to_json())
+        w.step(poll_timeout_ms=0)
+        w.alerts.add("link_fault", finding("j1", 0, 0.75))
+        w.alerts.add("link_fault", finding("j2", 0, 0.75))
+        clock.t += 1
+        w.step(poll_timeout_ms=0)
+        assert {a["job_id"]: a["severity"] for a in sink.rows["alert"]} == {"j1": "critical", "j2": "warning"}
+
+        controls.records.append(make_change("a", clock.wall_ns(), "j1", {}, clears=own.change_id).to_json())
+        clock.t += 1
+        w.step(poll_timeout_ms=0)
+        assert w.alerts.rules.params_for("j1").link_certain == w.cfg.alerts.link_certain
+        w.alerts.add("link_fault", finding("j1", 10, 0.75))
+        clock.t += 1
+        w.step(poll_timeout_ms=0)
+        assert [a["severity"] for a in sink.rows["alert"] if a["job_id"] == "j1"] == ["critical", "warning"]
+    finally:
+        w.stop()
+
+
+# -- the link thresholds keep the configured order --------------------------------------------------------------
+
+def test_keep_link_order_refuses_a_scope_out_of_order_with_one_line_each():
+    from core.config import AlertConfig
+    from core.control import keep_link_order, link_order_problem
+
+    configured = AlertConfig(link_shown_confidence=0.4, link_confidence=0.5, link_certain=0.9)
+    assert link_order_problem({}, configured) == ""
+    assert link_order_problem({"alerts_link_confidence": 0.4, "alerts_link_certain": 0.4}, configured) == ""
+    assert "alerts.link_shown_confidence (0.4, configured) <= alerts_link_confidence (0.3)" in \
+        link_order_problem({"alerts_link_confidence": 0.3}, configured)
+    fleet = {"alerts_link_confidence": 0.95, "hang_min_s": 30}  # over the configured certain 0.9
+    jobs = {"j1": {"alerts_link_confidence": 0.95, "alerts_link_certain": 0.99},  # in order on its own
+            "j2": {"alerts_link_certain": 0.45, "hang_min_s": 60},             # under the configured confidence
+            "j3": {"hang_min_s": 90}}  # no link values of its own: the fleet's refused one is not its problem
+    fleet2, jobs2, problems = keep_link_order(fleet, jobs, configured)
+    assert fleet2 == {"hang_min_s": 30}
+    assert jobs2 == {"j1": {**jobs["j1"], "hang_min_s": 30}, "j2": {"hang_min_s": 60}, "j3": {"hang_min_s": 90}}
+    assert len(problems) == 2 and all("\n" not in p for p in problems)
+    assert problems[0].startswith("fleet: link thresholds out of order") and "configured link thresholds" in \
+        problems[0]
+    assert problems[1].startswith("job:j2: ") and "alerts_link_certain (0.45)" in problems[1]
+
+
+def test_a_change_that_breaks_the_link_order_is_refused_and_one_that_ends_under_it_falls_back(caplog):
+    """The shard applies the link values in force only in the configured order: the fleet's confidence of 0.95
+    over the configured certain of 0.9 is refused (said once); j1's confidence of 0.95 is taken while the fleet's
+    certain is 0.99, and falls back to the configured ones when that change runs out."""
+    import logging
+
+    w, clock, sink, controls = shard()
+    try:
+        with caplog.at_level(logging.WARNING, logger="ray_jobs.shard"):
+            controls.records.append(make_change("a", clock.wall_ns(), None,
+                                                {"alerts_link_confidence": 0.95, "alerts_cooldown_s": 5}).to_json())
+            w.step(poll_timeout_ms=0)
+            assert w.alerts.rules.link_confidence_for("j1") == 0.5  # refused: the configured value
+            assert w.alerts.rules.params.cooldown_s == 5            # the rest of the change is applied
+            assert w.stats.control_refused == 1
+            [line] = [r.getMessage() for r in caplog.records if "control refused" in r.getMessage()]
+            assert "fleet: link thresholds out of order" in line and "alerts_link_confidence (0.95)" in line
+            controls.records.append(make_change("a", clock.wall_ns(), None, {}, clears="*").to_json())
+            clock.t += 1
+            w.step(poll_timeout_ms=0)
+
+            controls.records += [
+                make_change("a", clock.wall_ns(), None, {"alerts_link_certain": 0.99}, for_s=60).to_json(),
+                make_change("a", clock.wall_ns(), "j1", {"alerts_link_confidence": 0.95}).to_json()]
+            clock.t += 1
+            w.step(poll_timeout_ms=0)
+            assert (w.alerts.rules.link_confidence_for("j1"), w.alerts.rules.params_for("j1").link_certain) == \
+                (0.95, 0.99)
+            assert w.stats.control_refused == 1
+            clock.t += 60  # the fleet's certain of 0.99 runs out: 0.95 over the configured 0.9
+            w.step(poll_timeout_ms=0)
+            assert w.alerts.rules.params_for("j1") == w.cfg.alerts
+            assert w.stats.control_refused == 2
+            w.step(poll_timeout_ms=0)
+            assert w.stats.control_refused == 2  # said once while it lasts
+    finally:
+        w.stop()
