@@ -13,9 +13,9 @@ never applied in part). A change applies whole or not at all: one bad setting re
 ``ControlBook`` folds the records read, in topic order, into what is in force at a time: for a job,
 the fleet's changes and then the job's own, the later of two setting the same name winning. The exporters
 (``ingest.control``) take the sampling, pause and heartbeat settings of their job from it; the shards
-(``ray_jobs.shard``) the hang thresholds, the regression rule's and the alert rules'. A setting none of the
-changes in force names keeps the value the exporter or the pipeline started with, so a change that expires or
-is cleared restores it.
+(``ray_jobs.shard``) the hang thresholds, the regression rule's and the alert rules'; the driver's lemon watch
+(``ray_jobs.lemon_watch``) the fleet's lemon-host thresholds. A setting none of the changes in force names keeps
+the value the exporter or the pipeline started with, so a change that expires or is cleared restores it.
 """
 from __future__ import annotations
 
@@ -82,13 +82,17 @@ class Setting:
     name: str
     check: Callable[[Any], Any]
     reader: str
-    """Who applies it: 'exporter' (each rank, at its next step end) or 'shard' (the pipeline)."""
+    """Who applies it: 'exporter' (each rank, at its next step end), 'shard' (the pipeline) or 'driver' (the
+    driver of `run`, at its next lemon-host pass)."""
     doc: str
+    fleet_only: bool = False
+    """Judged across every job at once (lemon hosts): a change for one job would be applied by nothing."""
 
 
-def _ranged(name: str, low: float, high: float, reader: str, doc: str, integral: bool = False) -> Setting:
+def _ranged(name: str, low: float, high: float, reader: str, doc: str, integral: bool = False,
+            fleet_only: bool = False) -> Setting:
     """A numeric setting checked to lie in [low, high] (its name said once); ``integral``: a whole number."""
-    return Setting(name, _number(name, low, high, integral), reader, doc)
+    return Setting(name, _number(name, low, high, integral), reader, doc, fleet_only)
 
 
 # The hang thresholds keep core.config.HangConfig's field names after the "hang_" prefix; their ranges are
@@ -134,10 +138,18 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "a window's link finding at least this confident raises a link alert"),
     _ranged("alerts_link_certain", 0, 1, "shard",
             "... a critical one from this confidence (kept at or above alerts_link_confidence)"),
+    # The lemon-host rule's thresholds (core.config.LemonConfig after the "lemons_" prefix): the driver scores
+    # hosts across every job at once, so only the fleet has them.
+    _ranged("lemons_min_jobs", 1, 10_000, "driver",
+            "distinct jobs that must implicate a host before it is a lemon (--fleet only)", integral=True,
+            fleet_only=True),
+    _ranged("lemons_max_p", 1e-12, 1, "driver",
+            "... and how unlikely that many jobs may be by chance, at most (--fleet only)", fleet_only=True),
 )}
 HANG_PREFIX = "hang_"
 REGRESSION_PREFIX = "regression_"
 ALERTS_PREFIX = "alerts_"
+LEMONS_PREFIX = "lemons_"
 
 
 def describe_settings() -> str:
@@ -252,6 +264,10 @@ def check(record: Any) -> ControlChange:
         raise ControlError("clears must be a change id or '*'")
     what = check_what(record["what"])
     scope = check_scope(record["scope"])
+    fleet_only = sorted(k for k in what if SETTINGS[k].fleet_only)
+    if fleet_only and scope != FLEET:
+        raise ControlError(f"{fleet_only[0]} is for the fleet only (lemon hosts are scored across every job, not "
+                           "per job): give --fleet")
     if clears and what:
         raise ControlError("a record that clears a change sets nothing")
     if not clears and not what:
@@ -359,6 +375,11 @@ def regression_overrides(settings: dict[str, Any]) -> dict[str, Any]:
 def alert_overrides(settings: dict[str, Any]) -> dict[str, Any]:
     """The alert rules' fields (``core.config.AlertConfig``) a change's settings name."""
     return _overrides(settings, ALERTS_PREFIX)
+
+
+def lemon_overrides(settings: dict[str, Any]) -> dict[str, Any]:
+    """The lemon scoring's fields (``core.config.LemonConfig``) a change's settings name."""
+    return _overrides(settings, LEMONS_PREFIX)
 
 
 LINK_SETTINGS = ("alerts_link_confidence", "alerts_link_certain")

@@ -14,6 +14,8 @@ the ranks' heartbeats (RANK_HOST) and the rank that reported each worker's spans
 through the driver's alerts (``ray_jobs.alerts.DriverAlerts``: the alert
 table, then the alert topic and webhook every other alert goes to).
 A failing pass is logged and tried again; it never stops the pipeline.
+Before each pass the watch reads the control topic (``core.control``): the
+fleet's lemons_min_jobs and lemons_max_p in force judge that pass.
 """
 from __future__ import annotations
 
@@ -56,6 +58,9 @@ class LemonWatch:
     labels: dict = dataclasses.field(default_factory=dict)
     lemons: set = dataclasses.field(default_factory=set)  # hosts that were lemons in the last pass
     alerts: object = None  # ray_jobs.alerts.DriverAlerts; default: stored only, published nowhere (tests)
+    controls: object = None
+    """The control topic (``core.control_topic.ControlReader``, or anything with ``poll(timeout_ms)`` returning
+    records), read before each pass; None: the configured thresholds always."""
 
     def __post_init__(self) -> None:
         if self.alerts is None:
@@ -63,6 +68,42 @@ class LemonWatch:
             from ray_jobs.alerts import AlertOutlet, DriverAlerts
 
             self.alerts = DriverAlerts(AlertConfig(), self.store, AlertOutlet(None))
+        from core.control import ControlBook
+
+        self.base_params = self.params  # the configured [lemons]; params: what the next pass scores by
+        self.book = ControlBook()
+        self._control_seen = 0
+
+    def take_controls(self, now_ns: int) -> None:
+        """The run-time changes published since the last pass (``core.control``), and the fleet's lemon thresholds
+        in force handed to the next pass: what no change in force names is the configured value again. Lemon
+        hosts are scored across every job at once, so only fleet changes set them (``check`` refuses a job's).
+        The fleet's alert cool-down applies to the lemon alerts too, as it does to the shards' alerts."""
+        if self.controls is None:
+            return
+        from core.control import alert_overrides, lemon_overrides
+
+        refused = len(self.book.refused)
+        # The pass runs every lemons.every_s: read what has come since, not only what one poll returns, so that
+        # a change is applied to the next pass rather than one later. Bounded: the topic is small and slow.
+        for _ in range(100):
+            got = self.controls.poll(1000)
+            if not got:
+                break
+            for record in got:
+                self.book.add(record)
+        for line in self.book.refused[refused:]:
+            log.warning("lemon watch: control record refused: %s", line)
+        settings = self.book.settings(now_ns, None)
+        params = dataclasses.replace(self.base_params, **lemon_overrides(settings))
+        if params != self.params:
+            log.info("lemon watch: thresholds min_jobs %d, max_p %g (%s)", params.min_jobs, params.max_p,
+                     "changed at run time" if params != self.base_params else "as configured")
+        self.params = params
+        # Only the cool-down is the driver's: lemon alerts use no other alert threshold (the link pair's order
+        # is the shards' to keep).
+        cooldown = {k: v for k, v in alert_overrides(settings).items() if k == "cooldown_s"}
+        self.alerts.rules.set_overrides(cooldown, {})
 
     def _rows(self, name: str, since: int, until: int) -> list[dict]:
         return self.store.run_named(name, {"since": since, "until": until}).to_pylist()
@@ -113,6 +154,7 @@ class LemonWatch:
     def score(self, now_ns: int | None = None) -> list:
         """One pass: score, store the pass, alert the new lemons; returns the host scores (lemons first)."""
         now_ns = time.time_ns() if now_ns is None else now_ns
+        self.take_controls(now_ns)
         since = now_ns - int(self.period_s * 1e9)
         incidents, exposure = self.incidents(since, now_ns)
         scores = lemon_hosts(incidents, exposure, self.params)

@@ -85,6 +85,7 @@ examples:
   stragglerscope control set --fleet --alerts-link-confidence 0.9 --alerts-link-certain 0.95  # near certain only
   stragglerscope control set --job J --alerts-cooldown-s 60 --for 2h  # J's alerts again after a minute
   stragglerscope control set --job J --alerts-slowdown-threshold 1.3  # only a 30 percent slowdown alerts J
+  stragglerscope control set --fleet --lemons-min-jobs 5 --for 1d     # for a day, a lemon needs 5 jobs
   stragglerscope control set --job J --sample 1/1 --force       # J is about to start: not registered yet
   stragglerscope control clear --job J                          # end every change of J
   stragglerscope control clear --fleet --change 3f2a9c0d1e4b5a67
@@ -100,7 +101,9 @@ def _add_control(sub) -> None:
                                    "(each rank applies a change at its next step end, never holding training up) "
                                    "and the hang, regression and alert-rule thresholds (slowdown, fidelity, "
                                    "cool-down, link confidence and certainty) the pipeline judges a job by (at its "
-                                   "next decision), for one job (--job) or the fleet (--fleet). A change "
+                                   "next decision), for one job (--job) or the fleet (--fleet); and the lemon-host "
+                                   "thresholds the driver scores hosts by (at its next pass), for the fleet only: "
+                                   "a lemon is judged across every job, so --job is refused. A change "
                                    "goes on the control topic (ss.control at kafka.bootstrap) with who made it, when "
                                    "and until when (--for; default: until cleared); a job's own change beats the "
                                    "fleet's, a later one an earlier. The pipeline stores every change in the "

@@ -350,14 +350,18 @@ class LemonPasses:
     def start(cls, cfg: Config, store) -> "LemonPasses | None":
         if cfg.lemons.every_s <= 0:
             return None
+        from core.control_topic import ControlReader
         from ray_jobs.alerts import AlertOutlet, AlertTopic, DriverAlerts
         from ray_jobs.lemon_watch import LemonWatch, read_topology, restore_lemons
 
         # The same way out as the shards' alerts: the alert table, topic and webhook.
         topic = AlertTopic.for_conn(cfg.kafka.conn(), "stragglerscope-driver-alerts")
         alerts = DriverAlerts(cfg.alerts, store, AlertOutlet(topic.send, cfg.alerts.webhook_url, topic.flush))
+        # The fleet's lemon thresholds changed at run time (`stragglerscope control set --fleet --lemons-...`):
+        # read from the control topic before each pass, on the pass's own thread (the only user of the reader).
+        controls = ControlReader(cfg.kafka.conn(), client_id="stragglerscope-driver-control")
         watch = LemonWatch(store, cfg.lemons, cfg.lemons.period_days * 86400,
-                           read_topology(cfg.lemons.topology_file), restore_lemons(store), alerts)
+                           read_topology(cfg.lemons.topology_file), restore_lemons(store), alerts, controls)
         say(f"lemons     hosts scored across jobs every {cfg.lemons.every_s:g} s over {cfg.lemons.period_days:g} "
             "days (`sql lemon_hosts`)")
         return cls(watch, cfg.lemons.every_s)
@@ -367,6 +371,8 @@ class LemonPasses:
         if self._thread is not None:
             self._thread.join(30)
         self.watch.alerts.outlet.close()
+        if self.watch.controls is not None:
+            self.watch.controls.close()
 
     def maybe_run(self) -> None:
         import threading

@@ -450,3 +450,104 @@ def test_a_change_that_breaks_the_link_order_is_refused_and_one_that_ends_under_
             assert w.stats.control_refused == 2  # said once while it lasts
     finally:
         w.stop()
+
+
+# -- the lemon-host rule (the driver's, fleet-wide only) -----------------------------------------------------------
+
+class StubStore:
+    """What a lemon pass writes: its LEMON_HOST rows and the alerts, by table."""
+
+    def __init__(self):
+        self.rows: dict[str, list[dict]] = {}
+
+    def insert(self, table, data):
+        self.rows.setdefault(table, []).extend(data.to_pylist())
+
+
+def lemon_watch(controls):
+    """A LemonWatch over fixed implications (its store's queries stubbed at ``incidents``): host 'bad' implicated
+    by 4 jobs in 10 GPU-hours, ten hosts by one job each in 1000 GPU-hours each. Configured: min_jobs 3,
+    max_p 1e-3, so 'bad' is a lemon (about 2e-9 by chance)."""
+    from analyzers.lemons import Incident
+    from core.config import LemonConfig
+    from ray_jobs.lemon_watch import LemonWatch
+
+    incidents = [Incident("bad", f"j{i}", 0, i, "worker", "window 0") for i in range(4)]
+    incidents += [Incident(f"ok{i}", f"k{i}", 0, i, "worker", "window 0") for i in range(10)]
+    exposure = {"bad": 10.0, **{f"ok{i}": 1000.0 for i in range(10)}}
+
+    class Watch(LemonWatch):
+        def incidents(self, since, until):
+            return incidents, exposure
+    return Watch(StubStore(), LemonConfig(min_jobs=3, max_p=1e-3), controls=controls)
+
+
+def lemons_of(scores) -> list[str]:
+    return [s.host for s in scores if s.lemon]
+
+
+@pytest.mark.parametrize("what, why", [
+    ({"lemons_min_jobs": 0}, "lemons_min_jobs = 0 is out of range"),
+    ({"lemons_min_jobs": 3.5}, "lemons_min_jobs must be a whole number"),
+    ({"lemons_max_p": 0}, "lemons_max_p = 0 is out of range"),
+    ({"lemons_max_p": 2}, "lemons_max_p = 2 is out of range"),
+])
+def test_lemon_thresholds_out_of_range_are_refused_with_their_reason(what, why):
+    with pytest.raises(ControlError) as e:
+        make_change("a", 10**18, None, what)
+    assert why in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_lemon_threshold_for_one_job_is_refused_with_its_reason():
+    for what in ({"lemons_min_jobs": 4}, {"lemons_max_p": 0.01, "alerts_cooldown_s": 60}):
+        record = dict(change_id="c1", who="alice", when=10**18, scope="job:j1", what=what)
+        with pytest.raises(ControlError) as e:
+            check(json.dumps(record))
+        assert "is for the fleet only (lemon hosts are scored across every job" in str(e.value)
+        assert "give --fleet" in str(e.value) and "\n" not in str(e.value)
+    from core.control import lemon_overrides
+    assert lemon_overrides(make_change("a", 10**18, None, {"lemons_min_jobs": "5"}).what) == {"min_jobs": 5}
+
+
+def test_a_lemon_threshold_change_alters_the_next_pass_and_clearing_restores_the_configured_one():
+    """The fleet's min_jobs of 5 (then max_p of 1e-12) leaves 'bad' no lemon at the next pass; cleared, the
+    configured thresholds make it one, and its alert goes out. A record the watch refuses changes nothing."""
+    controls = FakeControls()
+    watch = lemon_watch(controls)
+    now = 10**18
+    assert lemons_of(lemon_watch(None).score(now)) == ["bad"]  # configured
+
+    change = make_change("a", now, None, {"lemons_min_jobs": 5})
+    controls.records += [change.to_json(), b'{"not": "a change"}']
+    assert lemons_of(watch.score(now + 1)) == []
+    assert watch.params.min_jobs == 5 and watch.book.refused
+    assert "alert" not in watch.store.rows
+
+    controls.records += [make_change("a", now + 2, None, {}, clears=change.change_id).to_json(),
+                         make_change("a", now + 2, None, {"lemons_max_p": 1e-12}, for_s=60).to_json()]
+    assert lemons_of(watch.score(now + 3)) == []  # about 2e-9: not unlikely enough for 1e-12
+    assert (watch.params.min_jobs, watch.params.max_p) == (3, 1e-12)
+
+    assert lemons_of(watch.score(now + 61 * 10**9)) == ["bad"]  # the change ran out: configured again
+    assert watch.params == watch.base_params
+    assert [a["rule"] for a in watch.store.rows["alert"]] == ["lemon_host"]
+
+
+def test_the_fleets_alert_cooldown_applies_to_lemon_alerts_and_without_a_control_topic_nothing_changes():
+    controls = FakeControls()
+    watch = lemon_watch(controls)
+    controls.records.append(make_change("a", 10**18, None, {"alerts_cooldown_s": 5}).to_json())
+    watch.score(10**18)
+    assert watch.alerts.rules.params_for("host/bad").cooldown_s == 5
+    plain = lemon_watch(None)
+    assert lemons_of(plain.score(10**18)) == ["bad"] and plain.params == plain.base_params
+
+
+def test_the_cli_refuses_a_lemon_threshold_for_one_job_and_takes_it_for_the_fleet(cli):
+    rc, out, err = cli("set", "--job", "j1", "--lemons-min-jobs", "5")
+    assert rc == 2 and out == "" and cli.published == [] and cli.opened == []  # refused before the store is asked
+    assert err.count("\n") == 1 and "lemons_min_jobs is for the fleet only" in err and "give --fleet" in err
+    rc, out, err = cli("set", "--fleet", "--lemons-min-jobs", "5", "--lemons-max-p", "1e-4", "--for", "1h")
+    assert rc == 0 and err == "" and "lemons_max_p=0.0001, lemons_min_jobs=5" in out
+    [change] = cli.published
+    assert change.scope == "fleet" and change.what == {"lemons_min_jobs": 5, "lemons_max_p": 1e-4}
