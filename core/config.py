@@ -261,6 +261,12 @@ class UIConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ConsoleConfig:
+    control_token_file: str = ""
+    """File holding the token a console user types to make run-time changes (needs kafka.bootstrap); empty = read-only."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     kafka: KafkaConfig = KafkaConfig()
     store: StoreConfig = StoreConfig()
@@ -273,6 +279,7 @@ class Config:
     sql: SQLConfig = SQLConfig()
     validation: ValidationConfig = ValidationConfig()
     ui: UIConfig = UIConfig()
+    console: ConsoleConfig = ConsoleConfig()
 
     def replace(self, **sections: Mapping[str, Any]) -> "Config":
         """A copy with some keys of some sections changed: replace(kafka={"bootstrap": "..."})."""

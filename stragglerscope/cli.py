@@ -307,7 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--publish", action="store_true", help="send the records to kafka.bootstrap")
 
     p = sub.add_parser("console", help="start the Streamlit console on a store",
-                       description="Serve the console on 127.0.0.1 (ui.address, ui.port) over the store.")
+                       description="Serve the console on 127.0.0.1 (ui.address, ui.port) over the store. It is "
+                                   "read-only unless console.control_token_file names a file (mode 0600) holding "
+                                   "a token and kafka.bootstrap is set: then the Job and Fleet pages offer run-time "
+                                   "changes (as `control set|clear`) to whoever types that token.")
     _add_config(p)
     p.add_argument("--store", help="store URL (overrides store.url)")
 
@@ -512,6 +515,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         from stragglerscope.demo import start_console, stop_process_group
         from stragglerscope.service import sigterm_as_interrupt
 
+        if cfg.console.control_token_file:  # control was asked for: refuse at start what would keep it off
+            from stragglerscope.control import console_control_off
+
+            why = console_control_off(cfg)
+            if why:
+                raise CLIError(f"console control: {why}")
         sigterm_as_interrupt()  # the console runs in its own session: nothing but us stops it
         proc = None
         try:

@@ -9,10 +9,15 @@ in the ``control_changes`` table (who, when, what, until), which the console's j
 A change for one job is for a job the store has a registration of (``require_registered``): a mistyped job id
 would otherwise be published, stored and never applied, and whoever made it would think it was. The command
 line skips that check with ``--force``, for a job about to start (its ranks read the topic from its start).
+
+The console makes the same changes through these same functions, only when it is started with control on
+(``console_control_off``): the fleet's Kafka and ``console.control_token_file``, whose token the user types
+(``token_matches``). Without that file the console is read-only.
 """
 from __future__ import annotations
 
 import getpass
+import hmac
 import os
 import time
 
@@ -77,6 +82,51 @@ def require_registered(store_url: str, job_id: str, open_store: Callable | None 
     if not known:
         raise ControlError(f"job {job_id!r} is not registered in the store {redact_url(store_url)} (no run of it "
                            "has reported): check the id, or give --force for a job about to start")
+
+
+MAX_TOKEN_BYTES = 4096
+
+
+def read_console_token(path: str) -> str:
+    """The console's control token: the file's text without surrounding whitespace; ControlError (one line) when
+    the file cannot be read, is open to other users, or holds nothing (an empty token would match an empty field)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise ControlError(f"the console's control token file {path} is not a regular file")
+        if mode & 0o077:  # anyone who can read it could change every job's profiling and thresholds
+            raise ControlError(f"the console's control token file {path} is open to other users (mode "
+                               f"{stat.S_IMODE(mode):04o}): chmod 600 {path}")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_TOKEN_BYTES + 1)
+    except OSError as e:
+        raise ControlError(f"cannot read the console's control token file {path}: {e.strerror or e}") from None
+    token = raw.decode("utf-8", "replace").strip()
+    if not token or len(raw) > MAX_TOKEN_BYTES:
+        raise ControlError(f"the console's control token file {path} must hold one token (1 to {MAX_TOKEN_BYTES} "
+                           "bytes)")
+    return token
+
+
+def token_matches(typed: str, path: str) -> bool:
+    """Whether ``typed`` is the token in ``path``, compared in constant time (the time taken says nothing of how
+    much of it was right). ControlError when the file cannot be used."""
+    return hmac.compare_digest(typed.strip().encode(), read_console_token(path).encode())
+
+
+def console_control_off(cfg) -> str:
+    """'' when the console (``cfg``: a ``core.config.Config``) may offer run-time changes, else why not, one line."""
+    if not cfg.console.control_token_file:
+        return "console.control_token_file is not set: the console is read-only"
+    if not cfg.kafka.bootstrap:
+        return "console control needs the fleet's Kafka: set kafka.bootstrap"
+    try:
+        read_console_token(cfg.console.control_token_file)
+    except ControlError as e:
+        return str(e)
+    return ""
 
 
 def control_clear(conn: KafkaConn | str, who: str, job_id: str | None, change_id: str = "*") -> ControlChange:

@@ -97,6 +97,22 @@ def write_fleet(directory: str, opts: DemoOptions, tag: str) -> tuple[int, int, 
     return len(tables), windows, n_ops
 
 
+def console_env(cfg: Config) -> dict[str, str]:
+    """The [kafka] and [console] keys of ``cfg`` as the STRAGGLERSCOPE_* variables the console's ``load()`` reads.
+
+    Streamlit runs the console as a script that cannot be handed ``--config``: without these, its run-time control
+    would see the defaults (no Kafka, read-only) whatever the file said. Secrets (the SASL password) are left out:
+    they come from the environment only, which the console inherits anyway."""
+    from core.config import _ENV_ONLY
+
+    env = {}
+    for section in ("kafka", "console"):
+        for f in dataclasses.fields(getattr(cfg, section)):
+            if (section, f.name) not in _ENV_ONLY:
+                env[f"STRAGGLERSCOPE_{section}_{f.name}".upper()] = str(getattr(getattr(cfg, section), f.name))
+    return env
+
+
 def start_console(store_url: str, cfg: Config, output=None) -> subprocess.Popen:
     """The Streamlit console on ``ui.address``:``ui.port``, reading ``store_url``.
 
@@ -105,7 +121,7 @@ def start_console(store_url: str, cfg: Config, output=None) -> subprocess.Popen:
     from pathlib import Path
 
     app = Path(__file__).resolve().parent.parent / "ui" / "app.py"
-    env = dict(os.environ, STRAGGLERSCOPE_STORE=store_url)
+    env = dict(os.environ, STRAGGLERSCOPE_STORE=store_url, **console_env(cfg))
     cmd = [sys.executable, "-m", "streamlit", "run", str(app),
            "--server.address", cfg.ui.address, "--server.port", str(cfg.ui.port),
            "--server.headless", "true", "--browser.gatherUsageStats", "false"]

@@ -124,3 +124,27 @@ def advise_window(job_id: str, attempt: int, window_id: int) -> str:
         return "No remedy with a gain worth acting on for this window."
     named.clear()
     return ""
+
+
+class _SharedStore:
+    """The console's cached store lent to a check that opens and closes its own (``require_registered``): every
+    session shares that one store, so its setup and close must not reach it."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def setup(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def query(self, *args, **kwargs):
+        return self._store.query(*args, **kwargs)
+
+
+def require_known_job(job_id: str) -> None:
+    """ControlError unless the store registered ``job_id``: the command line's check of a change for one job."""
+    from stragglerscope.control import require_registered
+
+    require_registered(store_url(), job_id, open_store=lambda url: _SharedStore(_store(url)))

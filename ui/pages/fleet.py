@@ -3,6 +3,7 @@ import altair as alt
 import streamlit as st
 
 from analyzers.explain import title
+from ui.control_form import control_form
 from ui.data import named
 from ui.widgets import bar, fleet_filters, fmt
 
@@ -107,3 +108,5 @@ else:
         st.markdown("Open on the Job page:")
         for j in top["job_id"].head(5):
             st.page_link("pages/job.py", label=str(j), query_params={"job": str(j)})
+
+control_form(None)  # the fleet's run-time changes, only where the console runs with control on

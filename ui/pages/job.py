@@ -17,6 +17,7 @@ from analyzers.links.job import job_finding
 from core.schema import STORED_INF
 from ui.data import (advise_window, job_choices, link_shown_confidence, named, named_live, now_ns, viewer_tz,
                      window_timeline)
+from ui.control_form import control_form
 from ui.hang_view import flame_svg, grid_svg, picture, recorder_rows
 from ui.fabric_view import port_panel
 from ui.readable import ago, alert_text, md_escape, when
@@ -104,6 +105,8 @@ if not controls.empty:
         "state": [_state(c) for c in controls.to_dict("records")],
         "change": controls["change_id"],
     }), hide_index=True, width="stretch")
+
+control_form(job)  # only where the console runs with control on (ui/control_form.py)
 
 # -- hangs -----------------------------------------------------------------------------------------
 hangs = named("job_hangs", job_id=job)

@@ -1,0 +1,70 @@
+"""The console's run-time control switch (issue 54): the token file, the constant-time match, and what the console
+process is told of the configuration."""
+from __future__ import annotations
+
+import pytest
+
+from core.config import Config
+from core.control import ControlError
+from stragglerscope.control import console_control_off, read_console_token, token_matches
+
+
+def _token(tmp_path, text: str = "tok-123\n", mode: int = 0o600) -> str:
+    f = tmp_path / "console.token"
+    f.write_text(text)
+    f.chmod(mode)
+    return str(f)
+
+
+def test_the_token_is_the_file_s_text_and_must_match_whole(tmp_path):
+    path = _token(tmp_path)
+    assert read_console_token(path) == "tok-123"
+    assert token_matches("tok-123", path) and token_matches(" tok-123 ", path)
+    assert not token_matches("tok-12", path) and not token_matches("", path) and not token_matches("tok-1234", path)
+
+
+@pytest.mark.parametrize("text, mode, why", [
+    ("  \n", 0o600, "must hold one token"),  # an empty token would match an empty field
+    ("tok", 0o644, "open to other users (mode 0644): chmod 600"),
+    ("x" * 5000, 0o600, "must hold one token"),
+])
+def test_a_token_file_that_cannot_be_trusted_is_refused(tmp_path, text, mode, why):
+    path = _token(tmp_path, text, mode)
+    with pytest.raises(ControlError, match=why.replace("(", r"\(").replace(")", r"\)")):
+        token_matches("tok", path)
+
+
+def test_control_is_off_unless_kafka_and_a_usable_token_file_are_configured(tmp_path):
+    assert "the console is read-only" in console_control_off(Config())
+    path = _token(tmp_path)
+    assert "needs the fleet's Kafka" in console_control_off(Config().replace(console={"control_token_file": path}))
+    on = Config().replace(console={"control_token_file": path}, kafka={"bootstrap": "k:9092"})
+    assert console_control_off(on) == ""
+    missing = on.replace(console={"control_token_file": str(tmp_path / "nope")})
+    assert console_control_off(missing).startswith("cannot read the console's control token file")
+
+
+def test_the_console_process_gets_the_kafka_and_console_keys_but_no_secret(tmp_path):
+    """Streamlit's script cannot take --config: what control needs travels as STRAGGLERSCOPE_* variables, which its
+    ``load()`` reads back to the same values."""
+    from core.config import load
+    from stragglerscope.demo import console_env
+
+    path = _token(tmp_path)
+    cfg = Config().replace(kafka={"bootstrap": "k:9092", "ssl_check_hostname": False, "sasl_password": "pw"},
+                           console={"control_token_file": path})
+    env = console_env(cfg)
+    assert env["STRAGGLERSCOPE_CONSOLE_CONTROL_TOKEN_FILE"] == path
+    assert "STRAGGLERSCOPE_KAFKA_SASL_PASSWORD" not in env and "pw" not in env.values()
+    back = load(env=env)
+    assert (back.kafka.bootstrap, back.kafka.ssl_check_hostname, back.console) == ("k:9092", False, cfg.console)
+
+
+def test_the_console_command_refuses_to_start_with_control_it_cannot_offer(tmp_path, monkeypatch, capsys):
+    from stragglerscope.cli import main
+
+    monkeypatch.setenv("STRAGGLERSCOPE_CONSOLE_CONTROL_TOKEN_FILE", _token(tmp_path, mode=0o640))
+    monkeypatch.setenv("STRAGGLERSCOPE_KAFKA_BOOTSTRAP", "k:9092")
+    assert main(["console"]) == 2
+    err = capsys.readouterr().err
+    assert "console control: the console's control token file" in err and err.count("\n") == 1
