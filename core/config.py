@@ -258,10 +258,6 @@ class UIConfig:
     """Port of the Streamlit console."""
     address: str = "127.0.0.1"
     """Address the console listens on; loopback unless you put it behind a proxy."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ConsoleConfig:
     control_token_file: str = ""
     """File holding the token a console user types to make run-time changes (needs kafka.bootstrap); empty = read-only."""
 
@@ -279,7 +275,6 @@ class Config:
     sql: SQLConfig = SQLConfig()
     validation: ValidationConfig = ValidationConfig()
     ui: UIConfig = UIConfig()
-    console: ConsoleConfig = ConsoleConfig()
 
     def replace(self, **sections: Mapping[str, Any]) -> "Config":
         """A copy with some keys of some sections changed: replace(kafka={"bootstrap": "..."})."""

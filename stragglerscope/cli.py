@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("console", help="start the Streamlit console on a store",
                        description="Serve the console on 127.0.0.1 (ui.address, ui.port) over the store. It is "
-                                   "read-only unless console.control_token_file names a file (mode 0600) holding "
+                                   "read-only unless ui.control_token_file names a file (mode 0600) holding "
                                    "a token and kafka.bootstrap is set: then the Job and Fleet pages offer run-time "
                                    "changes (as `control set|clear`) to whoever types that token.")
     _add_config(p)
@@ -515,7 +515,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from stragglerscope.demo import start_console, stop_process_group
         from stragglerscope.service import sigterm_as_interrupt
 
-        if cfg.console.control_token_file:  # control was asked for: refuse at start what would keep it off
+        if cfg.ui.control_token_file:  # control was asked for: refuse at start what would keep it off
             from stragglerscope.control import console_control_off
 
             why = console_control_off(cfg)

@@ -11,7 +11,7 @@ would otherwise be published, stored and never applied, and whoever made it woul
 line skips that check with ``--force``, for a job about to start (its ranks read the topic from its start).
 
 The console makes the same changes through these same functions, only when it is started with control on
-(``console_control_off``): the fleet's Kafka and ``console.control_token_file``, whose token the user types
+(``console_control_off``): the fleet's Kafka and ``ui.control_token_file``, whose token the user types
 (``token_matches``). Without that file the console is read-only.
 """
 from __future__ import annotations
@@ -118,12 +118,12 @@ def token_matches(typed: str, path: str) -> bool:
 
 def console_control_off(cfg) -> str:
     """'' when the console (``cfg``: a ``core.config.Config``) may offer run-time changes, else why not, one line."""
-    if not cfg.console.control_token_file:
-        return "console.control_token_file is not set: the console is read-only"
+    if not cfg.ui.control_token_file:
+        return "ui.control_token_file is not set: the console is read-only"
     if not cfg.kafka.bootstrap:
         return "console control needs the fleet's Kafka: set kafka.bootstrap"
     try:
-        read_console_token(cfg.console.control_token_file)
+        read_console_token(cfg.ui.control_token_file)
     except ControlError as e:
         return str(e)
     return ""

@@ -98,7 +98,7 @@ def write_fleet(directory: str, opts: DemoOptions, tag: str) -> tuple[int, int, 
 
 
 def console_env(cfg: Config) -> dict[str, str]:
-    """The [kafka] and [console] keys of ``cfg`` as the STRAGGLERSCOPE_* variables the console's ``load()`` reads.
+    """The [kafka] and [ui] keys of ``cfg`` as the STRAGGLERSCOPE_* variables the console's ``load()`` reads.
 
     Streamlit runs the console as a script that cannot be handed ``--config``: without these, its run-time control
     would see the defaults (no Kafka, read-only) whatever the file said. Secrets (the SASL password) are left out:
@@ -106,7 +106,7 @@ def console_env(cfg: Config) -> dict[str, str]:
     from core.config import _ENV_ONLY
 
     env = {}
-    for section in ("kafka", "console"):
+    for section in ("kafka", "ui"):
         for f in dataclasses.fields(getattr(cfg, section)):
             if (section, f.name) not in _ENV_ONLY:
                 env[f"STRAGGLERSCOPE_{section}_{f.name}".upper()] = str(getattr(getattr(cfg, section), f.name))

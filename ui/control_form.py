@@ -1,7 +1,7 @@
 """The "Change at run time" form of the Job and Fleet pages: `stragglerscope control set|clear` in the console.
 
 Offered only when the console was started with control on (``stragglerscope.control.console_control_off``: the
-fleet's Kafka and ``console.control_token_file``); without the file the console stays read-only and shows nothing
+fleet's Kafka and ``ui.control_token_file``); without the file the console stays read-only and shows nothing
 of it. A change is published only after the token typed matches the file's (compared in constant time), and goes
 through ``control_set`` / ``control_clear``, the command line's own functions: the console refuses what the
 command refuses, with the same one-line reason, and a refused change publishes nothing.
@@ -32,7 +32,7 @@ def control_form(job_id: str | None) -> None:
     from stragglerscope.control import console_control_off
 
     cfg = load()
-    if not cfg.console.control_token_file:
+    if not cfg.ui.control_token_file:
         return  # read-only, the default
     st.subheader("Change at run time")
     why = console_control_off(cfg)
@@ -63,7 +63,7 @@ def control_form(job_id: str | None) -> None:
                                     key=f"{key}_minutes")
         who = c[1].text_input("Your name", key=f"{key}_who", help="Stored with the change: who made it.")
         token = c[2].text_input("Control token", type="password", key=f"{key}_token",
-                                help="The token of console.control_token_file, from whoever runs the console.")
+                                help="The token of ui.control_token_file, from whoever runs the console.")
         b = st.columns(2)
         apply = b[0].form_submit_button("Publish the change")
         clear = b[1].form_submit_button(f"Clear {'this job' if job_id else 'the fleet'}'s changes",
@@ -83,7 +83,7 @@ def _submit(cfg, job_id: str | None, what: dict, for_s: float, who: str, token: 
 
     nothing = "  \nNothing was published."
     try:  # the token first: who is not authorised learns nothing of what would have been refused
-        if not token_matches(token, cfg.console.control_token_file):
+        if not token_matches(token, cfg.ui.control_token_file):
             st.error("Refused: wrong control token." + nothing)
             return
     except ControlError as e:

@@ -35,9 +35,9 @@ def console(demo_store_url, monkeypatch, tmp_path):
             f = tmp_path / "control.token"
             f.write_text(TOKEN + "\n")
             f.chmod(0o600)
-            monkeypatch.setenv("STRAGGLERSCOPE_CONSOLE_CONTROL_TOKEN_FILE", str(f))
+            monkeypatch.setenv("STRAGGLERSCOPE_UI_CONTROL_TOKEN_FILE", str(f))
         else:
-            monkeypatch.delenv("STRAGGLERSCOPE_CONSOLE_CONTROL_TOKEN_FILE", raising=False)
+            monkeypatch.delenv("STRAGGLERSCOPE_UI_CONTROL_TOKEN_FILE", raising=False)
         at = AppTest.from_file(APP, default_timeout=60).run()
         at.switch_page(page).run()
         if page == "pages/job.py":

@@ -37,14 +37,14 @@ def test_a_token_file_that_cannot_be_trusted_is_refused(tmp_path, text, mode, wh
 def test_control_is_off_unless_kafka_and_a_usable_token_file_are_configured(tmp_path):
     assert "the console is read-only" in console_control_off(Config())
     path = _token(tmp_path)
-    assert "needs the fleet's Kafka" in console_control_off(Config().replace(console={"control_token_file": path}))
-    on = Config().replace(console={"control_token_file": path}, kafka={"bootstrap": "k:9092"})
+    assert "needs the fleet's Kafka" in console_control_off(Config().replace(ui={"control_token_file": path}))
+    on = Config().replace(ui={"control_token_file": path}, kafka={"bootstrap": "k:9092"})
     assert console_control_off(on) == ""
-    missing = on.replace(console={"control_token_file": str(tmp_path / "nope")})
+    missing = on.replace(ui={"control_token_file": str(tmp_path / "nope")})
     assert console_control_off(missing).startswith("cannot read the console's control token file")
 
 
-def test_the_console_process_gets_the_kafka_and_console_keys_but_no_secret(tmp_path):
+def test_the_console_process_gets_the_kafka_and_ui_keys_but_no_secret(tmp_path):
     """Streamlit's script cannot take --config: what control needs travels as STRAGGLERSCOPE_* variables, which its
     ``load()`` reads back to the same values."""
     from core.config import load
@@ -52,18 +52,18 @@ def test_the_console_process_gets_the_kafka_and_console_keys_but_no_secret(tmp_p
 
     path = _token(tmp_path)
     cfg = Config().replace(kafka={"bootstrap": "k:9092", "ssl_check_hostname": False, "sasl_password": "pw"},
-                           console={"control_token_file": path})
+                           ui={"control_token_file": path})
     env = console_env(cfg)
-    assert env["STRAGGLERSCOPE_CONSOLE_CONTROL_TOKEN_FILE"] == path
+    assert env["STRAGGLERSCOPE_UI_CONTROL_TOKEN_FILE"] == path
     assert "STRAGGLERSCOPE_KAFKA_SASL_PASSWORD" not in env and "pw" not in env.values()
     back = load(env=env)
-    assert (back.kafka.bootstrap, back.kafka.ssl_check_hostname, back.console) == ("k:9092", False, cfg.console)
+    assert (back.kafka.bootstrap, back.kafka.ssl_check_hostname, back.ui) == ("k:9092", False, cfg.ui)
 
 
 def test_the_console_command_refuses_to_start_with_control_it_cannot_offer(tmp_path, monkeypatch, capsys):
     from stragglerscope.cli import main
 
-    monkeypatch.setenv("STRAGGLERSCOPE_CONSOLE_CONTROL_TOKEN_FILE", _token(tmp_path, mode=0o640))
+    monkeypatch.setenv("STRAGGLERSCOPE_UI_CONTROL_TOKEN_FILE", _token(tmp_path, mode=0o640))
     monkeypatch.setenv("STRAGGLERSCOPE_KAFKA_BOOTSTRAP", "k:9092")
     assert main(["console"]) == 2
     err = capsys.readouterr().err
