@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -59,6 +59,16 @@ class HangReducer:
         self.last_input = 0.0
         self._freshest_ns = 0  # newest heartbeat seen from any job (job clock)
         self._freshest_arrived_ns = 0  # when it arrived (wall clock)
+        # The same per input partition, and the partition each job's heartbeats come from (keyed by job: one
+        # partition a job). In a backlog the partitions are read unevenly: judged by a clock another partition
+        # had moved on, a job whose "finished" heartbeats were not read yet read as silent on every rank and
+        # was paged as a node loss (every traced job of one test module, by the next module's pipeline, which
+        # read the shared broker from its start: 9 critical pages for jobs that had ended).
+        # A partition whose reading is done (nothing unread) has no clock of its own: a job on it whose every
+        # rank fell silent must still be judged by the time the other partitions show (a node lost).
+        self._inputs: dict[Any, list[int]] = {}  # partition -> [newest heartbeat ns, its arrival wall ns]
+        self._input_of: dict[tuple[str, int], Any] = {}
+        self.unread: set = set()  # partitions with records not read yet (the shard sets it from its source)
         self.hangs = 0  # stored
         self.heartbeat_age_s = 0.0  # wall clock minus the newest heartbeat, at its arrival
         # The latest GPU sample per (job, attempt, rank), stored at most every gpu_every_s (the heartbeats
@@ -145,7 +155,9 @@ class HangReducer:
                 del self._hosts_seen[next(iter(self._hosts_seen))]
             self._hosts_new.append(dict(job_id=job, attempt=attempt, rank=rank, host=host, seen_ns=ts))
 
-    def add_heartbeats(self, table: pa.Table, now: float) -> None:
+    def add_heartbeats(self, table: pa.Table, now: float, source=None) -> None:
+        """``source``: the input partition the table was read from (None: not known, judged by the newest
+        heartbeat of any partition)."""
         self.last_input = now
         self._gpu_samples(table)
         self._rank_hosts(table)
@@ -154,11 +166,15 @@ class HangReducer:
             wall = self.clock.wall_ns()
             if newest > self._freshest_ns:
                 self._freshest_ns, self._freshest_arrived_ns = newest, wall
+            if source is not None and newest > self._inputs.get(source, (0, 0))[0]:
+                self._inputs[source] = [newest, wall]
             # How stale the input is on arrival (exporter -> broker -> here); hang detection waits for it.
             self.heartbeat_age_s = (wall - newest) / _NS
         for key, tr, sub in self._by_job(table):
             tr.add_heartbeats(sub)
             self._last_seen[key] = now
+            if source is not None:
+                self._input_of[key] = source
 
     def add_ccl(self, table: pa.Table, now: float) -> None:
         for key, tr, sub in self._by_job(table):
@@ -170,32 +186,39 @@ class HangReducer:
         if now - self._last_eval < self.every_s:
             return codec.empty(S.HANG)
         self._last_eval = now
-        now_ns = self.clock.wall_ns() if now_ns is None else now_ns
-        if self._freshest_ns:
-            # Judge the data as of what it has reached: while the input lags (a backlog after a
-            # restart, a slow consumer) the newest records are older than the wall clock, and
-            # measuring stalls against the wall would call every job hung on stale state. The clock
-            # runs on from the newest heartbeat as the wall has since it arrived (so a steady lag of
-            # 45 s pages nobody: every rank is judged 45 s behind), and at most INPUT_GRACE_S past it:
-            # an input that stopped proves nothing about the jobs, and a clock that ran on further
-            # would turn the stop into a stall of every job (thresholds are 8 s and up).
-            since = max(0, now_ns - self._freshest_arrived_ns)
-            grace_ns = int(min(self.params.heartbeat_timeout_s, INPUT_GRACE_S) * 1e9)
-            wall_ns, now_ns = now_ns, min(now_ns, self._freshest_ns + min(since, grace_ns))
-            self.clock_held_back_s = (wall_ns - now_ns) / _NS
+        wall_ns = self.clock.wall_ns() if now_ns is None else now_ns
+        now_ns = self._held_back(wall_ns, self._freshest_ns, self._freshest_arrived_ns)
+        self.clock_held_back_s = (wall_ns - now_ns) / _NS
         input_alive = now - self.last_input < self.params.heartbeat_timeout_s
         hangs = []
         for key, tr in list(self.trackers.items()):
             if now - self._last_seen.get(key, now) > self.forget_after_s:
                 del self.trackers[key]
                 self._last_seen.pop(key, None)
+                self._input_of.pop(key, None)
                 continue
-            hang = tr.evaluate(now_ns, input_alive=input_alive)
+            src = self._input_of.get(key)
+            read = self._inputs.get(src) if src in self.unread else None
+            hang = tr.evaluate(self._held_back(wall_ns, *read) if read else now_ns, input_alive=input_alive)
             if hang is not None:
                 if hang.kind == "node_loss" and hang.op == "host silent":
                     self._with_recovery_plan(hang, tr)
                 hangs.append(hang)
         return to_tables(hangs, now_ns)["hang"]
+
+    def _held_back(self, wall_ns: int, freshest_ns: int, arrived_ns: int) -> int:
+        """The clock a job is judged by: its input as of what it has reached. While the input lags (a backlog
+        after a restart, a slow consumer) the newest records are older than the wall clock, and measuring
+        stalls against the wall would call every job hung on stale state. The clock runs on from the newest
+        heartbeat as the wall has since it arrived (so a steady lag of 45 s pages nobody: every rank is judged
+        45 s behind), and at most INPUT_GRACE_S past it: an input that stopped proves nothing about the jobs,
+        and a clock that ran on further would turn the stop into a stall of every job (thresholds are 8 s and
+        up)."""
+        if not freshest_ns:
+            return wall_ns
+        since = max(0, wall_ns - arrived_ns)
+        grace_ns = int(min(self.params.heartbeat_timeout_s, INPUT_GRACE_S) * 1e9)
+        return min(wall_ns, freshest_ns + min(since, grace_ns))
 
     def _with_recovery_plan(self, hang, tr: HangTracker) -> None:
         """A lost node's page carries the restart plan on the nodes left (``analyzers.remedies``), made from the
@@ -227,7 +250,10 @@ class HangReducer:
         if kind == "job":
             self.add_registrations(table)
         else:
-            (self.add_heartbeats if kind == "heartbeat" else self.add_ccl)(table, now)
+            if kind == "heartbeat":
+                self.add_heartbeats(table, now, at[0] if at else None)  # at: ((topic, partition), offset)
+            else:
+                self.add_ccl(table, now)
 
     def due(self, now: float) -> list[Unit]:
         """The hangs found since the last evaluation, as one unit (hangs never wait for a window); the GPU
@@ -249,7 +275,9 @@ class HangReducer:
 
     def state(self) -> dict:
         """What a restarted shard resumes from (``ray_jobs.state``): every job's tracker, as of now."""
-        return {"trackers": [tr.state() for tr in self.trackers.values()], "freshest_ns": self._freshest_ns}
+        return {"trackers": [tr.state() for tr in self.trackers.values()], "freshest_ns": self._freshest_ns,
+                "inputs": [(src, ns) for src, (ns, _) in self._inputs.items()],
+                "input_of": [(key, src) for key, src in self._input_of.items() if key in self.trackers]}
 
     def restore(self, state: dict) -> None:
         now = self.clock.monotonic()
@@ -257,8 +285,14 @@ class HangReducer:
         trackers = [HangTracker.from_state(st, self.params_for(st["job_id"])) for st in state["trackers"]]
         self.trackers = {(tr.job_id, tr.attempt): tr for tr in trackers}
         self._last_seen = {key: now for key in self.trackers}  # monotonic times do not cross processes
+        wall = self.clock.wall_ns()
         if int(state["freshest_ns"]) > self._freshest_ns:  # its arrival is unknown here: as of now
-            self._freshest_ns, self._freshest_arrived_ns = int(state["freshest_ns"]), self.clock.wall_ns()
+            self._freshest_ns, self._freshest_arrived_ns = int(state["freshest_ns"]), wall
+        # Each partition's clock too (states saved before they were kept have none: the newest of any then).
+        for src, ns in state.get("inputs", []):
+            if int(ns) > self._inputs.get(tuple(src), (0, 0))[0]:
+                self._inputs[tuple(src)] = [int(ns), wall]
+        self._input_of.update({tuple(key): tuple(src) for key, src in state.get("input_of", [])})
 
     def snapshot(self) -> dict:
         return dict(hangs=self.hangs, heartbeat_age_s=self.heartbeat_age_s,

@@ -110,6 +110,7 @@ class KafkaSource:
         self._positions: dict[TopicPartition, int] = {}
         self._end: dict[TopicPartition, int] = {}
         self._end_checked = 0.0
+        self._unread: set[TopicPartition] = set()  # partitions with records not read yet, as of the last lag()
         self._problems: dict[TopicPartition, str] = {}
         self._topic_ids: dict[str, Any] = {}
         self.on_lost_log = on_lost_log
@@ -469,7 +470,7 @@ class KafkaSource:
                 self._existing()
             except Exception as e:  # noqa: BLE001 - a check is not worth failing the loop for
                 log.debug("partition check failed: %s", e)
-        total = 0
+        total, self._unread = 0, set()
         for ktp in self._tps:
             tp = (ktp.topic, ktp.partition)
             if tp in self._problems or tp in self._lost:
@@ -486,8 +487,13 @@ class KafkaSource:
             self._behind_since.pop((tp, "end"), None)
             # Before the first fetch answer: the end ListOffsets gave at seek(), a lower bound on Tansu.
             end = hw if hw is not None else self._end.get(tp)
-            total += max(0, end - pos) if end is not None else 0
+            if end is not None and end > pos:
+                total += end - pos
+                self._unread.add(tp)
         return total
+
+    def unread(self) -> set[TopicPartition]:
+        return set(self._unread)
 
     def _producer_client(self):
         if self._producer is None:

@@ -53,7 +53,8 @@ from ray_jobs.downtime_reducer import DowntimeReducer
 from ray_jobs.regressions import RegressionReducer, params_of
 from ray_jobs.hang_monitor import HangReducer
 from ray_jobs.port_counters import PortCounterReducer
-from ray_jobs.transports import ControlFeed, JobRegistry, LostLogs, OffsetStore, Outbox, RecordSource, ResultSink
+from ray_jobs.transports import (Backlog, ControlFeed, JobRegistry, LostLogs, OffsetStore, Outbox, RecordSource,
+                                 ResultSink)
 from ray_jobs.state import StateKeeper, shard_key
 
 log = logging.getLogger(__name__)
@@ -184,6 +185,7 @@ class ShardWorker:
         # Made in setup (clients do not pickle); None until then, which is what stop() looks at.
         # The reader and the writer, each held by the roles the shard uses (ray_jobs.transports).
         self.source: RecordSource | None = None
+        self.backlog: Backlog | None = None
         self.lost: LostLogs | None = None
         self.outbox: Outbox | None = None
         self.sink: ResultSink | None = None
@@ -206,7 +208,7 @@ class ShardWorker:
         self.sink.setup()
         reader = self._consumer_factory() if self._consumer_factory else KafkaSource(
             cfg.kafka.conn(), topics.INPUT_TOPICS, self.partitions, on_lost_log=cfg.kafka.on_lost_log)
-        self.source, self.lost, self.outbox = reader, reader, reader
+        self.source, self.backlog, self.lost, self.outbox = reader, reader, reader, reader
         self.limits = cfg.validation
         self.clocks = B.ClockGuard(self.limits)
         self.hangs = HangReducer(cfg.hang, clock=clock)
@@ -416,6 +418,8 @@ class ShardWorker:
             for name, value in reducer.snapshot().items():
                 setattr(st, name, value)
         st.lag = self.source.lag() + len(self._polled)
+        # Polled and not handled yet is unread too, for the hang monitor's per-partition clock.
+        self.hangs.unread = self.backlog.unread() | {(m.topic, m.partition) for m in self._polled}
         st.loops += 1
         st.commits = self.checkpoint.commits
         st.units_dropped = self.checkpoint.units_dropped

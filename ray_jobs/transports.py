@@ -65,6 +65,15 @@ class RecordSource(Protocol):
 
 
 @runtime_checkable
+class Backlog(Protocol):
+    """Where the reading is behind: in a backlog the hang monitor judges a partition's jobs by what was read of
+    that partition, not by the other partitions' newer records."""
+
+    def unread(self) -> set[TopicPartition]:
+        """The partitions with records not read yet, as of the last ``lag``."""
+
+
+@runtime_checkable
 class LostLogs(Protocol):
     """Partitions whose log the broker lost (``kafka.on_lost_log = rewind``): found, rewound, audited."""
 
@@ -147,7 +156,7 @@ class ControlFeed(Protocol):
     def close(self) -> None: ...
 
 
-READER_ROLES = (RecordSource, LostLogs, Outbox)
+READER_ROLES = (RecordSource, Backlog, LostLogs, Outbox)
 """The roles of the object ``consumer_factory`` gives."""
 WRITER_ROLES = (ResultSink, OffsetStore, StateStore, JobRegistry)
 """The roles of the object ``sink_factory`` gives."""

@@ -54,6 +54,9 @@ class FakeSource:
     def lag(self):
         return len(self._pending) - self._i
 
+    def unread(self):
+        return {(m.topic, m.partition) for m in self._pending[self._i:]}
+
     def dead_letter(self, msg, reason):
         self.dead.append((msg, reason))
 

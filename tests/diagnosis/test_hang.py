@@ -328,3 +328,65 @@ def test_a_rank_inside_a_checkpoint_save_is_given_checkpoint_s_not_the_floor():
             if t.evaluate(now * s, input_alive=True) is not None:
                 break
         assert now == hung_at, (inflight, now)
+
+
+def _backlog(finished: bool, partition_read_last_unread: bool = True):
+    """A shard reading a backlog ten minutes old, one partition after the other (as a consumer may): job "busy"
+    (partition 0) reported for 600 s; job "ended" (partition 1) for 60 s, then, if ``finished``, its ranks said
+    so (else they fell silent: its node was lost). Partition 0 is read first, to its end; partition 1 after it,
+    unread until then (``partition_read_last_unread``: what the source says). Returns the HANG rows."""
+    from core import codec
+    from core import schema as S
+    from ray_jobs.hang_monitor import HangReducer
+    from tests.fakes import ManualClock
+
+    s = 10**9
+    wall = [_WALL0 + 700 * s]
+    mon = HangReducer(HangParams(floor_s=120, heartbeat_timeout_s=30), every_s=0.0,
+                      clock=ManualClock(wall=lambda: wall[0]))
+    busy, ended = ("ss.heartbeats", 0), ("ss.heartbeats", 1)
+
+    def beats(job, host, until_s, state=""):
+        return [dict(_hb(job, rank, host, _WALL0 + t * s, t // 5).to_pylist()[0], proc_state=state)
+                for t in range(0, until_s, 5) for rank in (0, 1)]
+
+    late = beats("ended", "hostE", 60) + ([dict(r, ts_ns=_WALL0 + 61 * s, proc_state="finished")
+                                           for r in beats("ended", "hostE", 5)] if finished else [])
+    rows = []
+    mon.unread = {busy, ended} if partition_read_last_unread else {busy}
+    for i, row in enumerate(beats("busy", "hostB", 600)):
+        mon.add_heartbeats(codec.from_rows(S.HEARTBEAT, [row]), wall[0] / 1e9, busy)
+        if i == 0:  # the ended job's first heartbeats were read in the first fetch, before partition 0's rest
+            mon.add_heartbeats(codec.from_rows(S.HEARTBEAT, late[:2]), wall[0] / 1e9, ended)
+        wall[0] += s // 100
+        rows += mon.evaluate(wall[0] / 1e9, wall[0]).to_pylist()
+    mon.unread = {ended}
+    for row in late[2:]:
+        mon.add_heartbeats(codec.from_rows(S.HEARTBEAT, [row]), wall[0] / 1e9, ended)
+        wall[0] += s // 100
+        rows += mon.evaluate(wall[0] / 1e9, wall[0]).to_pylist()
+    mon.unread = set()  # caught up; the busy job keeps reporting, live
+    for k in range(60):
+        wall[0] += s
+        for rank in (0, 1):
+            mon.add_heartbeats(_hb("busy", rank, "hostB", wall[0], 200 + k), wall[0] / 1e9, busy)
+        rows += mon.evaluate(wall[0] / 1e9, wall[0]).to_pylist()
+    return rows
+
+
+def test_a_backlog_read_one_partition_after_another_pages_no_job_that_finished():
+    """Seen in the whole suite: each test module's pipeline read the shared broker from its start, and every
+    traced job of the modules before it, long finished, was paged critical as a node loss ("missing ranks 0-3
+    (silent)"): judged by the clock of the partitions read first, their own "finished" heartbeats not read yet.
+    A job on a partition with records still unread is judged as of what was read of that partition."""
+    assert [(r["job_id"], r["kind"]) for r in _backlog(finished=True)] == []
+    # Without knowing which partitions are behind (the clock of before), the same backlog pages the ended job.
+    assert ("ended", "node_loss") in [(r["job_id"], r["kind"]) for r in _backlog(True, False)]
+
+
+def test_a_job_lost_whole_is_paged_once_its_partition_is_read():
+    """The per-partition clock holds only while the partition has records unread: a job whose every rank fell
+    silent (its node lost) is paged once its partition is read to its end, by the time the other partitions
+    show, once."""
+    rows = _backlog(finished=False)
+    assert [(r["job_id"], r["kind"], r["missing_ranks"]) for r in rows] == [("ended", "node_loss", "0-1")], rows

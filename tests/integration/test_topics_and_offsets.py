@@ -206,11 +206,13 @@ def test_a_running_source_reports_a_topic_created_again_under_it():
         _produce(broker.bootstrap, _jobs_on([0, 1], 2, "a"))
         src = KafkaSource(broker.bootstrap, [topics.TOPIC_OPS], range(2), check_interval_s=0.0)
         src.seek({})
+        # Nothing read yet: both partitions are behind (the hang monitor's per-partition clock asks).
+        assert src.lag() > 0 and src.unread() == {(topics.TOPIC_OPS, 0), (topics.TOPIC_OPS, 1)}
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not all(src.positions().values()):
             for m in src.poll(300):
                 src.advance((m.topic, m.partition), m.offset + 1)
-        assert all(src.positions().values()) and src.lag() == 0 and src.problems == []
+        assert all(src.positions().values()) and src.lag() == 0 and src.problems == [] and src.unread() == set()
 
         broker.stop()
         broker = LocalBroker(port=port).start()
