@@ -15,7 +15,8 @@ from both runs, so S exceeds the ratio by about the control's S.
 
 The jobs written elsewhere (``FOREIGN``: ``tests/training/foreign_pipe.py`` in
 both rank orders and on a DeviceMesh of its own names, ``megatron_style.py``,
-``titan_tp.py``) slow the rank their case names, which for the DP x TP job is
+``titan_tp.py``, and issue 55's ``titan_fsdp.py``, ``ddp_accum.py``,
+``megatron_interleaved.py``) slow the rank their case names, which for the DP x TP job is
 not its worker's first; the top worker must be that rank's. They run armed as
 `trace` arms them, with no --layout: the layout is what the processes say.
 """
@@ -41,6 +42,8 @@ CASES = {
     "ddp": (4, JobLayout(4, 1), ["--gpu-ms", "40"], (12, 32, 64)),
     "fsdp": (2, JobLayout(2, 1), ["--gpu-ms", "40"], (16, 40, 80)),
     "plain": (4, JobLayout(4, 1), ["--gpu-ms", "40"], (12, 32, 64)),
+    # torch.compile (inductor) around DDP: the zoo's ddp with --compile (the suite's ddp-compiled case)
+    "ddp-compiled": (4, JobLayout(4, 1), ["--gpu-ms", "40", "--compile"], (12, 32, 64)),
 }
 
 # name -> (script in tests/training, ranks, layout, arguments, three delays in ms, slowed rank, its worker (dp, pp))
@@ -51,6 +54,11 @@ FOREIGN = {
     "pipe-mesh": ("foreign_pipe.py", 4, JobLayout(2, 2), ["--gpu-ms", "40", "--mesh"], (24, 60, 120), 1, (0, 1)),
     "megatron": ("megatron_style.py", 4, JobLayout(2, 2), ["--gpu-ms", "40"], (24, 60, 120), 1, (1, 0)),
     "titan-tp": ("titan_tp.py", 4, JobLayout(2, 1, tp_size=2), ["--gpu-ms", "40"], (16, 40, 80), 3, (1, 0)),
+    # issue 55: FSDP2 accumulating over 4 micro-batches (two ranks), DDP under no_sync, interleaved 1F1B
+    "titan-fsdp-accum": ("titan_fsdp.py", 2, JobLayout(2, 1), ["--gpu-ms", "40"], (16, 32, 64), 0, (0, 0)),
+    "ddp-accum": ("ddp_accum.py", 4, JobLayout(4, 1), ["--gpu-ms", "40"], (16, 32, 64), 0, (0, 0)),
+    "megatron-interleaved": ("megatron_interleaved.py", 4, JobLayout(2, 2, vpp_size=2), ["--gpu-ms", "20"],
+                             (20, 40, 80), 1, (1, 0)),
 }
 
 
@@ -104,9 +112,9 @@ def main() -> None:
             if foreign:
                 rep = run_script(foreign[0], ranks, [*args, "--steps", "14", *extra], bootstrap=b.bootstrap,
                                  job_id=job, sample="6/8")
-            else:
-                rep = run(fw, ranks, [*args, "--steps", "14", *extra], bootstrap=b.bootstrap, job_id=job,
-                          sample="6/8")
+            else:  # "ddp-compiled" is the zoo's ddp (its --compile is among the arguments)
+                rep = run(fw.split("-")[0], ranks, [*args, "--steps", "14", *extra], bootstrap=b.bootstrap,
+                          job_id=job, sample="6/8")
             ops = read_ops(b.bootstrap, job)
             res = analyze(ops.filter(pc.equal(ops["window_id"], 8)), lay).to_json_dict()
             return statistics.median(rep["step_times"][8:14]), res
