@@ -1,8 +1,8 @@
-"""Session fixtures for the real services: the Tansu broker, a local Ray on 127.0.0.1.
+"""Fixtures for the real services: the Tansu broker (one per test module), a local Ray on 127.0.0.1 (one per session).
 
 Integration tests start real components (docs/architecture.md, "The real components"): a mock of a
-service we integrate with is not a test of that integration. Each fixture is
-session-scoped, listens on 127.0.0.1 only and is stopped at the end.
+service we integrate with is not a test of that integration. Each fixture listens on 127.0.0.1 only and
+is stopped at the end of its scope.
 """
 from __future__ import annotations
 
@@ -21,8 +21,12 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def broker():
+    """A Tansu broker per test module (it starts in 0.1 s). It was one for the whole session: every pipeline a
+    test starts reads its topics from the start, so each analysed again the records of every module before it
+    (the two-node Ray test and the kill -9 test ran minutes on them), and the traced-job fleets paged those
+    long-finished jobs as node losses."""
     from services.broker import LocalBroker
 
     with LocalBroker() as b:

@@ -6,7 +6,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def fleet(broker, tmp_path_factory):
-    """A real `stragglerscope run` on the session broker, its chDB store behind the daemon; one per test module."""
+    """A real `stragglerscope run` on the module's broker, its chDB store behind the daemon; one per test module."""
     from tests.fleet import fleet_config, start_fleet, stop_fleet
 
     d = tmp_path_factory.mktemp("trace-fleet")

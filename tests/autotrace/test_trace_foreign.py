@@ -100,7 +100,10 @@ def test_a_job_written_elsewhere_is_diagnosed(case, fleet, tmp_path, artifacts):
         assert r.returncode == 0, r.stderr[-3000:]
         assert "instrumentation errors" not in r.stderr and "layout conflict" not in r.stderr, r.stderr[-3000:]
         s = dict(analysed(store, job), measured=step_time(tmp_path / "slow"), job=job, stderr=r.stderr)
-        if diagnosed(s, worker):
+        # Launch delays clamped (ranks' clocks apart by more than 10 ms at a barrier) came once on the loaded
+        # machine in a control run of megatron-interleaved (stop 57's suite run): measured again; a schedule
+        # whose chunks pair wrongly clamps every time.
+        if diagnosed(s, worker) and not any(n in s["row"]["note"] for n in NOT_NOTED):
             break
     report = diagnosis_report(case, s, cfg)
     with open(artifacts / "trace_foreign.txt", "a") as f:

@@ -1,8 +1,9 @@
 """A real training client end to end: gloo DP2 x PP2 on CPU -> exporter -> Kafka -> what-if.
 
-Seven real runs of ``examples.train_gloo`` (4 processes each): normal; rank 0
-slowed by a delay d inside every forward and backward compute at three levels;
-and for each level a control where every one of the W = 4 workers carries d/W,
+Three real runs of ``examples.train_gloo`` (4 processes each): normal; rank 0
+slowed by a delay d inside every forward and backward compute (28 ms, about 1.5x
+the step; the three levels 11, 28 and 56 ms are ``LEVELS_MS``, one in the suite
+for its time: seven runs took 228 s of it); and a control where every one of the W = 4 workers carries d/W,
 which is what the what-if ideal executes (docs/whatif.md, section 7). Op spans reach
 the analyzer through the real producer and broker. Checks (issue 10):
 - S of each slowed run is within 8% of (slowed step time / control step time) (5%: the benchmark);
@@ -13,6 +14,7 @@ With W = 4 the ideal keeps a quarter of the delay, so S stays well below
 slowed/normal: that is the method, not an error (the docs say so).
 """
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -31,6 +33,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 BASE = ["--hidden", "128", "--mb-rows", "32", "--layers", "4", "--gpu-ms", "20", "--steps", "8", "--warmup", "2"]
 LEVELS_MS = (11, 28, 56)  # aimed at about 1.2x, 1.5x and 2x the normal step
+SUITE_LEVELS_MS = (28,)  # what make test runs (STRAGGLERSCOPE_GLOO_LEVELS=all: the three)
 # S against slowed/control, as S(slowed) / S(control): both runs are measured against the same ideal, and
 # the control is not that ideal (its own S is 1.01-1.03 here, collective noise on 2 shared cores). The
 # issue's target is 5%, met on a quieter machine (2.5-3.1%, BENCHMARKS.md). The control is another run, whose
@@ -86,8 +89,9 @@ def test_real_gloo_job_slowdown_matches_its_controls(broker, tmp_path, artifacts
                     top_dp=max(res["by_dp_rank"], key=res["by_dp_rank"].get),
                     top_pp=max(res["by_pp_rank"], key=res["by_pp_rank"].get))
 
+    levels = LEVELS_MS if os.environ.get("STRAGGLERSCOPE_GLOO_LEVELS") == "all" else SUITE_LEVELS_MS
     rows = [measure("normal", [], 0)]
-    for d in LEVELS_MS:
+    for d in levels:
         # A shared 2-core machine now and then slows one whole run (another process on a core):
         # a level whose S misses its control by more than TOLERANCE is measured again, both runs, up to
         # three times, the control first on the second try so that a slow spell lands on the other
@@ -112,10 +116,11 @@ def test_real_gloo_job_slowdown_matches_its_controls(broker, tmp_path, artifacts
     report = "\n".join(lines)
     (artifacts / "gloo_whatif.txt").write_text(report + "\n")
     print(report)
-    for d in LEVELS_MS:
+    for d in levels:
         slow, ctrl = table[f"slow{d}"], table[f"ctrl{d}"]
         assert abs(_error(slow, ctrl)) <= TOLERANCE, report
         assert (slow["top_dp"], slow["top_pp"]) == ("0", "0"), report
     for r in rows:
         assert abs(r["replay_s"] / r["measured_s"] - 1) <= 0.05, report
-    assert table[f"slow{LEVELS_MS[-1]}"]["measured_s"] / measured["normal"] > 1.6, report
+    # The delay slows the job as aimed (1.5x at 28 ms, 2x at 56 ms): above 1.3x and 1.6x.
+    assert table[f"slow{levels[-1]}"]["measured_s"] / measured["normal"] > {28: 1.3, 56: 1.6}[levels[-1]], report

@@ -44,7 +44,7 @@ def test_produce_consume_and_resume(broker):
     src.close()
 
     # Resume from the stored positions: nothing already handled comes again, and each partition goes on
-    # exactly where it stopped. (The session's broker is shared: records other tests left behind the
+    # exactly where it stopped. (The module's broker is shared: records other tests left behind the
     # stopping point, which this test never handled, may follow.)
     src2 = KafkaSource(broker.bootstrap, [topics.TOPIC_OPS], range(4))
     src2.seek(positions)
