@@ -516,7 +516,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from stragglerscope.service import sigterm_as_interrupt
 
         if cfg.ui.control_token_file:  # control was asked for: refuse at start what would keep it off
-            from stragglerscope.control import console_control_off
+            from actions.control import console_control_off
 
             why = console_control_off(cfg)
             if why:
@@ -564,7 +564,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def _control(args: argparse.Namespace, cfg) -> int:
     from core.control import SETTINGS, parse_duration
-    from stragglerscope.control import (control_clear, control_set, control_status, format_status,
+    from actions.control import (control_clear, control_set, control_status, format_status,
                                         require_registered, who_am_i)
 
     if not cfg.kafka.bootstrap:

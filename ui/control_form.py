@@ -1,6 +1,6 @@
 """The "Change at run time" form of the Job and Fleet pages: `stragglerscope control set|clear` in the console.
 
-Offered only when the console was started with control on (``stragglerscope.control.console_control_off``: the
+Offered only when the console was started with control on (``actions.control.console_control_off``: the
 fleet's Kafka and ``ui.control_token_file``); without the file the console stays read-only and shows nothing
 of it. A change is published only after the token typed matches the file's (compared in constant time), and goes
 through ``control_set`` / ``control_clear``, the command line's own functions: the console refuses what the
@@ -29,7 +29,7 @@ def thresholds(job_id: str | None) -> list:
 def control_form(job_id: str | None) -> None:
     """The form for ``job_id`` (None: the fleet), or nothing when the console is read-only."""
     from core.config import load
-    from stragglerscope.control import console_control_off
+    from actions.control import console_control_off
 
     cfg = load()
     if not cfg.ui.control_token_file:
@@ -78,7 +78,7 @@ def control_form(job_id: str | None) -> None:
 
 def _submit(cfg, job_id: str | None, what: dict, for_s: float, who: str, token: str, clear: bool) -> None:
     from core.kafka_admin import BrokerError
-    from stragglerscope.control import control_clear, control_set, token_matches
+    from actions.control import control_clear, control_set, token_matches
     from ui.data import named_live, require_known_job
 
     nothing = "  \nNothing was published."

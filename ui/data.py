@@ -145,6 +145,6 @@ class _SharedStore:
 
 def require_known_job(job_id: str) -> None:
     """ControlError unless the store registered ``job_id``: the command line's check of a change for one job."""
-    from stragglerscope.control import require_registered
+    from actions.control import require_registered
 
     require_registered(store_url(), job_id, open_store=lambda url: _SharedStore(_store(url)))

@@ -13,7 +13,7 @@ import pytest
 
 from core.kafka_admin import prepare_topics
 from ingest.exporter import RankExporter, Sampling
-from stragglerscope.control import control_clear, control_set, control_status
+from actions.control import control_clear, control_set, control_status
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """The console's "Change at run time" form (issue 54) with Streamlit's AppTest over the demo store (no browser).
 
-Nothing reaches Kafka: ``stragglerscope.control.publish`` is replaced by a recorder, as the command line's tests
+Nothing reaches Kafka: ``actions.control.publish`` is replaced by a recorder, as the command line's tests
 do, so what the console would publish is what the recorder holds.
 """
 from pathlib import Path
@@ -15,7 +15,7 @@ TOKEN = "s3cret-token-of-the-console"
 
 @pytest.fixture
 def published(monkeypatch):
-    from stragglerscope import control
+    from actions import control
 
     sent = []
     monkeypatch.setattr(control, "publish", lambda conn, change: sent.append(change))

@@ -6,7 +6,7 @@ import pytest
 
 from core.config import Config
 from core.control import ControlError
-from stragglerscope.control import console_control_off, read_console_token, token_matches
+from actions.control import console_control_off, read_console_token, token_matches
 
 
 def _token(tmp_path, text: str = "tok-123\n", mode: int = 0o600) -> str:

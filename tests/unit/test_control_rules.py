@@ -220,7 +220,7 @@ def cli(monkeypatch, capsys):
     """``main(["control", ...])`` against a fake store holding job j1 and a publish that records; nothing
     reaches a network (the unit tier fails a socket)."""
     import storage
-    import stragglerscope.control as control
+    import actions.control as control
     from stragglerscope.cli import main
 
     published, opened = [], []
