@@ -362,6 +362,12 @@ def _overrides(settings: dict[str, Any], prefix: str) -> dict[str, Any]:
     return {k[len(prefix):]: v for k, v in settings.items() if k.startswith(prefix)}
 
 
+def layered(base, fleet: dict, jobs: dict[str, dict]):
+    """(``base`` with the fleet's overrides, {job: that with the job's own}): what a reducer judges by after a
+    run-time change. Built whole each time, so an override that ended is simply absent (the configured value)."""
+    params = dataclasses.replace(base, **fleet)
+    return params, {job: dataclasses.replace(params, **o) for job, o in jobs.items() if o}
+
 def hang_overrides(settings: dict[str, Any]) -> dict[str, float]:
     """The hang detector's fields (``core.config.HangConfig``) a change's settings name."""
     return _overrides(settings, HANG_PREFIX)

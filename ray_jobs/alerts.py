@@ -12,7 +12,6 @@ the webhook.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import queue
@@ -24,6 +23,7 @@ from typing import Callable
 import pyarrow as pa
 
 from analyzers.hang import hang_summary, recovery_plan_of
+from core.control import layered
 from core import codec, jsonutil
 from core import schema as S
 from analyzers.explain import analysis_failed_alert, fidelity_alert, lemon_alert, link_alert, slowdown_alert
@@ -58,8 +58,7 @@ class AlertRules:
         ``jobs`` per job over the fleet's. Replaces the previous overrides whole, so a change that ended
         restores the configured value; applies to the next decision (a cool-down too: it is measured from the
         rule's last alert, so a shorter one can let the next alert out at once)."""
-        self.params = dataclasses.replace(self.cfg, **fleet)
-        self.job_params = {job: dataclasses.replace(self.params, **o) for job, o in jobs.items() if o}
+        self.params, self.job_params = layered(self.cfg, fleet, jobs)
 
     def _fire(self, job_id: str, rule: str, now: float) -> bool:
         last = self._last.get((job_id, rule))

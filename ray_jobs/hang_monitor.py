@@ -11,7 +11,6 @@ input does not page anyone about every job at once. Jobs silent for
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Callable
 
@@ -20,6 +19,7 @@ import pyarrow.compute as pc
 
 from analyzers.hang import HangParams, HangTracker, to_tables
 from analyzers.recovery_basis import RecoveryBasis
+from core.control import layered
 from core import codec
 from core import schema as S
 from ray_jobs.checkpoint import Clock, Unit
@@ -105,8 +105,7 @@ class HangReducer:
         """Thresholds changed at run time (``core.control.hang_overrides``): ``fleet`` for every job, ``jobs`` per
         job over the fleet's. Replaces the previous overrides whole (an ended change restores the configured
         value), and applies from the next evaluation on, to the jobs tracked now and to those to come."""
-        self.params = dataclasses.replace(self.base_params, **fleet)
-        self.job_params = {job: dataclasses.replace(self.params, **o) for job, o in jobs.items() if o}
+        self.params, self.job_params = layered(self.base_params, fleet, jobs)
         for (job, _), tr in self.trackers.items():
             tr.params = self.params_for(job)
 

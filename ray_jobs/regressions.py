@@ -18,6 +18,7 @@ import math
 import pyarrow as pa
 
 from analyzers.regression import RegressionDetector, RegressionParams, WindowPoint
+from core.control import layered
 from core import codec
 from core import schema as S
 from ray_jobs.checkpoint import Clock, Unit
@@ -72,8 +73,7 @@ class RegressionReducer:
         ``jobs`` per job over the fleet's. Replaces the previous overrides whole, so a change that ended
         restores the configured value. The detectors keep their history (baseline, CUSUM): the new thresholds
         judge the windows that come next, so a change takes effect at once instead of after a new baseline."""
-        self.params = dataclasses.replace(self.base_params, **fleet)
-        self.job_params = {job: dataclasses.replace(self.params, **o) for job, o in jobs.items() if o}
+        self.params, self.job_params = layered(self.base_params, fleet, jobs)
         for job, det in self.detectors.items():
             det.params = self.params_for(job)
 
