@@ -22,7 +22,10 @@ are slow: receivers wait for them, they are the last into their collectives.
 A rank that was itself waiting for a late or slow peer is not blamed. A rank
 that exchanges with several peers at once (a ring written with isend/irecv)
 is judged step by step against those peers (``measured.exchange_arrivals``):
-there, waiting spreads to every rank and a median wait names no one.
+there, waiting spreads to every rank and a median wait names no one. Either
+way, late means behind by a stable margin: in a low quantile of its steps or
+collectives, by more than the job's own step-to-step jitter, measured on the
+job (``_floor``), not by a fixed share of a step.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import math
 import numpy as np
 
 from analyzers.links.fault import LinkFault
-from analyzers.links.measured import Arrivals, MeasuredParams, Observation
+from analyzers.links.measured import Arrivals, MeasuredParams, Observation, jitter
 
 
 def _strength(ratio: float) -> float:
@@ -121,52 +124,85 @@ def _stands_out(r: int, p2p: list[Observation], params: MeasuredParams) -> bool:
     return mine - med >= params.late_spread * max(spread, params.min_wait_ns)
 
 
-def _exchange_floor(a: Arrivals, params: MeasuredParams) -> float:
-    """How far behind its exchange peers rank ``a.rank`` must come to be late in a step: ``min_wait_ns``, and
-    ``min_period_share`` of its step."""
-    return max(params.min_wait_ns, params.min_period_share * a.period_ns if a.period_ns == a.period_ns else 0.0)
+def _floor(params: MeasuredParams, period_ns: float, jitter_ns: float) -> float:
+    """How far behind the others a rank must stay to be late: beyond the job's own jitter (``late_jitter`` of
+    it, measured on the job), ``min_wait_ns`` and ``min_period_share`` of its step, where these are known."""
+    return max(params.min_wait_ns, params.min_period_share * period_ns if period_ns == period_ns else 0.0,
+               params.late_jitter * jitter_ns if jitter_ns == jitter_ns else 0.0)
 
 
-def _late_to_exchanges(a: Arrivals, params: MeasuredParams) -> list[float]:
-    """The margins of the steps in which rank ``a.rank`` came after every one of its exchange peers by the floor."""
-    floor = _exchange_floor(a, params)
-    return [float(m) for m in a.margin_ns.tolist() if m >= floor]
+def exchange_jitter(arrivals: dict[int, Arrivals]) -> float:
+    """The job's own step-to-step jitter at its exchanges: how far each rank's margin over its peers moves
+    around that rank's own median margin, pooled over every rank (``measured.jitter``)."""
+    devs = [a.margin_ns - np.median(a.margin_ns) for a in arrivals.values() if len(a.margin_ns)]
+    return jitter(np.concatenate(devs)) if devs else math.nan
+
+
+def _late_to_exchanges(a: Arrivals, jitter_ns: float, params: MeasuredParams) -> tuple[float, float] | None:
+    """(low margin, floor) where rank ``a.rank`` came after every one of its exchange peers by a stable margin:
+    the ``late_quantile`` of its per-step margins at the floor (``_floor``) or beyond; None where it did not."""
+    if len(a.steps) < params.min_collectives:
+        return None
+    low = float(np.quantile(a.margin_ns, params.late_quantile))
+    floor = _floor(params, a.period_ns, jitter_ns)
+    return (low, floor) if low >= floor else None
+
+
+def _beyond_jitter(r: int, o: Observation, params: MeasuredParams) -> float | None:
+    """Member ``r``'s margin over the others of collective ``o`` (its median lateness less theirs) where it is
+    the last one in by a stable margin: last in ``last_share`` of them, its ``late_quantile`` of lateness past
+    the others' median by the floor (``_floor``: the job's jitter), and standing out from the others' lateness
+    (``_later_than_the_rest``); None where it is not."""
+    others = [v for q, v in o.lateness_ns.items() if q != r]
+    lat = o.lateness_ns.get(r, 0.0)
+    share = params.last_share_pair if len(o.members) == 2 else params.last_share_group
+    if o.status == "slow" or o.samples < params.min_collectives or o.last_share.get(r, 0.0) < share:
+        return None
+    med = float(np.median(others)) if others else 0.0
+    low = o.low_lateness_ns.get(r, lat) - med
+    if low < _floor(params, o.period_ns, o.jitter_ns) or not _later_than_the_rest(lat, others, params):
+        return None
+    return lat - med
 
 
 def late_senders(observations: list[Observation], params: MeasuredParams = MeasuredParams(),
                  arrivals: dict[int, Arrivals] | None = None) -> list[LinkFault]:
     """Ranks that come late to send: receivers wait for them and they enter collectives last.
 
-    A rank that exchanges with several peers at once (``measured.exchange_arrivals``) is judged by its own
-    arrival at each step's exchange against those peers, not by its receivers' waits, which in such a job
-    spread to every rank."""
+    Late means later than the others by a stable margin, beyond the job's own jitter measured on the job
+    (``_floor``): in its collectives (``_beyond_jitter``) and, for a rank that exchanges with several peers at
+    once (``measured.exchange_arrivals``), at each step's exchange against those peers, not by its receivers'
+    waits, which in such a job spread to every rank (``_late_to_exchanges``). The finding's evidence carries the
+    margin in ns (``margin_ns``: median over its collectives or steps), as a share of the step
+    (``margin_share_of_step``) and against the jitter (``jitter_ns``); its confidence is how many jitters the
+    margin is (``1 - exp(-margin / jitter)``, times the share of its observations it was late in)."""
     arrivals = arrivals or {}
     p2p = [o for o in observations if o.kind == "p2p"]
     coll = [o for o in observations if o.kind == "collective"]
     med_wait = float(np.median([o.wait_ns for o in p2p])) if p2p else 0.0
     items: dict[int, int] = {}
-    late: dict[int, list[float]] = {}
+    late: dict[int, list[tuple[float, float, float]]] = {}  # rank -> (margin, step, jitter) of each late item
     for o in p2p:
         s = o.members[0]
         if s in arrivals:
             continue
         items[s] = items.get(s, 0) + 1
         if o.status != "slow" and o.wait_ns >= max(params.min_wait_ns, params.wait_ratio * med_wait):
-            late.setdefault(s, []).append(o.wait_ns)
+            late.setdefault(s, []).append((o.wait_ns, math.nan, math.nan))
+    job_jitter = exchange_jitter(arrivals)
+    exchange: dict[int, tuple[float, float]] = {}
     for r, a in arrivals.items():
         items[r] = items.get(r, 0) + len(a.steps)
-        if len(a.steps) >= params.min_collectives:
-            late.setdefault(r, []).extend(_late_to_exchanges(a, params))
+        found = _late_to_exchanges(a, job_jitter, params)
+        if found is not None:
+            exchange[r] = found
+            late.setdefault(r, []).extend((float(m), a.period_ns, job_jitter) for m in a.margin_ns.tolist())
     for o in coll:
         for r in o.members:
             items[r] = items.get(r, 0) + 1
-            others = [v for q, v in o.lateness_ns.items() if q != r]
-            lat = o.lateness_ns.get(r, 0.0)
-            share = params.last_share_pair if len(o.members) == 2 else params.last_share_group
-            floor = max(params.min_wait_ns, params.min_period_share * o.period_ns if o.period_ns == o.period_ns else 0)
-            if (o.status != "slow" and o.samples >= params.min_collectives and o.last_share.get(r, 0.0) >= share
-                    and lat >= floor and _later_than_the_rest(lat, others, params)):
-                late.setdefault(r, []).append(lat)
+            margin = _beyond_jitter(r, o, params)
+            if margin is not None:
+                late.setdefault(r, []).append((margin, o.period_ns, o.jitter_ns))
     blamed = {r for r, v in late.items() if len(v) / items[r] >= params.late_fraction}
     blamed = {r for r in blamed if r in arrivals or _stands_out(r, p2p, params)}
     # Not the root: a rank that waited on a blamed rank's sends, or that receives over a slow transfer.
@@ -177,22 +213,36 @@ def late_senders(observations: list[Observation], params: MeasuredParams = Measu
     fed_slowly |= {r for o in coll if o.status == "slow" for r in o.members}
     roots = blamed - waited - fed_slowly
     if not roots and blamed - fed_slowly:  # they waited on each other: the latest of them
-        roots = {max(blamed - fed_slowly, key=lambda r: float(np.median(late[r])))}
-    out = []
-    for r in sorted(roots):
-        wait = float(np.median(late[r]))
-        frac = len(late[r]) / items[r]
-        evidence = {"late_observations": len(late[r]), "observations": items[r], "median_wait_ns": wait,
-                    "median_p2p_wait_ns": med_wait, "skew_margin_ns": wait - params.min_wait_ns}
-        if r in arrivals:  # judged against its exchange peers, step by step: the floor is the scale
-            a = arrivals[r]
-            scale = _exchange_floor(a, params)
-            conf = min(1.0, frac) * (1 - math.exp(-wait / scale))
-            evidence = {**evidence, "exchange_peers": list(a.peers), "late_steps": len(late[r]), "steps": len(a.steps),
-                        "median_margin_ns": wait, "step_ns": a.period_ns}
-            slowdown = wait / scale
-        else:
-            conf = min(1.0, frac) * (1 - math.exp(-wait / (params.wait_ratio * max(med_wait, params.min_wait_ns))))
-            slowdown = wait / max(med_wait, params.min_wait_ns)
-        out.append(LinkFault("", "noncomm_slow", int(r), -1, float(conf), slowdown, evidence))
-    return out
+        roots = {max(blamed - fed_slowly, key=lambda r: float(np.median([m for m, _, _ in late[r]])))}
+    return [_finding(r, late[r], items[r], med_wait, arrivals.get(r), exchange.get(r), params) for r in sorted(roots)]
+
+
+def _nanmedian(values: list[float]) -> float:
+    known = [v for v in values if v == v]
+    return float(np.median(known)) if known else math.nan
+
+
+def _finding(r: int, late: list[tuple[float, float, float]], items: int, med_wait: float, a: Arrivals | None,
+             exchange: tuple[float, float] | None, params: MeasuredParams) -> LinkFault:
+    """The ``noncomm_slow`` finding of root ``r`` from its late items (margin, step, jitter)."""
+    margin = float(np.median([m for m, _, _ in late]))
+    step, jitter_ns = _nanmedian([p for _, p, _ in late]), _nanmedian([j for _, _, j in late])
+    frac = len(late) / items
+    evidence = {"late_observations": len(late), "observations": items, "median_wait_ns": margin,
+                "median_p2p_wait_ns": med_wait, "skew_margin_ns": margin - params.min_wait_ns, "margin_ns": margin}
+    if step == step and step > 0:
+        evidence["step_ns"] = step
+        evidence["margin_share_of_step"] = margin / step
+    if jitter_ns == jitter_ns:  # judged against the job's jitter (collectives, exchanges): it is the scale
+        scale = max(jitter_ns, params.min_wait_ns)
+        evidence["jitter_ns"] = jitter_ns
+    else:  # receivers' waits of p2p sends only
+        scale = params.wait_ratio * max(med_wait, params.min_wait_ns)
+    if a is not None and exchange is not None:  # judged against its exchange peers, step by step
+        low, floor = exchange
+        frac = float(np.mean(a.margin_ns >= floor))
+        evidence = {**evidence, "exchange_peers": list(a.peers), "late_steps": int((a.margin_ns >= floor).sum()),
+                    "steps": len(a.steps), "median_margin_ns": margin, "low_margin_ns": low,
+                    "skew_margin_ns": low}
+    conf = min(1.0, frac) * (1 - math.exp(-margin / scale))
+    return LinkFault("", "noncomm_slow", int(r), -1, float(conf), margin / scale, evidence)

@@ -58,11 +58,22 @@ class MeasuredParams:
     group of two (either member is last half of the time by chance) ..."""
     last_share_group: float = 0.5
     """... and in a bigger group (a member is last 1/n of the time by chance) ..."""
-    min_period_share: float = 0.1
-    """... by at least this share of the time between the group's collectives (about a step): a rank a few
-    percent behind is a straggler for the what-if to weigh, not a late sender to page about ..."""
     min_collectives: int = 3
-    """... over at least this many collectives of the group in the window."""
+    """... over at least this many collectives of the group (steps of an exchange) in the window ..."""
+    late_quantile: float = 0.2
+    """... and late by a stable margin: in this low quantile of its collectives (steps of an exchange) it is
+    still behind the others (``localise``: its 0.2 quantile of lateness against the others' typical one) ..."""
+    late_jitter: float = 1.0
+    """... by at least this many of the job's own jitter, measured on the job: the robust spread (1.48 x the
+    median deviation) of every member's lateness around its own median, step to step. A fixed floor of a
+    tenth of a step hid a ring rank 40 ms (6%) behind its neighbours every step, and let through a healthy
+    rank that scheduling put 10% behind in 3 of 5 steps (issue 52). On the recorded rings
+    (``tests/diagnosis/data/ring8_*``) the late rank's 0.2 quantile stood 1.8-9.6 jitters ahead of its
+    neighbours, every healthy rank's at most 0 ..."""
+    min_period_share: float = 0.02
+    """... and by at least this share of the time between the group's collectives (about a step): steadier
+    than the job's jitter, a rank 1% behind still costs the job too little to page about (the what-if weighs
+    it as a straggler)."""
     late_spread: float = 3.0
     """... and later than the others by this many of their spreads (robust: 1.48 x their median deviation),
     where it is not this many times their median lateness (``localise._later_than_the_rest``)."""
@@ -84,6 +95,8 @@ class Observation:
     lateness_ns: dict[int, float] = dataclasses.field(default_factory=dict)  # collective: median per member
     last_share: dict[int, float] = dataclasses.field(default_factory=dict)   # collective: share of ops it was last in
     period_ns: float = math.nan  # collective: median time between the starts of consecutive ones
+    low_lateness_ns: dict[int, float] = dataclasses.field(default_factory=dict)  # collective: late_quantile per member
+    jitter_ns: float = math.nan  # collective: robust spread of each member's arrival around its own median
     ratio: float = math.nan   # ns_per_byte over the class reference
     status: str = "unknown"   # slow | ok | unknown
     reference_ns_per_byte: float = math.nan
@@ -139,6 +152,25 @@ def _medians_by(code: np.ndarray, *values: np.ndarray) -> tuple[np.ndarray, list
         vs = v[np.lexsort((v, code))]
         meds.append((vs[lo] + vs[hi]) / 2)
     return code_s[starts], meds, counts
+
+
+def _quantiles_by(code: np.ndarray, values: np.ndarray, q: float) -> tuple[np.ndarray, np.ndarray]:
+    """(unique codes, the ``q`` quantile of the values per code, linearly interpolated as ``np.quantile``)."""
+    order = np.lexsort((values, code))
+    code_s, v = code[order], values[order]
+    starts = np.flatnonzero(np.r_[True, code_s[1:] != code_s[:-1]])
+    counts = np.diff(np.r_[starts, len(code_s)])
+    pos = q * (counts - 1)
+    lo = np.floor(pos).astype(np.int64)
+    hi = np.minimum(lo + 1, counts - 1)
+    frac = pos - lo
+    return code_s[starts], v[starts + lo] * (1 - frac) + v[starts + hi] * frac
+
+
+def jitter(deviations: np.ndarray) -> float:
+    """The robust spread of arrival deviations (each member's lateness less its own median): 1.48 x their
+    median absolute value, the standard deviation of a normal jitter; nan without any."""
+    return float(1.4826 * np.median(np.abs(deviations))) if len(deviations) else math.nan
 
 
 def p2p_observations(ccl: pa.Table) -> list[Observation]:
@@ -314,6 +346,14 @@ def collective_observations(ccl: pa.Table, params: MeasuredParams = MeasuredPara
     n_ranks = int(rank.max()) + 1
     m_code = obs_code[run_of] * n_ranks + rank[members]
     m_keys, (m_late,), _ = _medians_by(m_code, lateness)
+    _, m_low = _quantiles_by(m_code, lateness, params.late_quantile)
+    # The job's own jitter per observation: how far each member's arrival moves around its own median, against
+    # the collective's mean arrival (against the first one in, the first member of a pair would move by 0).
+    centred = enter[members] - (_run_sums(enter, starts, counts) / counts)[run_of]
+    c_keys, (c_med,), _ = _medians_by(m_code, centred)
+    deviation = np.abs(centred - c_med[np.searchsorted(c_keys, m_code)])
+    j_keys, (j_med,), _ = _medians_by(obs_code[run_of], deviation)
+    jitter_of = dict(zip(j_keys.tolist(), (1.4826 * j_med).tolist()))
     last_keys, last_counts = np.unique((obs_code * n_ranks + rank[ends - 1])[late_margin >= params.min_wait_ns],
                                        return_counts=True)
     o_keys, (o_comm, o_bytes), o_n = _medians_by(obs_code, comm, mean_bytes)
@@ -342,7 +382,9 @@ def collective_observations(ccl: pa.Table, params: MeasuredParams = MeasuredPara
             float(sum_comm[i] / sum_bytes[i]) if sum_bytes[i] > 0 else math.nan, float(o_comm[i]), float(o_bytes[i]),
             n, lateness_ns={int(k % n_ranks): float(v) for k, v in zip(m_keys[lo:hi], m_late[lo:hi])},
             last_share={int(k % n_ranks): int(v) / n for k, v in zip(last_keys[llo:lhi], last_counts[llo:lhi])},
-            period_ns=float(period.get(c, math.nan))))
+            period_ns=float(period.get(c, math.nan)),
+            low_lateness_ns={int(k % n_ranks): float(v) for k, v in zip(m_keys[lo:hi], m_low[lo:hi])},
+            jitter_ns=float(jitter_of.get(c, math.nan))))
     return out
 
 

@@ -195,3 +195,19 @@ def test_a_link_finding_is_worded_once_for_the_alert_the_console_and_the_trace_s
     assert link_element("source", 3, -1) in alert["summary"]
     for kind in ("source", "destination", "link", "endpoint", "comm_slow", "noncomm_slow"):
         assert link_element(kind, 1, 2, "world") != f"{kind} 1>2"
+
+
+def test_a_late_sender_is_worded_with_its_margin_in_ms_and_as_a_share_of_its_step():
+    """Issue 52: a late sender is said by how late it came against its step and the job's jitter, not as 'slow'."""
+    from analyzers.explain import link_sentence
+
+    ev = ('{"margin_ns": 40.2e6, "step_ns": 0.62e9, "margin_share_of_step": 0.0648, "jitter_ns": 3.1e6, '
+          '"late_steps": 5, "steps": 5, "persistence": {"first_seen": true}}')
+    exchange = ev.replace('"late_steps"', '"exchange_peers": [5, 7], "late_steps"')
+    row = dict(group="", kind="noncomm_slow", src=6, dst=-1, slowdown=12.9, confidence=0.5, evidence_json=ev)
+    assert link_sentence(row) == ("rank 6, late to communicate (its own compute or input, not the network): 40 ms "
+                                  "after the others (6.5% of its 0.62 s step) in 5 of 5 steps, beyond the job's "
+                                  "jitter of 3 ms (confidence 0.50, from collectives; first seen in this window)")
+    said = link_sentence({**row, "evidence_json": exchange})
+    assert "40 ms after its exchange peers 5 and 7 (6.5% of its 0.62 s step)" in said and "from exchanges;" in said
+    assert link_sentence({**row, "evidence_json": "{}"}).startswith("rank 6, late to communicate (its own compute")
