@@ -10,12 +10,19 @@ A change for one job is for a job the store has a registration of (``require_reg
 would otherwise be published, stored and never applied, and whoever made it would think it was. The command
 line skips that check with ``--force``, for a job about to start (its ranks read the topic from its start).
 
+The same look at the store gives the step a change for one job starts from (``from_step``), the same on every
+rank of it (``core.control.agreed_from_step``): its newest window's last step, extrapolated to now at its step
+time, plus a few seconds' worth of steps for the change to reach every rank. A job the store has no recent window
+of, a change for the fleet, and one made with ``--force`` carry no step: each rank applies them at its next step
+end, as it hears of them.
+
 The console makes the same changes through these same functions, only when it is started with control on
 (``console_control_off``): the fleet's Kafka and ``ui.control_token_file``, whose token the user types
 (``token_matches``). Without that file the console is read-only.
 """
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import hmac
 import os
@@ -23,7 +30,7 @@ import time
 
 from typing import Callable
 
-from core.control import ControlBook, ControlChange, ControlError, make_change
+from core.control import ControlBook, ControlChange, ControlError, agreed_from_step, check, make_change
 from core.control_topic import ControlReader, publish
 from core.kafka_conn import KafkaConn
 
@@ -42,16 +49,36 @@ def who_am_i(given: str | None = None) -> str:
 
 
 def control_set(conn: KafkaConn | str, who: str, job_id: str | None, what: dict, for_s: float = 0.0,
-                known: Callable[[str], None] | None = None) -> ControlChange:
+                known: Callable[[str], int | None] | None = None) -> ControlChange:
     """Publish a change of ``what`` for ``job_id`` (None: the fleet) lasting ``for_s`` (0: until cleared).
 
-    ``known(job_id)``, given, raises ControlError for a job it does not know (``require_registered``); it runs
-    after the change is checked (bad input is refused without touching the store) and before it is published."""
+    ``known(job_id)``, given, raises ControlError for a job it does not know (``require_registered``) and returns
+    the step the change starts from on every rank of it (0 or None: no step); it runs after the change is checked
+    (bad input is refused without touching the store) and before it is published."""
     change = make_change(who, time.time_ns(), job_id, what, for_s)
     if known is not None and change.job_id is not None:
-        known(change.job_id)
+        from_step = known(change.job_id)
+        if from_step:
+            change = check(dataclasses.replace(change, from_step=int(from_step)).to_json())
     publish(conn, change)
     return change
+
+
+def job_from_step(store, job_id: str, now_ns: int) -> int:
+    """The step a change for ``job_id`` starts from on all its ranks (``core.control.agreed_from_step``), from the
+    newest windows of its newest registered attempt; 0 when the store cannot tell (no window of that attempt yet,
+    none recent). A restarted job resumes at its checkpoint's step: its windows of before say nothing of it."""
+    t = store.query(
+        "SELECT last_step, end_ns, step_time_actual FROM windows WHERE job_id = {job:String} "
+        "AND attempt = (SELECT max(attempt) FROM jobs WHERE job_id = {job:String}) "
+        "ORDER BY window_id DESC LIMIT 2", {"job": job_id})
+    rows = t.to_pylist()
+    if not rows:
+        return 0
+    newest = rows[0]
+    period_s = (newest["end_ns"] - rows[1]["end_ns"]) / 1e9 if len(rows) > 1 else 0.0
+    return agreed_from_step(int(newest["last_step"]), int(newest["end_ns"]), float(newest["step_time_actual"]),
+                            now_ns, period_s)
 
 
 def registered(store, job_id: str) -> bool:
@@ -60,10 +87,12 @@ def registered(store, job_id: str) -> bool:
     return bool(t.num_rows and t.column("n")[0].as_py())
 
 
-def require_registered(store_url: str, job_id: str, open_store: Callable | None = None) -> None:
+def require_registered(store_url: str, job_id: str, open_store: Callable | None = None,
+                       now_ns: int | None = None) -> int:
     """ControlError, one line, unless the store at ``store_url`` has registered ``job_id``; a store that cannot
     be read refuses too (the check was asked for and could not be made), each saying that ``--force`` skips it.
-    ``open_store``: the store's opener (``storage.open_store`` by default; a test passes a fake)."""
+    Returns the step a change for it starts from (``job_from_step``; 0: none). ``open_store``: the store's opener
+    (``storage.open_store`` by default; a test passes a fake)."""
     from core.redact import redact_url
     from storage import StoreError
 
@@ -74,6 +103,7 @@ def require_registered(store_url: str, job_id: str, open_store: Callable | None 
         try:
             store.setup()
             known = registered(store, job_id)
+            from_step = job_from_step(store, job_id, time.time_ns() if now_ns is None else now_ns) if known else 0
         finally:
             store.close()
     except StoreError as e:  # its message is one line already, any password in it masked
@@ -82,6 +112,7 @@ def require_registered(store_url: str, job_id: str, open_store: Callable | None 
     if not known:
         raise ControlError(f"job {job_id!r} is not registered in the store {redact_url(store_url)} (no run of it "
                            "has reported): check the id, or give --force for a job about to start")
+    return from_step
 
 
 MAX_TOKEN_BYTES = 4096
@@ -130,8 +161,20 @@ def console_control_off(cfg) -> str:
 
 
 def control_clear(conn: KafkaConn | str, who: str, job_id: str | None, change_id: str = "*") -> ControlChange:
-    """End the change ``change_id`` (``*``: every change of the job's, or the fleet's, scope)."""
-    change = make_change(who, time.time_ns(), job_id, {}, clears=change_id or "*")
+    """End the change ``change_id`` (``*``: every change of the job's, or the fleet's, scope). A clear is one record
+    per setting it ends (``core.control.records_of``): ``*`` ends every setting of the scope; one change, the
+    settings it still holds, read from the topic first (ControlError when it holds none: cleared, run out or
+    replaced by a later change of each of its settings)."""
+    unset = None
+    if change_id and change_id != "*":
+        _, book = control_status(conn)
+        scope = "fleet" if job_id is None else f"job:{job_id}"
+        unset = sorted(name for (sc, name), held in book.held.items()
+                       if sc == scope and held[-1].change_id == change_id)
+        if not unset:
+            raise ControlError(f"change {change_id} holds no setting of {scope} now (cleared, run out, replaced by "
+                               "later changes, or of another scope): nothing to clear")
+    change = make_change(who, time.time_ns(), job_id, {}, clears=change_id or "*", unset=unset)
     publish(conn, change)
     return change
 
@@ -145,8 +188,8 @@ def control_status(conn: KafkaConn | str, job_id: str | None = None, timeout_s: 
     finally:
         reader.close()
     book = ControlBook()
-    for r in records:
-        book.add(r)
+    book.take(records)
+    book.flush()  # the end of the topic: a change whose other parts were compacted away is whole as it is
     now = time.time_ns()
     return (book.in_force(now) if job_id is None else book.in_force(now, job_id)), book
 
@@ -155,11 +198,13 @@ def format_status(changes: list[ControlChange], book: ControlBook, job_id: str |
     if not changes:
         lines = ["nothing in force" + (f" for {job_id}" if job_id else "") + ": every job runs with its own settings"]
     else:
-        lines = [f"{'change':<17} {'scope':<24} {'who':<12} {'since (UTC)':<20} {'until (UTC)':<20} settings"]
+        lines = [f"{'change':<17} {'scope':<24} {'who':<12} {'since (UTC)':<20} {'until (UTC)':<20} "
+                 f"{'from step':<10} settings"]
         for c in changes:
             what = ", ".join(f"{k}={v}" for k, v in sorted(c.what.items()))
+            step = str(c.from_step) if c.from_step else "next"  # next: each rank's next step end
             lines.append(f"{c.change_id:<17} {c.scope[:24]:<24} {c.who[:12]:<12} {_utc(c.when):<20} "
-                         f"{_utc(c.until) if c.until else 'until cleared':<20} {what}")
+                         f"{_utc(c.until) if c.until else 'until cleared':<20} {step:<10} {what}")
         if job_id:
             merged = ", ".join(f"{k}={v}" for k, v in sorted(book.settings(time.time_ns(), job_id).items()))
             lines.append(f"in force for {job_id}: {merged}")

@@ -3,15 +3,42 @@
 A change is one JSON record on the control topic (``core.topics.TOPIC_CONTROL``)::
 
     {"change_id": "...", "who": "alice", "when": <ns>, "scope": "job:<job id>" | "fleet",
-     "what": {"sample": "5/10", "hang_min_s": 30, ...}, "until": <ns, 0 = until cleared>, "clears": ""}
+     "what": {"sample": "5/10"}, "until": <ns, 0 = until cleared>, "clears": "",
+     "from_step": <the job's first step it covers; absent or 0: none>, "parts": <records of the change>,
+     "unset": [<settings a clear ends>]}
 
-A record whose ``clears`` names a change id ends that change (``"*"``: every change of its scope); its
-``what`` is empty. ``check`` is the only gate: the command line checks before it publishes, and every
+The last three are left out of the JSON at their defaults, so a change with none of them reads as it did
+before they existed (and an older reader still takes it).
+
+Published one record per setting (``records_of``), keyed ``<scope>|<setting>``: the topic is compacted
+(``core.kafka_admin.ensure_topics``), and compaction keeps exactly the newest record of each key, which is
+what ``ControlBook`` needs to rebuild what is in force, since a record replaces the earlier ones of its
+settings in its scope. A change of several settings is ``parts`` records of one change id, sent together;
+a reader applies them together (the next record of another change, or ``flush``, applies what came of one
+whose other parts compaction removed: each was replaced by a later record). A clear is a record whose
+``clears`` names a change id (``"*"``: every change of its scope) and whose ``unset`` names the settings it
+ends, one per record too, so it replaces, and compaction drops, the records it ends. Records written before
+keys were per setting (several settings, ``unset`` empty) are still read: such a clear ends the settings its
+change holds (``"*"``: every setting of its scope).
+
+A change that runs out (``until``) is skipped by every reader from then on and left on the topic until a
+later record of its key replaces it: no one writes tombstones (a tombstone written after reading could
+delete a change published in between). The topic holds at most one record per scope and setting.
+
+``from_step`` makes the ranks of a job agree on when a sampling or profiling change starts: each rank
+applies it at the end of step ``from_step - 1``, so it covers the steps from ``from_step`` on, on every rank.
+The publisher chooses it (``agreed_from_step``) from the job's newest step the store knows; a change without
+one (0: for the fleet, or a job the store does not know) applies at each rank's next step end. Only the
+exporters' settings (sampling and profiling) wait for the step; the others apply as they are read.
+
+``check`` is the only gate: the command line checks before it publishes, and every
 reader checks again what it reads (a record written by anything else is refused there with its reason,
 never applied in part). A change applies whole or not at all: one bad setting refuses the record.
 
 ``ControlBook`` folds the records read, in topic order, into what is in force at a time: for a job,
-the fleet's changes and then the job's own, the later of two setting the same name winning. The exporters
+the fleet's settings and then the job's own, the later of two records setting the same name in one scope
+replacing the earlier (when it runs out or is cleared, the setting is the configured one again, not the one it
+replaced: compaction keeps no other). The exporters
 (``ingest.control``) take the sampling, pause and heartbeat settings of their job from it; the shards
 (``ray_jobs.shard``) the hang thresholds, the regression rule's and the alert rules'; the driver's lemon watch
 (``ray_jobs.lemon_watch``) the fleet's lemon-host thresholds. A setting none of the changes in force names keeps
@@ -21,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import uuid
 from typing import Any, Callable
@@ -206,6 +234,13 @@ class ControlChange:
     what: dict
     until: int = 0
     clears: str = ""
+    from_step: int = 0
+    """The first step of the job it covers (each rank applies it at the end of the step before); 0: none, each
+    rank applies it at its next step end."""
+    parts: int = 1
+    """How many records the change was published as (one per setting, ``records_of``)."""
+    unset: tuple = ()
+    """A clear's: the settings it ends; empty (records of before): those of the changes it names."""
 
     @property
     def job_id(self) -> str | None:
@@ -215,7 +250,14 @@ class ControlChange:
         return not self.until or now_ns < self.until
 
     def to_json(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+        d = dataclasses.asdict(self)
+        for name, default in _LEFT_OUT_AT_DEFAULT.items():
+            if d[name] == default:
+                del d[name]
+        d["unset"] = list(d.get("unset", ()))
+        if not d["unset"]:
+            del d["unset"]
+        return json.dumps(d, sort_keys=True).encode()
 
     def row(self) -> dict:
         """The store's row (``core.schema.CONTROL_CHANGE``)."""
@@ -225,7 +267,11 @@ class ControlChange:
 
     def describe(self) -> str:
         what = ", ".join(f"{k}={v}" for k, v in sorted(self.what.items())) or f"clears {self.clears}"
-        return f"{self.scope}: {what}"
+        return f"{self.scope}: {what}" + (f" from step {self.from_step}" if self.from_step else "")
+
+
+_LEFT_OUT_AT_DEFAULT = {"from_step": 0, "parts": 1}
+MAX_PARTS = 64
 
 
 def check(record: Any) -> ControlChange:
@@ -262,6 +308,16 @@ def check(record: Any) -> ControlChange:
     clears = record.get("clears", "")
     if not isinstance(clears, str) or len(clears) > 64:
         raise ControlError("clears must be a change id or '*'")
+    from_step, parts, unset = record.get("from_step", 0), record.get("parts", 1), record.get("unset", [])
+    for name, v, low in (("from_step", from_step, 0), ("parts", parts, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= (MAX_PARTS if name == "parts" else 2**62):
+            raise ControlError(f"{name} must be a whole number from {low}, got {str(v)[:40]!r}")
+    if not isinstance(unset, list) or any(s not in SETTINGS for s in unset):
+        raise ControlError(f"unset must be a list of settings, got {str(unset)[:60]!r}")
+    if unset and not clears:
+        raise ControlError("only a record that clears a change unsets settings")
+    if clears and from_step:
+        raise ControlError("a clear takes no step: each rank applies it at its next step end")
     what = check_what(record["what"])
     scope = check_scope(record["scope"])
     fleet_only = sorted(k for k in what if SETTINGS[k].fleet_only)
@@ -272,19 +328,70 @@ def check(record: Any) -> ControlChange:
         raise ControlError("a record that clears a change sets nothing")
     if not clears and not what:
         raise ControlError("the change sets nothing (name at least one setting)")
-    return ControlChange(change_id, who, when, scope, what, until, clears)
+    return ControlChange(change_id, who, when, scope, what, until, clears, from_step, parts, tuple(unset))
 
 
 def make_change(who: str, when_ns: int, job_id: str | None, what: dict, for_s: float = 0.0,
-                clears: str = "") -> ControlChange:
+                clears: str = "", from_step: int = 0, unset: list[str] | None = None) -> ControlChange:
     """A new change, checked (ControlError on bad input): ``job_id`` None for the fleet; ``for_s`` 0: until
-    cleared."""
+    cleared. A clear (``clears``) of ``"*"`` ends every setting of its scope unless ``unset`` names them."""
     if for_s < 0 or for_s > MAX_UNTIL_S:
         raise ControlError(f"the duration must be 0 (until cleared) to {MAX_UNTIL_S // 86400} days")
     until = when_ns + int(for_s * 1e9) if for_s else 0
-    record = dict(change_id=uuid.uuid4().hex[:16], who=who, when=when_ns, scope=scope_of(job_id), what=what,
-                  until=until, clears=clears)
+    scope = scope_of(job_id)
+    if clears == "*" and unset is None:
+        unset = [n for n, s in SETTINGS.items() if scope == FLEET or not s.fleet_only]
+    record = dict(change_id=uuid.uuid4().hex[:16], who=who, when=when_ns, scope=scope, what=what,
+                  until=until, clears=clears, from_step=from_step, unset=sorted(unset or []))
     return check(record)
+
+
+def key_of(scope: str, setting: str) -> bytes:
+    """The control topic's key of a record of ``setting`` in ``scope``: compaction keeps the newest of each."""
+    return f"{scope}|{setting}".encode()
+
+
+def records_of(change: ControlChange) -> list[tuple[bytes, ControlChange]]:
+    """The records ``change`` is published as, with their keys: one per setting it sets or (a clear) unsets, each
+    saying how many there are, in the order of the settings' names."""
+    names = sorted(change.unset if change.clears else change.what)
+    if not names:
+        raise ControlError("a clear is published with the settings it ends (unset): its key is theirs")
+    parts = len(names)
+    if change.clears:
+        return [(key_of(change.scope, n), dataclasses.replace(change, unset=(n,), parts=parts)) for n in names]
+    return [(key_of(change.scope, n), dataclasses.replace(change, what={n: change.what[n]}, parts=parts))
+            for n in names]
+
+
+# How far ahead of the job's newest step a change of its sampling starts, so that every rank hears of it before
+# the end of the step before (``agreed_from_step``). Publishing a change of three settings took 0.11 s (median,
+# 0.22 s at most) and a polling reader had it whole 0.25 s after the publish began (0.32 s at most; 10 changes,
+# Tansu, 2 cores); a follower that lost the broker asks again after 5 s (``ingest.control.ControlFollower
+# .retry_s``), which the lead covers once. Erring late costs only a later start, the same on every rank.
+STEP_LEAD_S = 5.0
+STEP_DRIFT = 0.1
+"""... plus this share of the time since the newest window the step is extrapolated over (a window's mean step
+time is not the steps' after it: profiled steps are slower)."""
+MIN_STEP_LEAD = 2
+"""At least this many steps: the step in progress may end before any rank hears of the change."""
+STALE_WINDOW_S = 900.0
+"""A newest window ended longer ago than this (and three of the job's sampling periods) says nothing of the
+job's step now (it stalled, ended, or the pipeline is that far behind): no step is chosen."""
+
+
+def agreed_from_step(last_step: int, end_ns: int, step_time_s: float, now_ns: int, period_s: float = 0.0) -> int:
+    """The step from which a change of a job's sampling applies on all its ranks, from its newest window
+    (``last_step``, ended at ``end_ns``, of mean step ``step_time_s``; ``period_s``: the time between its two
+    newest windows, 0 if unknown): the newest step extrapolated to ``now_ns``, plus ``STEP_LEAD_S`` worth of
+    steps (at least ``MIN_STEP_LEAD``). 0 when it cannot be told (no window, no step time, too old)."""
+    if last_step < 0 or not step_time_s > 0 or not math.isfinite(step_time_s):
+        return 0
+    elapsed = max(0.0, (now_ns - end_ns) / 1e9)
+    if elapsed > max(STALE_WINDOW_S, 3 * period_s):
+        return 0
+    newest = last_step + int(elapsed / step_time_s)
+    return newest + max(MIN_STEP_LEAD, math.ceil((STEP_LEAD_S + STEP_DRIFT * elapsed) / step_time_s))
 
 
 def parse_duration(text: str) -> float:
@@ -296,65 +403,141 @@ def parse_duration(text: str) -> float:
 
 
 class ControlBook:
-    """The changes read so far, in topic order, and what is in force at a given time."""
+    """The records read so far, in topic order, and what is in force at a given time.
+
+    Kept per scope and setting (the topic's key): the newest record of each replaces the earlier, so what is in
+    force from a whole log is what it is from the compacted one (the newest record of each key). Older records
+    of a key stay only while a newer one's ``from_step`` is ahead of them: until that step, they are what the
+    job's ranks sample by (``settings(..., step=...)``); a record without a step ends them at once."""
+
+    MAX_KEPT = 8  # records of one key kept for the steps before a newer one's from_step
 
     def __init__(self) -> None:
-        self.changes: dict[str, ControlChange] = {}  # change_id -> setting change, in arrival order
-        self.cleared: dict[str, ControlChange] = {}  # change_id -> the record that cleared it
+        self.held: dict[tuple[str, str], list[ControlChange]] = {}  # (scope, setting) -> records, newest last
         self.refused: list[str] = []                  # one line per record refused, bounded
-        self.version = 0                              # bumped by every record taken: readers re-derive on change
+        self.version = 0                              # bumped by every change taken: readers re-derive on change
+        self._seen: set[tuple] = set()
+        self._pending: list[ControlChange] = []       # the parts read so far of the newest change
+        self._order: dict[str, int] = {}              # change_id -> when it was taken (topic order)
+
+    def take(self, records) -> list[ControlChange]:
+        """Take records in topic order (bytes, text, dicts or ``ControlChange``s); returns the changes completed by
+        them, each whole (its parts merged). A bad record is counted and refused, never raised."""
+        done = []
+        for record in records:
+            try:
+                part = record if isinstance(record, ControlChange) else check(record)
+            except ControlError as e:
+                self.refused = (self.refused + [str(e)])[-20:]
+                continue
+            ident = (part.change_id, tuple(sorted(part.what)), part.unset, part.clears)
+            if ident in self._seen:
+                continue  # read again (a reader started over): taken once
+            self._seen.add(ident)
+            if self._pending and self._pending[0].change_id != part.change_id:
+                done.append(self._apply_pending())  # its other parts were compacted away: each was replaced
+            self._pending.append(part)
+            if len(self._pending) >= part.parts:
+                done.append(self._apply_pending())
+        return done
 
     def add(self, record: Any) -> ControlChange | None:
-        """Take one record (bytes, text, dict or ``ControlChange``); a bad one is counted and refused, never raised."""
-        try:
-            change = record if isinstance(record, ControlChange) else check(record)
-        except ControlError as e:
-            self.refused = (self.refused + [str(e)])[-20:]
-            return None
-        if change.change_id in self.changes or change.change_id in self.cleared:
-            return None  # read again (a reader started over): taken once
+        """Take one record; returns the change it completed (the last, if it also completed an earlier one)."""
+        done = self.take([record])
+        return done[-1] if done else None
+
+    def flush(self) -> list[ControlChange]:
+        """Apply the change whose parts were still awaited (the end of the topic was read: there are no more)."""
+        return [self._apply_pending()] if self._pending else []
+
+    def _apply_pending(self) -> ControlChange:
+        parts, self._pending = self._pending, []
+        what, unset = {}, set()
+        for p in parts:
+            what.update(p.what)
+            unset.update(p.unset)
+        change = dataclasses.replace(parts[0], what=what, unset=tuple(sorted(unset)))
+        self._order.setdefault(change.change_id, len(self._order))
         if change.clears:
-            ids = [i for i, c in self.changes.items()
-                   if (change.clears == "*" and c.scope == change.scope) or i == change.clears]
-            for i in ids:
-                self.cleared[i] = change
-                del self.changes[i]
-            self.cleared[change.change_id] = change
+            if change.unset:
+                ended = [(change.scope, n) for n in change.unset]
+            else:  # a record of before per-setting keys: the settings its change holds, or all of its scope
+                ended = [k for k, held in self.held.items() if k[0] == change.scope
+                         and (change.clears == "*" or held[-1].change_id == change.clears)]
+            for k in ended:
+                self.held.pop(k, None)
         else:
-            self.changes[change.change_id] = change
+            for name in change.what:
+                kept = [c for c in self.held.get((change.scope, name), [])
+                        if change.from_step and c.from_step < change.from_step]
+                self.held[(change.scope, name)] = (kept + [change])[-self.MAX_KEPT:]
         self.version += 1
         return change
 
-    def in_force(self, now_ns: int, job_id: str | None = ...) -> list[ControlChange]:  # type: ignore[assignment]
-        """The changes in force at ``now_ns``, fleet's first then the jobs', each in topic order; ``job_id``
-        given: only those that apply to it (None: the fleet's only)."""
-        live = [c for c in self.changes.values() if c.active(now_ns)]
-        if job_id is not ...:
-            live = [c for c in live if c.scope == FLEET or c.job_id == job_id]
-        return sorted(live, key=lambda c: c.scope != FLEET)  # stable: topic order within each scope
+    @staticmethod
+    def _pick(records: list[ControlChange], step: int | None) -> ControlChange | None:
+        """The record of a key that holds at ``step`` (None: the newest, whatever its step)."""
+        if step is None:
+            return records[-1]
+        for c in reversed(records):
+            if c.from_step <= step:
+                return c
+        return None
 
-    def settings(self, now_ns: int, job_id: str | None) -> dict[str, Any]:
-        """The settings in force for ``job_id`` (None: fleet-wide only): the job's own over the fleet's, the
-        later over the earlier."""
+    def _scopes(self, job_id) -> tuple[str, ...]:
+        return (FLEET,) if job_id is None else (FLEET, JOB_PREFIX + job_id)
+
+    @property
+    def changes(self) -> dict[str, ControlChange]:
+        """change_id -> change, of every change that holds a setting now (in force, coming or run out)."""
+        out = {}
+        for records in self.held.values():
+            out.setdefault(records[-1].change_id, records[-1])
+        return out
+
+    def in_force(self, now_ns: int, job_id: str | None = ...) -> list[ControlChange]:  # type: ignore[assignment]
+        """The changes in force at ``now_ns``, each with only the settings it still holds, fleet's first then the
+        jobs', each in topic order; ``job_id`` given: only those that apply to it (None: the fleet's only)."""
+        held: dict[str, dict] = {}
+        first: dict[str, ControlChange] = {}
+        for (scope, name), records in self.held.items():
+            c = records[-1]
+            if not c.active(now_ns) or (job_id is not ... and scope not in self._scopes(job_id)):
+                continue
+            first.setdefault(c.change_id, c)
+            held.setdefault(c.change_id, {})[name] = c.what[name]
+        out = [dataclasses.replace(first[i], what=dict(sorted(w.items()))) for i, w in held.items()]
+        return sorted(out, key=lambda c: (c.scope != FLEET, self._order.get(c.change_id, 0)))
+
+    def settings(self, now_ns: int, job_id: str | None, step: int | None = None) -> dict[str, Any]:
+        """The settings in force for ``job_id`` (None: fleet-wide only), the job's own over the fleet's; ``step``
+        given: those that hold at that step of the job (a record whose ``from_step`` is ahead is not yet)."""
         out: dict[str, Any] = {}
-        for c in self.in_force(now_ns, job_id):
-            out.update(c.what)
+        for scope in self._scopes(job_id):
+            for (sc, name), records in sorted(self.held.items()):
+                c = self._pick(records, step) if sc == scope else None
+                if c is not None and c.active(now_ns):
+                    out[name] = c.what[name]
         return out
 
     def own_settings(self, now_ns: int, job_id: str) -> dict[str, Any]:
-        """The settings ``job_id``'s own changes in force set (without the fleet's), the later over the earlier."""
-        out: dict[str, Any] = {}
-        for c in self.in_force(now_ns, job_id):
-            if c.scope != FLEET:
-                out.update(c.what)
-        return out
+        """The settings ``job_id``'s own changes in force set (without the fleet's)."""
+        scope = JOB_PREFIX + job_id
+        return {name: records[-1].what[name] for (sc, name), records in sorted(self.held.items())
+                if sc == scope and records[-1].active(now_ns)}
+
+    def step_points(self, job_id: str, names) -> list[int]:
+        """The steps (above 0) at which one of ``names`` changes for ``job_id``, by the records held."""
+        scopes = self._scopes(job_id)
+        return sorted({c.from_step for (sc, name), records in self.held.items() if sc in scopes and name in names
+                       for c in records if c.from_step > 0})
 
     def jobs(self) -> set[str]:
-        return {c.job_id for c in self.changes.values() if c.job_id is not None}
+        return {sc[len(JOB_PREFIX):] for sc, _ in self.held if sc != FLEET}
 
     def next_expiry(self, now_ns: int) -> int:
         """When the next change in force runs out (0: none does)."""
-        ends = [c.until for c in self.changes.values() if c.until and c.until > now_ns]
+        ends = [c.until for records in self.held.values() for c in records if c.until and c.until > now_ns]
         return min(ends) if ends else 0
 
 

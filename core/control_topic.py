@@ -3,15 +3,19 @@
 The topic has one partition (``core.kafka_admin.prepare_topics`` creates it with the pipeline's topics,
 ``publish`` where it is missing), so every reader sees every change in the order it was made. Readers
 assign that partition and read it from its beginning, without a consumer group: a restarted exporter or
-shard rebuilds what is in force from the records themselves, and nothing is kept anywhere else. Changes
-are a few hundred bytes each, and expired ones cost a reader only the time to skip them.
+shard rebuilds what is in force from the records themselves, and nothing is kept anywhere else. The topic
+is compacted (``cleanup.policy=compact``) and each record keyed by its scope and setting
+(``core.control.records_of``), so what a reader reads from the start is bounded: one record per scope and
+setting at most, once the broker has compacted it. Tansu, the embedded broker, takes the setting and reports no topic
+configuration; readers never depend on compaction having run (the whole log and the compacted one give the
+same settings).
 """
 from __future__ import annotations
 
 import logging
 
 from core import topics
-from core.control import ControlChange, ControlError, check
+from core.control import ControlChange, ControlError, check, records_of
 from core.kafka_conn import KafkaConn, as_conn
 
 log = logging.getLogger(__name__)
@@ -25,17 +29,22 @@ def publish(bootstrap: KafkaConn | str, change: ControlChange, timeout_s: float 
     from core.kafka_admin import BrokerError, KeptClient, ensure_topics
 
     conn = as_conn(bootstrap)
-    check(change.to_json())  # what goes out is what every reader accepts
-    ensure_topics(conn, [topics.TOPIC_CONTROL], 1, timeout_s)
+    records = records_of(change)
+    for _, part in records:
+        check(part.to_json())  # what goes out is what every reader accepts
+    ensure_topics(conn, [topics.TOPIC_CONTROL], 1, timeout_s, topic_configs=topics.CONTROL_TOPIC_CONFIGS)
     try:
+        # linger: the parts of one change go out in one batch, so no other change lands between them
         producer = KafkaProducer(bootstrap_servers=conn.bootstrap, client_id="stragglerscope-control", acks="all",
                                  allow_auto_create_topics=False, kafka_client=KeptClient(KafkaProducer),
+                                 linger_ms=50, max_in_flight_requests_per_connection=1,
                                  max_block_ms=int(timeout_s * 1000), **conn.client_options())
     except KafkaError as e:
         raise BrokerError(f"cannot reach Kafka at {conn.describe()}: {e}") from None
     try:
-        key = (change.job_id or "").encode()
-        producer.send(topics.TOPIC_CONTROL, key=key, value=change.to_json()).get(timeout=timeout_s)
+        sent = [producer.send(topics.TOPIC_CONTROL, key=key, value=part.to_json()) for key, part in records]
+        for future in sent:
+            future.get(timeout=timeout_s)
     except KafkaError as e:
         raise BrokerError(f"the change was not published to {topics.TOPIC_CONTROL} at {conn.describe()}: {e}") \
             from None

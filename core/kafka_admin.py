@@ -325,13 +325,14 @@ def _known(admin, topics: list[str], timeout_s: float) -> dict[str, int]:
 
 def ensure_topics(bootstrap: KafkaConn | str, topics: Iterable[str], partitions: int = DEFAULT_PARTITIONS,
                   timeout_s: float = 20.0, replication_factor: int = 1,
-                  min_insync_replicas: int = 0) -> dict[str, int]:
+                  min_insync_replicas: int = 0, topic_configs: dict[str, str] | None = None) -> dict[str, int]:
     """Create the topics that do not exist yet (idempotent); returns every topic's partition count.
 
     New topics get ``partitions`` partitions, ``replication_factor``
-    replicas and, when above 0, ``min_insync_replicas`` (else the broker's
+    replicas, ``topic_configs`` and, when above 0, ``min_insync_replicas`` (else the broker's
     default). Existing topics are left as they are: ``check_partitions``
-    says whether their counts fit the configuration.
+    says whether their counts fit the configuration, and one whose ``cleanup.policy`` the broker reports
+    differs from ``topic_configs``'s is said once in the log, with the command that changes it (``check_policy``).
     """
     if min_insync_replicas > replication_factor:
         raise BrokerError(f"kafka.min_insync_replicas ({min_insync_replicas}) exceeds kafka.replication_factor "
@@ -344,14 +345,19 @@ def ensure_topics(bootstrap: KafkaConn | str, topics: Iterable[str], partitions:
     try:
         counts = _describe(admin, topics)
         configs = {"min.insync.replicas": str(min_insync_replicas)} if min_insync_replicas > 0 else {}
+        configs.update(topic_configs or {})
         new = [NewTopic(t, num_partitions=partitions, replication_factor=replication_factor, topic_configs=configs)
                for t in topics if t not in counts]
+        old = [t for t in topics if t in counts]
         if new:
             try:
                 admin.create_topics(new)
             except TopicAlreadyExistsError:
                 pass
             counts = _known(admin, topics, timeout_s)
+        policy = (topic_configs or {}).get("cleanup.policy")
+        if policy and old:
+            check_policy(admin, old, policy, as_conn(bootstrap))
     except KafkaError as e:
         raise BrokerError(f"cannot create topics at {bootstrap}: {_reason(e)}") from None
     finally:
@@ -361,6 +367,44 @@ def ensure_topics(bootstrap: KafkaConn | str, topics: Iterable[str], partitions:
         raise BrokerError(f"topics {', '.join(missing)} do not exist at {bootstrap} and could not be created (or "
                           f"were created and not known to every broker within {timeout_s:g} s)")
     return counts
+
+
+_SAID_POLICY: set[tuple[str, str]] = set()
+
+
+def topic_policy(admin, topic: str) -> str | None:
+    """``topic``'s cleanup.policy as the broker reports it, set or by default; None when it reports none (Tansu
+    reports no topic configuration at all, and drops the connection when asked for one by name: all of them are
+    asked for)."""
+    from kafka.admin import ConfigResource, ConfigResourceType
+    from kafka.errors import KafkaError
+
+    try:
+        got = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)], config_filter="all")
+        entry = got.get("topic", {}).get(topic, {}).get("cleanup.policy")
+    except (KafkaError, OSError, ValueError, AttributeError, TypeError) as e:
+        log.debug("cleanup.policy of %s not reported: %s", topic, e)
+        return None
+    value = entry.get("value") if isinstance(entry, dict) else entry
+    return None if value is None else str(value)
+
+
+def check_policy(admin, topics: list[str], wanted: str, conn: KafkaConn) -> None:
+    """Say once per process and topic, in the log, that an existing topic's cleanup.policy is not ``wanted``
+    (a topic made by an older version), with the command that changes it; never fails: the topic works as it
+    is, only unbounded."""
+    for t in topics:
+        if (conn.bootstrap, t) in _SAID_POLICY:
+            continue
+        policy = topic_policy(admin, t)
+        if policy is None or wanted in policy.split(","):
+            continue
+        _SAID_POLICY.add((conn.bootstrap, t))
+        log.warning("topic %s has cleanup.policy=%s, not %s (made by an older stragglerscope): it grows with every "
+                    "record, and every reader reads all of it. Change it with: kafka-configs.sh --bootstrap-server "
+                    "%s --alter --entity-type topics --entity-name %s --add-config cleanup.policy=%s (its records "
+                    "of before are keyed by job: clear the changes in force first, and set them again after)", t,
+                    policy, wanted, conn.bootstrap.split(",")[0], t, wanted)
 
 
 def check_partitions(counts: dict[str, int], topics: Iterable[str], configured: int) -> int:
@@ -399,7 +443,8 @@ def prepare_topics(bootstrap: KafkaConn | str, partitions: int, replication_fact
     ``outputs``: the dead-letter and alert topics too (the pipeline writes them; exporters do not). The
     control topic (one partition: ``core.control``) is created either way: exporters read it.
     """
-    from core.topics import INPUT_TOPICS, TOPIC_ALERTS, TOPIC_CONTROL, TOPIC_DEAD_LETTER, topic_now
+    from core.topics import (CONTROL_TOPIC_CONFIGS, INPUT_TOPICS, TOPIC_ALERTS, TOPIC_CONTROL, TOPIC_DEAD_LETTER,
+                             topic_now)
 
     wanted = INPUT_TOPICS + ((TOPIC_DEAD_LETTER, TOPIC_ALERTS) if outputs else ())
     gen_s = as_conn(bootstrap).topic_generation_s
@@ -408,9 +453,9 @@ def prepare_topics(bootstrap: KafkaConn | str, partitions: int, replication_fact
     counts = ensure_topics(bootstrap, wanted, partitions, timeout_s, replication_factor=replication_factor,
                            min_insync_replicas=min_insync_replicas)
     # Run-time changes, read by the exporters too (so also without ``outputs``): one partition, whoever reads
-    # them reads them all, in order.
+    # them reads them all, in order; compacted (newest record per scope and setting), so not every change ever made.
     ensure_topics(bootstrap, [TOPIC_CONTROL], 1, timeout_s, replication_factor=replication_factor,
-                  min_insync_replicas=min_insync_replicas)
+                  min_insync_replicas=min_insync_replicas, topic_configs=CONTROL_TOPIC_CONFIGS)
     return check_partitions(counts, INPUT_TOPICS, partitions)
 
 

@@ -13,6 +13,9 @@ TOPIC_ALERTS = "ss.alerts"
 TOPIC_CONTROL = "ss.control"
 """Run-time changes of sampling and thresholds (core/control.py): one partition, so every reader sees them in
 the order they were made; read whole by every exporter and shard, never split by job."""
+CONTROL_TOPIC_CONFIGS = {"cleanup.policy": "compact"}
+"""The control topic's configuration: compaction keeps the newest record of each key (a scope and a setting,
+``core.control.records_of``), which is all a reader needs to rebuild what is in force."""
 INPUT_TOPICS = (TOPIC_JOBS, TOPIC_OPS, TOPIC_CCL, TOPIC_HEARTBEATS, TOPIC_CHECKPOINTS)
 
 MAX_MESSAGE_BYTES = 900_000

@@ -3,9 +3,14 @@
 ``ControlFollower`` reads every change (``core.control_topic.ControlReader``) on its own thread, folds them
 (``core.control.ControlBook``) and hands the exporter what is in force for its job: the sampling (or a pause
 of profiling) and the heartbeat period. The training thread never waits for it: the follower replaces one
-attribute of the exporter (``RankExporter.offer_sampling``), and the exporter takes the new sampling at its
-next step end, so a sampled window is never cut in the middle of a step. A change that runs out or is cleared
-hands back what the exporter started with. A record that does not pass ``core.control.check`` is refused and
+attribute of the exporter (``RankExporter.offer_plan``), and the exporter takes the new sampling at its
+next step end, so a sampled window is never cut in the middle of a step. A change that carries a step
+(``from_step``: the ranks of a job agree on it, ``core.control``) is handed over ahead, as a plan of which
+sampling holds from which step (``sampling_plan``): every rank takes it at the end of step ``from_step - 1``,
+whenever it heard of it before then; one that heard of it later takes it at its next step end, counts it
+(``ExporterStats.control_late``) and says so once. A change without a step, a clear, and a change that runs out
+apply at each rank's next step end. A change that runs out or is cleared hands back what the exporter started
+with. A record that does not pass ``core.control.check`` is refused and
 counted (``book.refused``), never applied in part.
 """
 from __future__ import annotations
@@ -50,6 +55,18 @@ def sampling_for(settings: dict[str, Any], base):
         k, n = parse_sample(settings["sample"])
         return type(base)(k, n)
     return base
+
+
+EXPORTER_STEP_SETTINGS = ("sample", "profiling")
+"""The settings that wait for a change's step (``from_step``): what a window holds must be the same on every rank."""
+
+
+def sampling_plan(book: ControlBook, now_ns: int, job_id: str, base) -> tuple:
+    """Which sampling holds from which step for ``job_id``: ((0, sampling before any step named), (step,
+    sampling from that step), ...), steps increasing (``RankExporter.offer_plan``)."""
+    points = book.step_points(job_id, EXPORTER_STEP_SETTINGS)
+    return ((0, sampling_for(book.settings(now_ns, job_id, step=0), base)),) + tuple(
+        (p, sampling_for(book.settings(now_ns, job_id, step=p), base)) for p in points)
 
 
 class ControlFollower:
@@ -97,15 +114,14 @@ class ControlFollower:
     def take(self, records: list, now_ns: int) -> None:
         """Fold ``records`` in and hand the exporter what is in force for its job at ``now_ns`` (also when a
         change ran out since the last call)."""
-        for r in records:
-            self.book.add(r)
+        self.book.take(records)
         expired = self._expiry and now_ns >= self._expiry
         if self.book.version == self._seen and not expired:
             return
         self._seen = self.book.version
         self._expiry = self.book.next_expiry(now_ns)
         settings = self.book.settings(now_ns, self.exporter.job_id)
-        self.exporter.offer_sampling(sampling_for(settings, self.base_sampling))
+        self.exporter.offer_plan(sampling_plan(self.book, now_ns, self.exporter.job_id, self.base_sampling))
         # A float read by the heartbeat thread each period: replaced whole, no lock needed.
         self.exporter.heartbeat_s = float(settings.get("heartbeat_s", self.base_heartbeat_s))
         if settings != self.applied:

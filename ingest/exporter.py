@@ -17,7 +17,9 @@ Contract with the training loop: nothing here blocks it or raises into it.
 - ``exporter.follow_control(bootstrap)`` follows the control topic on a daemon
   thread (``ingest.control``): a change of this job's sampling, a pause of
   profiling or a new heartbeat period made with `stragglerscope control`
-  applies at the next step end; the training thread only reads one attribute.
+  applies at the next step end, or, when the change names the step it starts
+  from, at the end of the step before it on every rank; the training thread
+  only reads one attribute.
 - ``exporter.checkpoint(step, kind)`` (or ``with exporter.checkpointing(step):``)
   reports a finished checkpoint save or load (CHECKPOINT record): the
   downtime accounting needs where a restarted job resumes from.
@@ -151,6 +153,16 @@ class Sampling:
         return first if step - first < self.profile_steps else None
 
 
+def _plan_at(plan: tuple, step: int):
+    """The sampling a plan holds for ``step``: that of the last entry whose step is at most ``step``."""
+    sampling = plan[0][1]
+    for first, s in plan[1:]:
+        if first > step:
+            break
+        sampling = s
+    return sampling
+
+
 def folded_stacks(skip_thread: int | None = None) -> str:
     """Python stacks of all threads, one line each: 'thread-name;outer;...;inner'."""
     names = {t.ident: t.name for t in threading.enumerate()}
@@ -173,6 +185,8 @@ class ExporterStats:
     errors: int = 0
     tcp_flows: int = 0
     port_counters: int = 0
+    control_late: int = 0
+    """Sampling changes heard of after the step they were to start from: taken at the next step end instead."""
 
 
 class RankExporter:
@@ -195,8 +209,12 @@ class RankExporter:
         self.job_id, self.rank, self.dp_rank, self.pp_rank, self.attempt = job_id, rank, dp_rank, pp_rank, attempt
         self.sink = sink
         self.sampling = sampling
-        # What the control topic asks for (``offer_sampling``, from the follower's thread); taken at a step end.
-        self._wanted_sampling = sampling
+        # What the control topic asks for (``offer_plan``, from the follower's thread): ((from step, sampling),
+        # ...), steps increasing, the first 0; taken at a step end, replaced whole, never changed in place.
+        self._wanted_plan: tuple = ((0, sampling),)
+        self._plan = self._wanted_plan
+        self._first_step: int | None = None
+        self._said_late = False
         self.control = None  # ingest.control.ControlFollower, once follow_control started one
         self.heartbeat_s = heartbeat_s
         self.hang_dump_s = hang_dump_s
@@ -332,6 +350,10 @@ class RankExporter:
     def start_step(self, step: int) -> None:
         """Begin step ``step`` (for hooks that cannot wrap the step in a with-block)."""
         self._step = step
+        if self._first_step is None:
+            self._first_step = step
+        if len(self._plan) > 1:  # a change from a step: the steps from it on, whatever steps the job skips
+            self.sampling = _plan_at(self._plan, step)
         self._window = self.sampling.window_of(step)
         self._seq = {}
         if self._window is not None and self._tcp_marks is not None:
@@ -352,13 +374,35 @@ class RankExporter:
                 self._tcp_marks.put((self._window, self._step, True))
             self._flush_step()
         self._window = None
-        wanted = self._wanted_sampling  # one read: the follower may replace it at any moment
-        if wanted is not self.sampling:
-            self.sampling = wanted  # from the next step on; the step that just ended kept its window
+        plan = self._wanted_plan  # one read: the follower may replace it at any moment
+        if plan is not self._plan:
+            self._take_plan(plan)
+        # from the next step on; the step that just ended kept its window
+        self.sampling = plan[0][1] if len(plan) == 1 else _plan_at(plan, self._step + 1)
+
+    def _take_plan(self, plan: tuple) -> None:
+        """Take a new plan at a step end: a step it names that this rank already ran (under the old plan) is a
+        change heard of late, counted and said once (from the rank's first step on: before it, the rank was not
+        running)."""
+        known = {f for f, _ in self._plan}
+        late = [f for f, _ in plan[1:] if f not in known and (self._first_step or 0) < f <= self._step]
+        self._plan = plan
+        if late:
+            self.stats.control_late += len(late)
+            if not self._said_late:
+                self._said_late = True
+                log.warning("control: rank %d of %s heard of a sampling change for step %d only after step %d: "
+                            "applied from step %d (counted in control_late; said once)", self.rank, self.job_id,
+                            late[0], self._step, self._step + 1)
 
     def offer_sampling(self, sampling) -> None:
         """The sampling to use from the next step end on (any thread; the training thread is not waited for)."""
-        self._wanted_sampling = sampling
+        self._wanted_plan = ((0, sampling),)
+
+    def offer_plan(self, plan: tuple) -> None:
+        """Which sampling to use from which step, ((0, sampling), (step, sampling), ...), steps increasing; taken
+        at the next step end (any thread; the training thread is not waited for)."""
+        self._wanted_plan = plan
 
     def follow_control(self, bootstrap) -> None:
         """Follow the control topic at ``bootstrap`` (a ``KafkaConn`` or host:port) for this job's changes, on a

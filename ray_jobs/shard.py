@@ -377,7 +377,7 @@ class ShardWorker:
         if self.controls is None:
             return
         book, refused = self.control_book, len(self.control_book.refused)
-        new = [c for c in (book.add(r) for r in self.controls.poll(0)) if c is not None]
+        new = book.take(self.controls.poll(0))  # each change whole, its parts merged
         if len(book.refused) > refused:
             self.stats.control_refused += len(book.refused) - refused
             log.warning("shard %d: control record refused: %s", self.index, book.refused[-1])

@@ -98,7 +98,9 @@ def _add_control(sub) -> None:
 
     p = sub.add_parser("control", help="change a running job's or the fleet's sampling and thresholds",
                        description="Change, while jobs run, the sampling, profiling and heartbeats of a job's ranks "
-                                   "(each rank applies a change at its next step end, never holding training up) "
+                                   "(the ranks of a job from the same step, a few seconds ahead of the newest step the "
+                                   "store knows of it, or each at its next step end where there is none: for the "
+                                   "fleet, with --force; never holding training up) "
                                    "and the hang, regression and alert-rule thresholds (slowdown, fidelity, "
                                    "cool-down, link confidence and certainty) the pipeline judges a job by (at its "
                                    "next decision), for one job (--job) or the fleet (--fleet); and the lemon-host "
@@ -106,7 +108,8 @@ def _add_control(sub) -> None:
                                    "a lemon is judged across every job, so --job is refused. A change "
                                    "goes on the control topic (ss.control at kafka.bootstrap) with who made it, when "
                                    "and until when (--for; default: until cleared); a job's own change beats the "
-                                   "fleet's, a later one an earlier. The pipeline stores every change in the "
+                                   "fleet's, a later one replaces an earlier of the same setting. The pipeline stores "
+                                   "every change in the "
                                    "control_changes table. Bad input (an unknown setting, a sampling of 0/0, a "
                                    "threshold out of range, a bad job id) is refused with its reason and nothing is "
                                    "published; so is a --job the store (store.url) has never registered, unless "
@@ -123,7 +126,8 @@ def _add_control(sub) -> None:
     where.add_argument("--fleet", action="store_true", help="the change is for every job")
     p.add_argument("--for", dest="for_", metavar="DURATION", help="set: how long the change lasts (90s, 10m, 2h, "
                                                                   "1d; default: until cleared)")
-    p.add_argument("--change", metavar="ID", help="clear: the change to end (default: every change of the scope)")
+    p.add_argument("--change", metavar="ID", help="clear: the change to end, the settings it still holds "
+                                                    "(default: every change of the scope)")
     p.add_argument("--who", help="who makes the change (default: $USER)")
     p.add_argument("--force", action="store_true",
                    help="set --job: take a job the store has not registered (one about to start); without it "

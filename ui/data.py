@@ -143,8 +143,9 @@ class _SharedStore:
         return self._store.query(*args, **kwargs)
 
 
-def require_known_job(job_id: str) -> None:
-    """ControlError unless the store registered ``job_id``: the command line's check of a change for one job."""
+def require_known_job(job_id: str) -> int:
+    """ControlError unless the store registered ``job_id``: the command line's check of a change for one job; the
+    step the change starts from on every rank of it (0: none)."""
     from actions.control import require_registered
 
-    require_registered(store_url(), job_id, open_store=lambda url: _SharedStore(_store(url)))
+    return require_registered(store_url(), job_id, open_store=lambda url: _SharedStore(_store(url)))

@@ -99,3 +99,34 @@ def test_the_right_password_carries_a_fleet_through_run_into_the_store(sasl_kafk
             stop_fleet(proc, store)
     finally:
         os.environ.pop("STRAGGLERSCOPE_KAFKA_SASL_PASSWORD", None)
+
+
+def test_the_control_topic_is_made_compacted_and_an_older_one_is_said_once(sasl_kafka, caplog):
+    """The control topic is created with cleanup.policy=compact (as the broker describes it); a topic that exists
+    without it (an older deployment's) is left working and said once in the log with the command that fixes it.
+    The log cleaner is not waited for: what a reader rebuilds from a compacted log is tests/unit/test_control.py's."""
+    import logging
+
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    from core.kafka_admin import _admin, ensure_topics, prepare_topics, topic_policy
+    from core.topics import CONTROL_TOPIC_CONFIGS, TOPIC_CONTROL
+
+    prepare_topics(sasl_kafka.bootstrap, 2)
+    admin = _admin(sasl_kafka.bootstrap, 20)
+    try:
+        assert topic_policy(admin, TOPIC_CONTROL) == "compact"
+    finally:
+        admin.close()
+    old = f"old-control-{uuid.uuid4().hex[:6]}"
+    plain = KafkaAdminClient(bootstrap_servers=sasl_kafka.bootstrap)
+    try:
+        plain.create_topics([NewTopic(old, 1, 1)])
+    finally:
+        plain.close()
+    with caplog.at_level(logging.WARNING, logger="core.kafka_admin"):
+        for _ in range(2):
+            assert ensure_topics(sasl_kafka.bootstrap, [old], 1, topic_configs=CONTROL_TOPIC_CONFIGS) == {old: 1}
+    said = [r.getMessage() for r in caplog.records if old in r.getMessage()]
+    assert len(said) == 1, said
+    assert "cleanup.policy=delete, not compact" in said[0] and "--add-config cleanup.policy=compact" in said[0]

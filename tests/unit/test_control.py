@@ -192,3 +192,141 @@ def test_the_command_refuses_bad_input_in_one_line_before_publishing(argv, why, 
     assert main(["control", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("stragglerscope control: error: ") and why in err and err.count("\n") == 1, err
+
+
+# -- an agreed step: the ranks of a job start a sampling change at the same step ------------------------------------
+
+def rank(r: int) -> tuple[RankExporter, ControlFollower]:
+    exp = RankExporter("j1", r, r, 0, lambda t: None, sampling=Sampling(1, 1000), heartbeat_s=3600, use_cuda=False,
+                       tcp_flows=False, nvml=False, port_counters=False, peer_timings=False)
+    return exp, ControlFollower(exp, FakeSource())  # driven by hand: no thread
+
+
+def test_two_ranks_hearing_of_a_change_at_different_steps_start_it_at_the_same_step():
+    """Rank 0 hears of the change during step 10, rank 1 during step 13 (a slow poll): both sample every step from
+    step 15 on (applied at the end of step 14), and neither before; a rank that hears of it only after step 14
+    applies it at its next step end and counts it, once said."""
+    change = make_change("a", T0, "j1", {"sample": "1/1"}, from_step=15)
+    ranks = [rank(0), rank(1), rank(2)]
+    hears_at = {0: 10, 1: 13, 2: 17}
+    profiled: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    try:
+        for step in range(5, 21):
+            for r, (exp, follower) in enumerate(ranks):
+                with exp.step(step):
+                    if step == hears_at[r]:
+                        follower.take([change.to_json()], T0 + 1)
+                    if exp.profiling:
+                        profiled[r].append(step)
+        assert profiled[0] == profiled[1] == list(range(15, 21))
+        assert profiled[2] == list(range(18, 21))  # heard of it during step 17: from its next step on
+        assert [exp.stats.control_late for exp, _ in ranks] == [0, 0, 1]
+        # the plan handed over names the step; a change without one is taken at the next step end, as before
+        exp, follower = ranks[0]
+        follower.take([make_change("a", T0 + 2, "j1", {"profiling": "paused"}).to_json()], T0 + 3)
+        with exp.step(21):
+            assert exp.profiling  # the step in progress keeps its window
+        with exp.step(22):
+            assert not exp.profiling and exp.sampling is PAUSED
+    finally:
+        for exp, _ in ranks:
+            exp.close()
+
+
+def test_until_its_step_a_stepped_change_leaves_the_one_it_replaces_in_force():
+    """A job sampled 5/10 by a change; a change to 1/1 from step 100 replaces it, not before step 100."""
+    book = ControlBook()
+    book.take([make_change("a", T0, "j1", {"sample": "5/10"}).to_json(),
+               make_change("a", T0 + 1, "j1", {"sample": "1/1"}, from_step=100).to_json()])
+    assert book.settings(T0 + 2, "j1", step=99) == {"sample": "5/10"}
+    assert book.settings(T0 + 2, "j1", step=100) == book.settings(T0 + 2, "j1") == {"sample": "1/1"}
+    assert book.step_points("j1", ("sample",)) == [100]
+    [c] = book.in_force(T0 + 2, "j1")
+    assert c.from_step == 100
+
+
+def test_records_without_the_new_fields_still_parse():
+    old = dict(change_id="c0", who="alice", when=T0, scope="job:j1", what={"sample": "5/10", "hang_min_s": 30},
+               until=0, clears="")
+    c = check(json.dumps(old))
+    assert (c.from_step, c.parts, c.unset) == (0, 1, ())
+    book = ControlBook()
+    book.take([json.dumps(old), json.dumps(dict(old, change_id="c1", what={}, clears="c0"))])
+    assert book.settings(T0, "j1") == {}  # an old clear by id: the settings its change held
+    with pytest.raises(ControlError, match="a clear takes no step"):
+        check(json.dumps(dict(old, what={}, clears="*", from_step=5)))
+    with pytest.raises(ControlError, match="only a record that clears"):
+        check(json.dumps(dict(old, unset=["sample"])))
+
+
+# -- the compacted control topic: one record per scope and setting ---------------------------------------------------
+
+def publish_to(log: list, change) -> None:
+    from core.control import records_of
+
+    log.extend((key, part.to_json()) for key, part in records_of(change))
+
+
+def compacted(log: list) -> list:
+    """What the log cleaner leaves: the newest record of each key, in their order."""
+    newest = {key: i for i, (key, _) in enumerate(log)}
+    return [rec for i, (key, rec) in enumerate(log) if newest[key] == i]
+
+
+def test_a_change_of_several_settings_is_one_record_per_setting_applied_together():
+    from core.control import records_of
+
+    change = make_change("a", T0, "j1", {"sample": "1/1", "hang_min_s": 30, "heartbeat_s": 1}, from_step=7)
+    recs = records_of(change)
+    assert [k for k, _ in recs] == [b"job:j1|hang_min_s", b"job:j1|heartbeat_s", b"job:j1|sample"]
+    assert all(p.parts == 3 and p.change_id == change.change_id and p.from_step == 7 for _, p in recs)
+    book = ControlBook()
+    assert book.take([p.to_json() for _, p in recs[:2]]) == [] and book.settings(T0, "j1") == {}  # not half
+    [whole] = book.take([recs[2][1].to_json()])
+    assert whole.what == change.what and book.settings(T0, "j1") == change.what
+    assert book.take([p.to_json() for _, p in recs]) == []  # read again: taken once
+
+
+def test_the_compacted_log_gives_what_the_whole_log_gives():
+    """Random changes, clears and expiries of the fleet and two jobs: the settings in force, read from the whole
+    log and from only the newest record of each key, are the same at every time; and the compacted log holds at
+    most one record per scope and setting."""
+    import random
+
+    from core.control import SETTINGS
+
+    names = ["sample", "profiling", "heartbeat_s", "hang_min_s", "alerts_cooldown_s"]
+    values = {"sample": "1/1", "profiling": "paused", "heartbeat_s": 1, "hang_min_s": 30, "alerts_cooldown_s": 60}
+    for seed in range(40):
+        rnd, log, made = random.Random(seed), [], []
+        for i in range(rnd.randint(1, 30)):
+            job = rnd.choice([None, "j1", "j2"])
+            when = T0 + i * 10**9
+            if made and rnd.random() < 0.25:
+                if rnd.random() < 0.5:
+                    change = make_change("a", when, job, {}, clears="*")
+                else:  # one change: the settings it still holds (as `control clear --change` reads them)
+                    book = ControlBook()
+                    book.take(r for _, r in log)
+                    target = rnd.choice(made)
+                    unset = sorted(n for (sc, n), h in book.held.items() if h[-1].change_id == target.change_id)
+                    if not unset:
+                        continue
+                    change = make_change("a", when, target.job_id, {}, clears=target.change_id, unset=unset)
+            else:
+                what = {n: values[n] for n in rnd.sample(names, rnd.randint(1, 3))}
+                change = make_change("a", when, job, what, for_s=rnd.choice([0, 5, 50]),
+                                     from_step=rnd.choice([0, 0, 40]) if job else 0)
+                made.append(change)
+            publish_to(log, change)
+        whole, small = ControlBook(), ControlBook()
+        whole.take(r for _, r in log)
+        whole.flush()
+        small.take(compacted(log))
+        small.flush()
+        for t in range(0, 90, 3):
+            now = T0 + t * 10**9
+            for job in (None, "j1", "j2"):
+                assert whole.settings(now, job) == small.settings(now, job), (seed, t, job)
+                assert whole.settings(now, job, step=10**6) == small.settings(now, job, step=10**6), (seed, t, job)
+        assert len(compacted(log)) <= 3 * len(SETTINGS)

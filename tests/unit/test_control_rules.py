@@ -196,10 +196,12 @@ def test_a_link_threshold_change_that_runs_out_restores_the_configured_one():
 # -- `control set --job` for a job the store has never registered -------------------------------------------------
 
 class FakeStore:
-    """The store as the check reads it: a jobs table of job ids, counted by the query's bound job id."""
+    """The store as the check reads it: a jobs table of job ids, counted by the query's bound job id, and the
+    newest windows of each (``windows``: job -> rows, newest first)."""
 
-    def __init__(self, jobs, opened):
+    def __init__(self, jobs, opened, windows=None):
         self.jobs, self.url, self.closed = set(jobs), "chdb:///fleet/store", False
+        self.windows = windows or {}
         opened.append(self)
 
     def setup(self):
@@ -208,7 +210,11 @@ class FakeStore:
     def query(self, sql, params=None, limits=None):
         import pyarrow as pa
 
-        assert "FROM jobs" in sql and "{job:String}" in sql, sql
+        assert "{job:String}" in sql, sql
+        if sql.startswith("SELECT last_step, end_ns, step_time_actual FROM windows"):
+            rows = self.windows.get(params["job"], [])
+            return pa.table({k: [r[k] for r in rows] for k in ("last_step", "end_ns", "step_time_actual")})
+        assert "FROM jobs" in sql, sql
         return pa.table({"n": pa.array([int(params["job"] in self.jobs)], pa.uint64())})
 
     def close(self):
@@ -244,6 +250,48 @@ def test_a_change_for_a_registered_job_is_published(cli):
     assert change.job_id == "j1" and change.what == {"regression_min_change": 0.05}
     [store] = cli.opened
     assert store.closed
+
+
+def test_a_change_for_a_job_starts_from_a_step_agreed_from_its_newest_window(cli, monkeypatch):
+    """The publisher's side of the agreed step: the job's newest window (last step 1,000, ended 3 s ago, steps of
+    0.5 s) puts the job at step 1,006 now; 5 s of lead and a tenth of the 3 s extrapolated are 11 steps more."""
+    import time as _time
+
+    import storage
+    from core.control import agreed_from_step
+
+    now = 1_700_000_000 * 10**9
+    windows = {"j1": [dict(last_step=1000, end_ns=now - 3 * 10**9, step_time_actual=0.5),
+                      dict(last_step=900, end_ns=now - 53 * 10**9, step_time_actual=0.5)]}
+    monkeypatch.setattr(storage, "open_store", lambda url: FakeStore({"j1", "j-new"}, cli.opened, windows))
+    monkeypatch.setattr(_time, "time_ns", lambda: now)
+    rc, out, err = cli("set", "--job", "j1", "--sample", "1/1", "--for", "10m")
+    assert rc == 0, err
+    [change] = cli.published
+    assert change.from_step == 1000 + 6 + 11 == agreed_from_step(1000, now - 3 * 10**9, 0.5, now, 50.0)
+    assert "from step 1017" in out and check(change.to_json()) == change
+    # a registered job with no window yet (just started), the fleet, and --force: no step, each rank's next end
+    assert cli("set", "--job", "j-new", "--sample", "1/1")[0] == 0
+    assert cli("set", "--fleet", "--sample", "1/1")[0] == 0
+    assert cli("set", "--job", "j-soon", "--sample", "1/1", "--force")[0] == 0
+    assert [c.from_step for c in cli.published[1:]] == [0, 0, 0]
+    assert b"from_step" not in cli.published[1].to_json()  # as it was before the field: older readers take it
+
+
+@pytest.mark.parametrize("args, want", [
+    ((1000, -3, 0.5, 0.0), 1017),
+    ((1000, 0, 60.0, 0.0), 1002),        # slow steps: at least two steps ahead
+    ((1000, -200, 1.0, 100.0), 1000 + 200 + 25),  # 200 s since the window: 5 s + 20 s of lead
+    ((1000, -1000, 1.0, 100.0), 0),      # the newest window ended 1,000 s ago: the job's step now is unknown
+    ((1000, -1000, 1.0, 600.0), 2105),   # ... unless windows come that seldom (three periods: 1,800 s)
+    ((-1, 0, 1.0, 0.0), 0), ((1000, 0, 0.0, 0.0), 0), ((1000, 0, float("nan"), 0.0), 0),
+])
+def test_the_agreed_step_from_a_window(args, want):
+    from core.control import agreed_from_step
+
+    now = 10**18
+    last, ago_s, step_s, period = args
+    assert agreed_from_step(last, now + ago_s * 10**9, step_s, now, period) == want
 
 
 def test_a_change_for_a_job_the_store_never_registered_is_refused_unless_forced(cli):
