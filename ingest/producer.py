@@ -43,6 +43,7 @@ class ProducerStats:
     records_spooled: int = 0
     batches_replayed: int = 0
     send_errors: int = 0
+    clients_replaced: int = 0  # Kafka clients that stopped delivering (``TelemetryProducer._drain``)
 
 
 def split_for_wire(table: pa.Table, max_bytes: int = topics.MAX_MESSAGE_BYTES) -> list[bytes]:
@@ -70,6 +71,7 @@ def split_for_wire(table: pa.Table, max_bytes: int = topics.MAX_MESSAGE_BYTES) -
     return out
 
 
+_WEDGE_MARGIN_S = 5.0  # past the client's delivery timeout, a send still open means the client stopped (_drain)
 _SEQ_BLOCK = 4096  # sequence numbers reserved per table: more parts than any table splits into
 
 
@@ -243,7 +245,7 @@ class TelemetryProducer:
                 if fut is None:
                     self._spool_or_drop(topic, key, payload, rows, seq)
                 else:
-                    pending.append((fut, topic, key, payload, rows, seq))
+                    pending.append((fut, topic, key, payload, rows, seq, time.monotonic()))
             if len(pending) >= 256:
                 self._drain(pending)
                 pending = []
@@ -261,8 +263,11 @@ class TelemetryProducer:
         Stops at the first send still in flight, so nothing in flight is ever spooled
         (it could still succeed, and its replay would then be a duplicate).
         """
-        for i, (fut, topic, key, payload, rows, seq) in enumerate(pending):
+        for i, (fut, topic, key, payload, rows, seq, sent_at) in enumerate(pending):
             if not getattr(fut, "is_done", True):
+                if time.monotonic() - sent_at > self._delivery_timeout_s + _WEDGE_MARGIN_S:
+                    self._drain(pending[i:])  # overdue: the client may have stopped (no flush may come soon)
+                    return []
                 return pending[i:]
             try:
                 fut.get(timeout=0)
@@ -304,7 +309,14 @@ class TelemetryProducer:
             try:
                 client.close(timeout=0)
             except Exception:
-                pass
+                # kafka-python's close flushes first and raises when batches are still incomplete, before it
+                # stops its I/O thread: that thread and its connections would outlive the client. Stop it.
+                sender = getattr(client, "_sender", None)
+                if sender is not None:
+                    try:
+                        sender.force_close()  # fails what it still holds; those are spooled already
+                    except Exception:
+                        pass
 
     def _connect(self):
         if self._client is None:
@@ -332,20 +344,39 @@ class TelemetryProducer:
             return None
 
     def _drain(self, pending) -> None:
-        """Wait for the acknowledgements of ``pending``; failures are spooled or dropped."""
+        """Wait for the acknowledgements of ``pending``; failures are spooled or dropped.
+
+        The wait is bounded as a whole, not per send: the client settles every send within its delivery
+        timeout (delivered, failed or expired), so one still open ``_WEDGE_MARGIN_S`` after that means the
+        client stopped working. kafka-python 3.0.12's idempotent producer does: when a batch it had retried
+        expires (a leader killed with kill -9, the brokers left holding acks=all writes for the dead
+        follower), it forgets its producer id and never asks for a new one, and sends nothing more; waited
+        on per send, 8 batches held a flush 120 s. Such a client is replaced by a new one (a new producer
+        id) and what it held goes to the spool: sent again, perhaps twice, which the analysis drops (exact
+        duplicate ops), rather than never.
+        """
+        deadline = time.monotonic() + self._delivery_timeout_s + _WEDGE_MARGIN_S
         if self._client is not None and pending:
             try:
-                self._client.flush(timeout=self._delivery_timeout_s + 5)
+                self._client.flush(timeout=self._delivery_timeout_s + _WEDGE_MARGIN_S)
             except Exception as e:
                 log.warning("producer flush failed: %s", e)
-        for fut, topic, key, payload, rows, seq in pending:
+        wedged = 0
+        for fut, topic, key, payload, rows, seq, _ in pending:
             try:
-                fut.get(timeout=self._delivery_timeout_s + 5)
+                fut.get(timeout=max(0.0, deadline - time.monotonic()))
                 self._count_sent(len(payload), rows)
             except Exception as e:
+                wedged += not getattr(fut, "is_done", True)
                 self.stats.send_errors += 1
                 self._warn_failed(e)
                 self._spool_or_drop(topic, key, payload, rows, seq)
+        if wedged and self._client is not None:
+            log.warning("the Kafka client settled none of %d sends within its delivery timeout (%.0f s) and "
+                        "%.0f s more: replaced by a new one; what it held is in the spool and is sent again",
+                        wedged, self._delivery_timeout_s, _WEDGE_MARGIN_S)
+            self.stats.clients_replaced += 1
+            self._reset_client()
 
     def _replay(self) -> None:
         """Send the spool oldest first; stop at the first failure (the broker is still away)."""

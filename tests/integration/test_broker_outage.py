@@ -84,3 +84,33 @@ def test_outage_is_spooled_and_replayed_exactly_once(tmp_path):
         assert max(send_times) < 0.5, f"send() blocked: {max(send_times):.3f} s"
     finally:
         broker.stop()
+
+
+def test_a_client_that_stopped_delivering_is_replaced_and_nothing_is_lost(tmp_path):
+    """kafka-python 3.0.12's idempotent producer can stop for good: when a batch it already retried expires
+    (a partition leader killed: the brokers left hold acks=all writes until the dead follower leaves the
+    in-sync set), it forgets its producer id but stays READY, the one state from which it never asks for
+    a new one; from then on it sends nothing and expires nothing, and every future waits forever. Seen in
+    the three-broker failover (``benchmarks/kafka_failover.py``: a flush stalled past 120 s). Here the
+    call the client makes on that path puts a real client, on a real broker, in that state."""
+    job = f"wedged-{uuid.uuid4().hex[:6]}"
+    broker = LocalBroker().start()
+    try:
+        ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, 2)
+        prod = TelemetryProducer(broker.bootstrap, spool_dir=str(tmp_path / "spool"), retry_s=0.5,
+                                 delivery_timeout_s=2.0)
+        prod.send(_batch(job, 0))
+        assert prod.flush(30)
+        prod._client._transaction_manager.reset_producer_id()  # what an expired, retried batch does
+        for i in range(1, 6):
+            prod.send(_batch(job, i))
+        t0 = time.monotonic()
+        assert prod.flush(60), "the flush never ended: the wedged client was waited on"
+        took = time.monotonic() - t0
+        prod.close(30)
+        # It waited the client's own delivery timeout (about 5 s) and the margin before replacing it.
+        assert took < 30, f"flush took {took:.1f} s"
+        assert prod.stats.records_dropped == 0, prod.stats
+        assert sorted(set(_consume(broker.bootstrap, job, 6))) == [0, 1, 2, 3, 4, 5], "nothing lost"
+    finally:
+        broker.stop()

@@ -184,3 +184,76 @@ def test_spool_is_bounded_and_survives_restart(tmp_path):
     p2 = TelemetryProducer("x", kafka_factory=lambda: kafka, spool_dir=spool, retry_s=0.05)
     p2.close(5)
     assert [codec.decode(v)[1]["step"][0].as_py() for _, _, v in kafka.sent] == [0, 1, 2]
+
+
+class _OpenFuture:
+    """A send the client never settles (kafka-python's producer after it lost its producer id)."""
+    is_done = False
+
+    def get(self, timeout=None):
+        threading.Event().wait(timeout or 0)  # as a real future: waits its timeout, then gives up
+        raise TimeoutError(f"Timeout after waiting for {timeout} secs.")
+
+
+class WedgedKafka(FakeKafka):
+    def send(self, topic, key=None, value=None):
+        self.sent.append((topic, key, value))
+        return _OpenFuture()
+
+
+class CountingKafka(FakeKafka):
+    """The replacement: says when it has sent ``want`` messages."""
+
+    def __init__(self, want):
+        super().__init__()
+        self.want, self.all_sent = want, threading.Event()
+
+    def send(self, topic, key=None, value=None):
+        fut = super().send(topic, key, value)
+        if len(self.sent) >= self.want:
+            self.all_sent.set()
+        return fut
+
+
+def _wedged_then(want):
+    clients = [WedgedKafka()]
+    replacement = CountingKafka(want)
+
+    def factory():
+        if clients[-1] is not replacement and clients[-1].sent:
+            clients.append(replacement)
+        return clients[-1]
+    return clients, replacement, factory
+
+
+def test_a_client_that_settles_nothing_is_waited_on_once_then_replaced(tmp_path, monkeypatch):
+    import ingest.producer as P
+
+    monkeypatch.setattr(P, "_WEDGE_MARGIN_S", 0.3)
+    clients, replacement, factory = _wedged_then(8)
+    with TelemetryProducer("x", kafka_factory=factory, spool_dir=str(tmp_path), delivery_timeout_s=0.5,
+                           retry_s=0.1) as p:
+        for _ in range(8):
+            p.send(_ops())
+        t0 = time.monotonic()
+        assert p.flush(30)
+        took = time.monotonic() - t0
+        assert replacement.all_sent.wait(10), "the spool was never sent through a new client"
+    # One bounded wait for all eight (0.8 s), not 0.8 s each; then a new client sends them from the spool.
+    assert took < 3.0, f"flush took {took:.1f} s"
+    assert p.stats.clients_replaced == 1 and len(clients) == 2
+    assert len(replacement.sent) == 8 and p.stats.records_dropped == 0
+
+
+def test_an_overdue_send_is_noticed_without_a_flush(tmp_path, monkeypatch):
+    import ingest.producer as P
+
+    monkeypatch.setattr(P, "_WEDGE_MARGIN_S", 0.2)
+    clients, replacement, factory = _wedged_then(1)
+    p = TelemetryProducer("x", kafka_factory=factory, spool_dir=str(tmp_path), delivery_timeout_s=0.3, retry_s=0.1)
+    try:
+        p.send(_ops())
+        assert replacement.all_sent.wait(10), "the overdue send was never noticed"
+        assert p.stats.clients_replaced == 1
+    finally:
+        p.close(10)
