@@ -129,8 +129,9 @@ def test_a_rank_0_checkpoint_behind_a_barrier_pages_nothing(fleet, tmp_path):
     pytest.importorskip("torch")
     cfg, store = fleet
     job = f"ddp-ckpt-{uuid.uuid4().hex[:6]}"
-    # Saves at steps 20 and 40, each 25 s on the slow "mount": three times the hang threshold of this job.
-    proc = launch(cfg, job, ["--steps", "45", "--gpu-ms", "100", "--checkpoint", "rank0", "--every", "20",
+    # Saves at step 20, 25 s on the slow "mount": three times the hang threshold of this job. (A second save
+    # at step 40 cost the suite 27 s and met the same rule in the same state.)
+    proc = launch(cfg, job, ["--steps", "30", "--gpu-ms", "100", "--checkpoint", "rank0", "--every", "20",
                              "--save-s", "25"], tmp_path)
     try:
         assert proc.wait(400) == 0, (tmp_path / f"{job}.log").read_text()[-3000:]
@@ -138,7 +139,7 @@ def test_a_rank_0_checkpoint_behind_a_barrier_pages_nothing(fleet, tmp_path):
         stop_job(proc)
     hangs = store.query(f"SELECT kind, duration_s, missing_ranks FROM hangs WHERE job_id = '{job}'").to_pylist()
     assert hangs == [], hangs
-    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step*.pt")) == ["step20.pt", "step40.pt"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step*.pt")) == ["step20.pt"]
     alerts = store.query(f"SELECT rule, summary FROM alerts WHERE job_id = '{job}' AND rule IN "
                          "('hang', 'node_loss')").to_pylist()
     assert alerts == [], alerts
