@@ -495,6 +495,12 @@ class KafkaSource:
     def unread(self) -> set[TopicPartition]:
         return set(self._unread)
 
+    def brokers(self) -> int:
+        # A KRaft cluster lists only the brokers its controller has not fenced: one killed leaves within
+        # its session timeout; one restarted comes back within ``metadata_max_age_ms`` (30 s).
+        cluster = self._cluster()
+        return len(cluster.brokers()) if cluster is not None else 0
+
     def _producer_client(self):
         if self._producer is None:
             from kafka import KafkaProducer

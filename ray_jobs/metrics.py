@@ -60,6 +60,8 @@ _METRICS = (
      "seconds the store has been unreachable, results and offsets waiting (0: it takes writes)"),
     ("windows_waiting", "ss_windows_waiting", "gauge",
      "windows closed and not stored yet: in analysis, or waiting for the store"),
+    ("kafka_brokers", "ss_kafka_brokers", "gauge",
+     "brokers in the shard's Kafka metadata: fewer than the cluster has, one is away"),
 )
 
 

@@ -107,6 +107,8 @@ class ShardStats:
     open_windows: int = 0
     buffered_rows: int = 0
     lag: int = 0
+    kafka_brokers: int = 0
+    """Brokers in this shard's Kafka metadata now (``transports.Backlog.brokers``): fewer than were seen, one is away."""
     """Records not yet handled. Not measured before the first loop pass (``loops == 0``): read it only after."""
     loops: int = 0
     """Loop passes run (poll, handle, dispatch, collect, hangs, commit). 0: the shard has not polled yet."""
@@ -420,6 +422,7 @@ class ShardWorker:
         st.lag = self.source.lag() + len(self._polled)
         # Polled and not handled yet is unread too, for the hang monitor's per-partition clock.
         self.hangs.unread = self.backlog.unread() | {(m.topic, m.partition) for m in self._polled}
+        st.kafka_brokers = self.backlog.brokers()
         st.loops += 1
         st.commits = self.checkpoint.commits
         st.units_dropped = self.checkpoint.units_dropped

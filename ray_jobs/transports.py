@@ -72,6 +72,10 @@ class Backlog(Protocol):
     def unread(self) -> set[TopicPartition]:
         """The partitions with records not read yet, as of the last ``lag``."""
 
+    def brokers(self) -> int:
+        """Brokers the reader's metadata lists now (0: none known yet). A broker that stopped leaves it at
+        the next metadata refresh and returns to it after it restarts: the status says which it is."""
+
 
 @runtime_checkable
 class LostLogs(Protocol):

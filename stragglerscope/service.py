@@ -292,7 +292,7 @@ def run_service(cfg: Config) -> int:
             if lemons is not None:
                 stack.callback(lemons.close)
             say("running; Ctrl-C stops")
-            last, problems = time.monotonic(), ()
+            last, problems, brokers_seen, brokers_now = time.monotonic(), (), 0, 0
             while True:
                 time.sleep(HEALTH_EVERY_S)
                 if lemons is not None:
@@ -311,9 +311,21 @@ def run_service(cfg: Config) -> int:
                     if problems and not now_problems:
                         say("placement  the Ray cluster can run every shard and analysis again")
                     problems = now_problems
+                # A broker that stops leaves the shards' metadata (its partitions get new leaders; reading and
+                # the exporters' sends go on through the others) and comes back after it restarts: said at
+                # each change, as the operator's first question after a page is whether Kafka is whole.
+                now = kafka_brokers(st)
+                if now and now != brokers_now:
+                    if now < brokers_seen:
+                        say(f"WARNING    kafka: {now} of the {brokers_seen} brokers seen answer; the others' "
+                            "partitions moved to new leaders and reading goes on (replication factor 1: "
+                            "their partitions wait for them)")
+                    elif brokers_now and brokers_now < brokers_seen:
+                        say(f"kafka      all {now} brokers answer again")
+                    brokers_now, brokers_seen = now, max(brokers_seen, now)
                 if time.monotonic() - last >= STATUS_EVERY_S:
                     last = time.monotonic()
-                    say(status_line(st, placed))
+                    say(status_line(st, placed, brokers_seen))
     except KeyboardInterrupt:
         say("stopped")
         return 0
@@ -393,8 +405,16 @@ class LemonPasses:
             say(f"WARNING    lemon-host scoring failed, next try in {self.every_s:g} s: {type(e).__name__}: {e}")
 
 
-def status_line(statuses: list[dict], placement=None) -> str:
-    """One line: each shard's stored windows, lag and what is wrong now; what the Ray cluster cannot run."""
+def kafka_brokers(statuses: list[dict]) -> int:
+    """Brokers the shards' Kafka metadata lists now: the fewest any shard lists (the one that refreshed last
+    after a broker stopped); 0 when none knows yet."""
+    known = [int(s["kafka_brokers"]) for s in statuses if s.get("kafka_brokers")]
+    return min(known) if known else 0
+
+
+def status_line(statuses: list[dict], placement=None, brokers_seen: int = 0) -> str:
+    """One line: each shard's stored windows, lag and what is wrong now; what the Ray cluster cannot run;
+    ``brokers_seen``: the most Kafka brokers seen at once in this run (fewer now: said)."""
     line = "status     " + "  ".join(
         f"shard {s.get('shard')}: windows={s.get('windows_stored', '?')} "
         f"lag={s.get('lag', '?') if s.get('loops') else '?'} waiting={s.get('windows_waiting', '?')}"
@@ -405,6 +425,9 @@ def status_line(statuses: list[dict], placement=None) -> str:
         f"{' ERROR ' + s['error'] if s.get('error') else ''}" for s in statuses)
     if placement is not None and placement.problems:
         line += "  RAY: " + "; ".join(placement.problems)
+    now = kafka_brokers(statuses)
+    if 0 < now < brokers_seen:
+        line += f"  KAFKA: {now} of {brokers_seen} brokers"
     return line
 
 

@@ -57,6 +57,9 @@ class FakeSource:
     def unread(self):
         return {(m.topic, m.partition) for m in self._pending[self._i:]}
 
+    def brokers(self):
+        return 1
+
     def dead_letter(self, msg, reason):
         self.dead.append((msg, reason))
 

@@ -5,9 +5,7 @@ with that reason. Brokers on 127.0.0.1, their own ports and temporary log folder
 - one node with SASL_PLAINTEXT and SCRAM-SHA-512: a wrong password fails within seconds with the broker's own
   reason (it took 21-30 s and gave a guess); the right one carries a fleet through `run` into the store;
 The three-broker failover (replication factor 3, min.insync.replicas 2, the busiest partition's leader killed
-with kill -9 while a fleet is published) is ``benchmarks/kafka_failover.py``: it passed alone every time and
-failed inside the whole suite on 2 cores in 2 of 4 runs on record (issue 49), so it is measured, not asserted
-by CI.
+with kill -9 while a fleet is published) is ``test_apache_kafka_cluster.py``.
 """
 from __future__ import annotations
 

@@ -166,6 +166,20 @@ def test_a_batch_after_its_window_closed_on_the_idle_timeout_is_counted_late_and
     assert w.stats.late_records == ops.filter(held_up).num_rows
     assert f"late={w.stats.late_records}" in status_line([w.status()])
 
+
+def test_the_status_says_when_fewer_kafka_brokers_answer_than_were_seen():
+    from stragglerscope.service import kafka_brokers, status_line
+
+    w, _, _ = make_worker(messages_for([]))
+    run(w)
+    assert w.status()["kafka_brokers"] == 1  # what the reader's metadata lists
+    three = [dict(shard=0, loops=1, kafka_brokers=3), dict(shard=1, loops=1, kafka_brokers=3)]
+    assert "KAFKA" not in status_line(three, brokers_seen=3)
+    # One shard's metadata already dropped the stopped broker, the other's not yet: the fewest is the news.
+    two = [dict(shard=0, loops=1, kafka_brokers=3), dict(shard=1, loops=1, kafka_brokers=2)]
+    assert kafka_brokers(two) == 2 and "KAFKA: 2 of 3 brokers" in status_line(two, brokers_seen=3)
+    assert kafka_brokers([dict(shard=0)]) == 0 and "KAFKA" not in status_line([dict(shard=0)], brokers_seen=3)
+
 def _all_reduces(spec, window, steps, ranks):
     """One gradient all-reduce per step on each of ``ranks``, as the exporter writes them."""
     n = spec.layout.dp_size * spec.layout.pp_size
