@@ -493,6 +493,17 @@ def _states(evidence: Mapping, ranks: list[int]) -> str:
     return f" {text[0].upper()}{text[1:]}."
 
 
+def _recovery_words(row: Mapping) -> str:
+    """' Recovery plan: ...' of a loss (``analyzers.hang.recovery_sentence``), or ' No recovery plan: why.'"""
+    from analyzers.hang import recovery_plan_missing, recovery_plan_of, recovery_sentence
+
+    plan = recovery_plan_of(dict(row))
+    if plan:
+        return f" Recovery plan: {recovery_sentence(plan)}."
+    why = recovery_plan_missing(dict(row))
+    return f" No recovery plan: {why}." if why else ""
+
+
 def explain_hang(row: Mapping, layout: Mapping | None = None) -> Explanation:
     """A HANG row in words: who waits where, who never came (the culprits), what state they are in and for how
     long; for a stall that ended, how long it lasted and what it was.
@@ -544,16 +555,12 @@ def explain_hang(row: Mapping, layout: Mapping | None = None) -> Explanation:
         sentence = (f"{_ranks_named(missing, sizes)}{on} {'has' if len(missing) == 1 else 'have'} been gone for "
                     f"{for_} ({op}) while {_plural(len(stuck), 'rank')} of the job still report: its process is "
                     f"lost, not its host.{named} The others cannot go on without "
-                    f"{'it' if len(missing) == 1 else 'them'}.")
+                    f"{'it' if len(missing) == 1 else 'them'}." + _recovery_words(row))
     elif kind == "node_loss":
-        from analyzers.hang import recovery_plan_of, recovery_sentence
-
-        plan = recovery_plan_of(dict(row))
         sentence = (f"{_ranks_named(missing, sizes)}{on} stopped sending heartbeats {for_} ago: "
                     f"{'its host is' if len(hosts) == 1 else 'their hosts are'} lost. "
                     f"The other {_plural(len(stuck), 'rank')} cannot go on without "
-                    f"{'it' if len(missing) == 1 else 'them'}."
-                    + (f" Recovery plan: {recovery_sentence(plan)}." if plan else ""))
+                    f"{'it' if len(missing) == 1 else 'them'}." + _recovery_words(row))
     elif kind == "noncomm_hang" and missing:
         sentence = (f"No rank is inside a collective and none has made progress for {for_}; "
                     f"{_ranks_named(missing, sizes)}{on} {'is' if len(missing) == 1 else 'are'} gone while "

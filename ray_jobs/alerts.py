@@ -22,7 +22,7 @@ from typing import Callable
 
 import pyarrow as pa
 
-from analyzers.hang import hang_summary, recovery_plan_of
+from analyzers.hang import hang_summary, recovery_plan_missing, recovery_plan_of
 from core.control import layered
 from core import codec, jsonutil
 from core import schema as S
@@ -114,7 +114,9 @@ class AlertRules:
             summary=hang_summary(row),
             details_json=jsonutil.dumps({**{k: row[k] for k in (
                 "kind", "group", "seq", "op", "stuck_ranks", "missing_ranks", "suspect_hosts", "duration_s")},
-                **({"recovery_plan": plan} if (plan := recovery_plan_of(row)) else {})}),
+                **({"recovery_plan": plan} if (plan := recovery_plan_of(row)) else {}),
+                **({"recovery_plan_missing": why} if row["kind"] == "node_loss" and not plan
+                   and (why := recovery_plan_missing(row)) else {})}),
         )]
 
     def evaluate_lemon(self, score, now: float, now_ns: int, labels: dict | None = None) -> list[dict]:

@@ -200,7 +200,7 @@ class HangReducer:
             read = self._inputs.get(src) if src in self.unread else None
             hang = tr.evaluate(self._held_back(wall_ns, *read) if read else now_ns, input_alive=input_alive)
             if hang is not None:
-                if hang.kind == "node_loss" and hang.op == "host silent":
+                if hang.kind == "node_loss":
                     self._with_recovery_plan(hang, tr)
                 hangs.append(hang)
         return to_tables(hangs, now_ns)["hang"]
@@ -220,21 +220,29 @@ class HangReducer:
         return min(wall_ns, freshest_ns + min(since, grace_ns))
 
     def _with_recovery_plan(self, hang, tr: HangTracker) -> None:
-        """A lost node's page carries the restart plan on the nodes left (``analyzers.remedies``), made from the
-        job's last window analysed whole; never costs the hang its row."""
+        """A loss's page carries its recovery plan (``analyzers.remedies``), made from the job's last window
+        analysed whole: a lost node's, the restart on the nodes left; a lost process's (its host still reports),
+        the restart in place, with the plan without its host should that host be drained. Where there is none,
+        ``recovery_plan_missing`` says why. Never costs the hang its row."""
         basis = self.recovery_of(hang.job_id, hang.attempt) if self.recovery_of is not None else None
         if basis is None:
             hang.evidence["recovery_plan_missing"] = "no window of this job was analysed whole before the loss"
             return
         try:
-            from analyzers.remedies.advise import plan_for_node_loss  # the what-if's imports: on a loss only
+            # The what-if's imports: on a loss only.
+            from analyzers.remedies.advise import node_loss_plan, plan_for_process_loss
 
-            plan = plan_for_node_loss(basis, tr.rank_hosts(), hang.suspect_hosts)
+            if hang.op == "host silent":
+                plan, why = node_loss_plan(basis, tr.rank_hosts(), hang.suspect_hosts)
+            else:
+                plan, why = plan_for_process_loss(basis, tr.rank_hosts(), hang.missing_ranks, hang.suspect_hosts), ""
         except Exception as e:
             log.warning("the recovery plan of %s failed: %s: %s", hang.job_id, type(e).__name__, e)
-            return
+            plan, why = None, f"the plan failed: {type(e).__name__}: {e}"
         if plan is not None:
             hang.evidence["recovery_plan"] = plan
+        else:
+            hang.evidence["recovery_plan_missing"] = why
 
     # -- the reducer interface ------------------------------------------------
     def add_registrations(self, table: pa.Table) -> None:

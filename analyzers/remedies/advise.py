@@ -149,10 +149,13 @@ def basis_facts(basis: RecoveryBasis, gpus_per_node: int) -> JobFacts:
     return JobFacts(layout=layout, num_layers=basis.num_layers or None, gpus_per_node=gpus_per_node)
 
 
-def plan_after_loss(basis: RecoveryBasis, facts: JobFacts, alive: int, lost_hosts: list[str]) -> Remedy | None:
+def plan_after_loss(basis: RecoveryBasis, facts: JobFacts, alive: int, lost_hosts: list[str],
+                    alive_hosts: Sequence[str] | None = None) -> Remedy | None:
     """The restart plan on ``alive`` nodes (pipeline templates, stages to nodes, microbatches per pipeline) and
     its step time, against restarting whole copies of today's pipeline; None where the job lost no node or its
-    stages span nodes (node-granular templates do not apply)."""
+    stages span nodes (node-granular templates do not apply). ``alive_hosts``: the surviving nodes' names, in
+    the order the plan fills them (default ``node i``); ``details["assignment"]`` places every stage of every
+    pipeline on one of them, whether the plan re-plans or restarts whole copies."""
     lay = facts.layout
     n_nodes = facts.n_nodes
     if alive >= n_nodes:
@@ -174,6 +177,8 @@ def plan_after_loss(basis: RecoveryBasis, facts: JobFacts, alive: int, lost_host
     replicas = (alive * spn) // lay.pp_size  # the naive restart: whole copies of today's pipeline
     naive = orig.step_time(-(-B // min(replicas, B))) * calib if replicas >= 1 else math.inf
     after = plan.step_time_s * calib
+    names = list(alive_hosts) if alive_hosts is not None else [f"node {i}" for i in range(alive)]
+    nodes = f"{alive} surviving node{'s' if alive != 1 else ''}"
     details = {"plan": plan.to_dict(), "n_nodes": n_nodes, "nodes_alive": alive,
                "lost_hosts": list(lost_hosts), "cost_units": units, "calibration": calib,
                "naive_restart": {"replicas": min(replicas, B), "step_time_s": naive},
@@ -184,8 +189,12 @@ def plan_after_loss(basis: RecoveryBasis, facts: JobFacts, alive: int, lost_host
         if math.isfinite(naive):  # whole copies of today's pipeline fit and do at least as well
             why = f"no re-plan: {plan.reason}" if not plan.feasible else "node-sized templates would not be faster"
             k = min(replicas, B)
-            action = (f"restart {k} whole {'copy' if k == 1 else 'copies'} of today's pipeline on the {alive} "
-                      f"surviving nodes (DP {k}, was {lay.dp_size}); {why}")
+            split = [B // k + (1 if i < B % k else 0) for i in range(k)]
+            today = facts.current_partition if units == "layers" and facts.current_partition else (1,) * lay.pp_size
+            details["assignment"] = _assignment([(i * lay.pp_size, today, b) for i, b in enumerate(split)], spn, gps,
+                                                names)
+            action = (f"restart {k} whole {'copy' if k == 1 else 'copies'} of today's pipeline on the {nodes} "
+                      f"(DP {k}, was {lay.dp_size}): {_placed(details['assignment'], units)}; {why}")
             return Remedy(kind="recovery_plan", verdict="node_loss", action=action, predicted_gain=0.0,
                           step_time_before_s=naive, step_time_after_s=naive, details=details)
         return Remedy(kind="recovery_plan", verdict="node_loss", action=f"cannot re-plan: {plan.reason}; wait "
@@ -198,35 +207,112 @@ def plan_after_loss(basis: RecoveryBasis, facts: JobFacts, alive: int, lost_host
                        f"{'/'.join(str(x) for x in b)} microbatches)" for n, b in sorted(groups.items(), reverse=True))
     spare = f"; {len(plan.spare_nodes)} node(s) kept as spares" if plan.spare_nodes else ""
     n_p = len(plan.pipelines)
-    action = (f"restart on the {alive} surviving nodes as {n_p} pipeline{'s' if n_p > 1 else ''}: {shape}{spare}; "
-              f"tolerates {facts.fault_tolerance} more failure(s)")
+    by_nodes = {t.nodes: t for t in plan.templates}
+    details["assignment"] = _assignment([(p.nodes[0] * spn, by_nodes[p.template_nodes].layers, p.microbatches)
+                                         for p in plan.pipelines], spn, gps, names)
+    action = (f"restart on the {nodes} as {n_p} pipeline{'s' if n_p > 1 else ''}: {shape}{spare}; "
+              f"tolerates {facts.fault_tolerance} more failure(s); {_placed(details['assignment'], units)}")
     return Remedy(kind="recovery_plan", verdict="node_loss", action=action,
                   predicted_gain=gain(naive, after) if math.isfinite(naive) else math.inf,
                   step_time_before_s=naive, step_time_after_s=after, details=details)
 
 
-def plan_for_node_loss(basis: RecoveryBasis, rank_hosts: dict[int, str], lost_hosts: list[str]) -> dict | None:
-    """The restart plan a node loss is paged with: ``rank_hosts`` is where each rank of the job ran (its
-    heartbeats), ``lost_hosts`` the hosts that fell silent; the plan is made from ``basis``, the job's last window
-    analysed whole. Plain data for the hang's evidence, the alert and the console; None where no plan applies
-    (no node lost, stages that span nodes, ranks on hosts of unequal size)."""
+def _assignment(pipelines: Sequence[tuple[int, Sequence[int], int]], spn: int, gps: int,
+                names: Sequence[str]) -> list[dict[str, Any]]:
+    """Where each stage of each pipeline runs: ``pipelines`` are (first stage slot, units per stage, microbatches),
+    a node holding ``spn`` stage slots of ``gps`` GPUs each, filled in the order of ``names``. Per pipeline its
+    microbatches and per stage its node, the node's first GPU (local index) and the units it holds."""
+    out = []
+    for i, (slot, units, b) in enumerate(pipelines):
+        stages, first = [], 0
+        for j, n in enumerate(units):
+            node = (slot + j) // spn
+            stages.append({"stage": j, "host": names[node] if node < len(names) else f"node {node}",
+                           "gpu": ((slot + j) % spn) * gps, "units": [first, first + int(n) - 1]})
+            first += int(n)
+        out.append({"pipeline": i, "microbatches": int(b), "stages": stages})
+    return out
+
+
+def _placed(assignment: list[dict[str, Any]], units: str, most: int = 2) -> str:
+    """'stages 0-1 on h0 (8 microbatches)' per pipeline, the first ``most`` of them; the rest counted."""
+    def one(p: dict[str, Any]) -> str:
+        hosts = list(dict.fromkeys(s["host"] for s in p["stages"]))
+        n = len(p["stages"])
+        where = hosts[0] if len(hosts) == 1 else (f"{hosts[0]}..{hosts[-1]}" if len(hosts) > 2 else " and ".join(hosts))
+        layers = ""
+        if units == "layers":
+            layers = ", layers " + "/".join(str(s["units"][1] - s["units"][0] + 1) for s in p["stages"])
+        return f"{'stage 0' if n == 1 else f'stages 0-{n - 1}'} on {where} ({p['microbatches']} microbatches{layers})"
+    shown = "; ".join(f"pipeline {p['pipeline']}: {one(p)}" for p in assignment[:most])
+    rest = len(assignment) - most
+    return shown + (f"; {rest} more pipeline{'s' if rest > 1 else ''} alike" if rest > 0 else "")
+
+
+def node_loss_plan(basis: RecoveryBasis, rank_hosts: dict[int, str],
+                   lost_hosts: list[str]) -> tuple[dict[str, Any] | None, str]:
+    """The restart plan a node loss is paged with, and '' ; or None and why there is none. ``rank_hosts`` is
+    where each rank of the job ran (its heartbeats), ``lost_hosts`` the hosts that fell silent; the plan is made
+    from ``basis``, the job's last window analysed whole. Plain data for the hang's evidence, the alert and the
+    console: the action in words, the stage-to-host assignment and microbatches of each pipeline on the
+    surviving hosts (in the order of the lowest rank each held, as torchrun numbers nodes), the predicted step
+    time and the share of the throughput before."""
     per_host: dict[str, int] = {}
-    for host in rank_hosts.values():
+    first_rank: dict[str, int] = {}
+    for rank, host in sorted(rank_hosts.items()):
         per_host[host] = per_host.get(host, 0) + 1
+        first_rank.setdefault(host, rank)
     lost = [h for h in lost_hosts if h in per_host]
-    if not lost or len(set(per_host.values())) != 1:
-        return None
+    if not lost:
+        return None, "no host of the job was lost"
+    if len(set(per_host.values())) != 1:
+        sizes = ", ".join(f"{h}: {n}" for h, n in sorted(per_host.items()))
+        return None, f"the job's hosts ran unequal numbers of ranks ({sizes}): node-sized templates do not apply"
     gpus_per_node = next(iter(per_host.values()))
     facts = basis_facts(basis, gpus_per_node)
     if facts.n_nodes != len(per_host):
-        return None  # the ranks heard of are not the job's whole layout: a plan would count nodes wrong
-    remedy = plan_after_loss(basis, facts, len(per_host) - len(lost), lost)
+        # The ranks heard of are not the job's whole layout: a plan would count nodes wrong.
+        return None, (f"{len(rank_hosts)} ranks were heard of on {len(per_host)} host(s), the layout has "
+                      f"{basis.dp * basis.pp * basis.tp * basis.cp}")
+    alive = [h for h in sorted(per_host, key=first_rank.get) if h not in lost]
+    remedy = plan_after_loss(basis, facts, len(alive), lost, alive)
     if remedy is None:
-        return None
+        return None, (f"a stage of {basis.tp * basis.cp} GPUs does not fit hosts of {gpus_per_node}: node-sized "
+                      f"templates do not apply")
     after = remedy.step_time_after_s
-    return {"action": remedy.action, "nodes_alive": len(per_host) - len(lost), "n_nodes": len(per_host),
+    return {"action": remedy.action, "nodes_alive": len(alive), "n_nodes": len(per_host),
             "lost_hosts": lost, "step_time_before_loss_s": basis.step_s,
             "step_time_after_s": after if math.isfinite(after) else None,
             "throughput_vs_before": basis.step_s / after if math.isfinite(after) and after > 0 else 0.0,
             "naive_step_time_s": remedy.step_time_before_s if math.isfinite(remedy.step_time_before_s) else None,
-            "plan": remedy.details.get("plan")}
+            "assignment": remedy.details.get("assignment", []), "units": basis.units,
+            "plan": remedy.details.get("plan")}, ""
+
+
+def plan_for_node_loss(basis: RecoveryBasis, rank_hosts: dict[int, str], lost_hosts: list[str]) -> dict | None:
+    """``node_loss_plan``'s plan, or None."""
+    return node_loss_plan(basis, rank_hosts, lost_hosts)[0]
+
+
+def plan_for_process_loss(basis: RecoveryBasis, rank_hosts: dict[int, str], lost_ranks: list[int],
+                          hosts: list[str]) -> dict[str, Any]:
+    """The plan a process loss is paged with (ranks gone while their hosts still run others): no node was lost,
+    so the job restarts in place on all its nodes at the step time it had; should a host of the lost ranks have
+    to be drained (a GPU that failed, an Xid), ``if_drained`` is the node-loss plan without it, or
+    ``if_drained_missing`` says why there is none."""
+    from core.layout import fold_ranks
+
+    n = len(set(rank_hosts.values()))
+    drained, why = node_loss_plan(basis, rank_hosts, hosts)
+    some = "s" if len(lost_ranks) > 1 else ""
+    on = ", ".join(hosts)
+    out = {"action": (f"restart in place on the {n} node{'s' if n != 1 else ''} (rank{some} {fold_ranks(lost_ranks)} "
+                      f"lost {'their processes' if some else 'its process'}, {on} still "
+                      f"report{'' if len(hosts) > 1 else 's'})"),
+           "in_place": True, "nodes_alive": n, "n_nodes": n, "lost_hosts": [], "drain_hosts": list(hosts),
+           "step_time_before_loss_s": basis.step_s, "step_time_after_s": basis.step_s, "throughput_vs_before": 1.0}
+    if drained is not None:
+        out["if_drained"] = drained
+    else:
+        out["if_drained_missing"] = why
+    return out

@@ -193,7 +193,7 @@ _WALL0 = 1_760_000_000 * 10**9  # the shard's wall clock when the job starts
 _CLOCKS = {"in 1970": 10**9 - _WALL0, "3 h ahead": 3 * 3600 * 10**9}
 
 
-def _hb(job, rank, host, ts, step):
+def _hb(job, rank, host, ts, step, **more):
     from core import codec
     from core import schema as S
 
@@ -201,7 +201,7 @@ def _hb(job, rank, host, ts, step):
     return codec.from_rows(S.HEARTBEAT, [dict(
         job_id=job, attempt=0, rank=rank, host=host, pid=100 + rank, ts_ns=ts, step=step, last_op="optimizer",
         last_op_end_ns=ts - s // 2, inflight_op="", inflight_group="", inflight_seq=-1, inflight_since_ns=-1,
-        clock_offset_ns=0, stack="", step_done=step - 1, step_done_ns=ts - s // 2)])
+        clock_offset_ns=0, stack="", step_done=step - 1, step_done_ns=ts - s // 2, **more)])
 
 
 def _through_the_boundary(skew_ns, delay_s, silent_from=24, beats=60, skewed_first=False):
@@ -390,3 +390,36 @@ def test_a_job_lost_whole_is_paged_once_its_partition_is_read():
     show, once."""
     rows = _backlog(finished=False)
     assert [(r["job_id"], r["kind"], r["missing_ranks"]) for r in rows] == [("ended", "node_loss", "0-1")], rows
+
+
+def test_the_ranks_of_a_lost_host_are_named_together_though_their_last_heartbeats_are_apart():
+    """A host's ranks heartbeat at their own moments: after the loss one passes the timeout first, and is not a
+    process loss on a host that still reports (the real two-host job: tests/netfaults/test_host_loss.py)."""
+    s = 10**9
+    t = HangTracker("hostjob", params=HangParams(silent_s=3.0, heartbeat_timeout_s=6.0))
+    # Every rank reports every second, rank 3 at a tenth past; host b's until 10 s: rank 3 last 0.9 s before rank 2.
+    last = {2: 10 * s, 3: 9 * s + s // 10}
+    for ts in range(0, 30 * s, s // 10):
+        for r, host in ((0, "a"), (1, "a"), (2, "b"), (3, "b")):
+            if ts > last.get(r, ts) or ts % s != (s // 10 if r == 3 else 0):
+                continue
+            t.add_heartbeats(_hb("hostjob", r, host, ts, ts // s, heartbeat_s=1.0))
+        hang = t.evaluate(ts, input_alive=True)
+        if hang is not None and hang.kind == "node_loss":
+            break
+    assert (hang.op, hang.missing_ranks, hang.suspect_hosts) == ("host silent", [2, 3], ["b"]), hang
+    assert 16 * s <= ts <= 17 * s  # rank 2 past the 6 s timeout: not later than the host's last rank allows
+
+
+def test_a_silent_rank_whose_host_mates_report_is_still_a_process_loss():
+    s = 10**9
+    t = HangTracker("procjob", params=HangParams(silent_s=3.0, heartbeat_timeout_s=6.0))
+    for ts in range(0, 30 * s, s):
+        for r, host in ((0, "a"), (1, "a"), (2, "b"), (3, "b")):
+            if r == 3 and ts > 10 * s:
+                continue
+            t.add_heartbeats(_hb("procjob", r, host, ts, ts // s, heartbeat_s=1.0))
+        hang = t.evaluate(ts, input_alive=True)
+        if hang is not None and hang.kind == "node_loss":
+            break
+    assert (hang.op, hang.missing_ranks, hang.suspect_hosts) == ("process silent", [3], ["b"]), hang

@@ -72,6 +72,13 @@ def test_a_lost_host_is_paged_with_the_restart_plan_and_its_predicted_throughput
     assert plan["step_time_after_s"] > plan["step_time_before_loss_s"], plan
     assert 7 / 8 - 0.02 <= plan["throughput_vs_before"] < 1.0, plan
     assert "63 surviving nodes" in plan["action"], plan
+    # Every stage of every pipeline placed on a surviving host, each host used once, the global batch shared out.
+    placed = [(s["host"], s["gpu"]) for p in plan["assignment"] for s in p["stages"]]
+    assert len(placed) == len(set(placed)) and "host-03" not in {h for h, _ in placed}, plan["assignment"]
+    assert sum(p["microbatches"] for p in plan["assignment"]) == 8 * 16
+    assert all(s["units"][1] >= s["units"][0] for p in plan["assignment"] for s in p["stages"])
+    assert all(sorted(u for s in p["stages"] for u in range(s["units"][0], s["units"][1] + 1)) == list(range(32))
+               for p in plan["assignment"])  # each pipeline holds the model's 32 layers once
     (alert,) = AlertRules(AlertConfig(cooldown_s=0)).evaluate_hang(row, 0.0, T0)
     assert alert["rule"] == "node_loss" and "recovery: " in alert["summary"] and "63 surviving nodes" in alert["summary"]
     assert "of the throughput before the loss" in alert["summary"], alert["summary"]
@@ -108,3 +115,50 @@ def test_the_console_and_the_trace_summary_tell_the_plan(job512):
     (row,) = to_tables([hang], T0 + 31 * SEC)["hang"].to_pylist()
     sentence = explain_hang(row, None).sentence
     assert "Recovery plan: restart on the 63 surviving nodes" in sentence and "of the throughput before" in sentence
+
+
+def _lose(mon, clock, lost, everyone=range(512), host=lambda r: f"host-{r // GPUS_PER_HOST:02d}"):
+    for second in range(0, 60, 2):
+        clock.t = float(second)
+        ranks = everyone if second < 10 else [r for r in everyone if r not in lost]
+        hb = _heartbeats(T0 + second * SEC, ranks, step=40 + second)
+        mon.add_heartbeats(hb.set_column(hb.schema.get_field_index("host"), "host",
+                                         __import__("pyarrow").array([host(r) for r in ranks])), clock.t)
+        hangs = mon.evaluate(clock.t).to_pylist()
+        if hangs:
+            return hangs
+    return []
+
+
+def test_a_process_loss_restarts_in_place_with_the_plan_should_its_host_be_drained(job512):
+    """One rank gone while its host's other ranks report: no node is lost; the restart is in place, at the step
+    time before, and the plan without that host is there should it have to be drained."""
+    spec, got = job512
+    clock = ManualClock(wall=lambda: T0 + int(clock.t * SEC))
+    mon = HangReducer(HangConfig(), every_s=0.0, clock=clock, recovery_of=lambda j, a: got.recovery)
+    (row,) = _lose(mon, clock, [27])
+    assert (row["kind"], row["op"], row["missing_ranks"]) == ("node_loss", "process silent", "27"), row
+    plan = json.loads(row["evidence_json"])["recovery_plan"]
+    assert plan["in_place"] and (plan["n_nodes"], plan["nodes_alive"], plan["throughput_vs_before"]) == (64, 64, 1.0)
+    assert plan["if_drained"]["nodes_alive"] == 63 and plan["if_drained"]["lost_hosts"] == ["host-03"]
+    (alert,) = AlertRules(AlertConfig(cooldown_s=0)).evaluate_hang(row, 0.0, T0)
+    assert "recovery: restart in place on the 64 nodes (rank 27 lost its process, host-03 still reports)" in \
+        alert["summary"], alert["summary"]
+    assert "as before; if host-03 must be drained: restart on the 63 surviving nodes" in alert["summary"]
+    from analyzers.explain import explain_hang
+
+    assert "Recovery plan: restart in place" in explain_hang(row, None).sentence
+
+
+def test_hosts_of_unequal_size_are_paged_with_why_there_is_no_plan(job512):
+    spec, got = job512
+    clock = ManualClock(wall=lambda: T0 + int(clock.t * SEC))
+    mon = HangReducer(HangConfig(), every_s=0.0, clock=clock, recovery_of=lambda j, a: got.recovery)
+    # host-00 holds 9 ranks, host-01 7: node-sized templates cannot be placed.
+    (row,) = _lose(mon, clock, range(24, 32), host=lambda r: "host-00" if r == 8 else f"host-{r // 8:02d}")
+    ev = json.loads(row["evidence_json"])
+    assert row["op"] == "host silent" and "recovery_plan" not in ev
+    assert "unequal numbers of ranks" in ev["recovery_plan_missing"], ev
+    (alert,) = AlertRules(AlertConfig(cooldown_s=0)).evaluate_hang(row, 0.0, T0)
+    assert "; no recovery plan: the job's hosts ran unequal numbers of ranks" in alert["summary"], alert["summary"]
+    assert json.loads(alert["details_json"])["recovery_plan_missing"] == ev["recovery_plan_missing"]

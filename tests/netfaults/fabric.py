@@ -251,6 +251,25 @@ class Fabric:
         self._procs.append(p)
         return p
 
+    def lose(self, i: int) -> list[int]:
+        """Lose namespace ``i`` as a host is lost when its power goes: its link first, then all it runs at once.
+
+        The link goes down before anything dies, so the peers get no reset from the dying connections: they
+        wait, as for a host that vanished, instead of failing at once as for a process that crashed on a live
+        host. Every process inside is stopped (SIGSTOP) before any is killed, so none sees another die and
+        speaks for it (a rank's watch would send ``exited``). Returns the pids killed; the namespace stays
+        until ``down``."""
+        ns = self.namespaces[i]
+        _cmd([_IP, "-n", self.hub, "link", "set", f"v{i}", "down"])
+        pids = [int(p) for p in _cmd([_IP, "netns", "pids", ns], check=False).stdout.split() if int(p) != os.getpid()]
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        return pids
+
     def expose(self, port: int) -> None:
         """Make 127.0.0.1:port of the root namespace reachable as 127.0.0.1:port in every rank namespace."""
         if port in self._forwarders:
