@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import getpass
 import hmac
+import json
 import os
 import time
 
@@ -211,6 +212,50 @@ def format_status(changes: list[ControlChange], book: ControlBook, job_id: str |
     if book.refused:
         lines.append(f"{len(book.refused)} record(s) on the topic refused, the last: {book.refused[-1]}")
     return "\n".join(lines)
+
+
+def audit_states(rows: list[dict], now_ns: int, when: Callable[[int], str] | None = None) -> list[str]:
+    """What became of each stored change (rows of the ``control_changes`` table, any order), as the console's job
+    page says it: ``clears ...`` for a record that clears; ``in force`` (with until when), ``cleared``, ``ran out``
+    or ``replaced by <change>`` for a change. A later change of a setting in the same scope replaces the earlier
+    (``core.control``: the earlier does not come back when the later ends), so each setting of a change ends at
+    the first of: a clear of it or of its whole scope, a later change of that setting, its ``until``. A change
+    whose settings did not all end says which did (``in force ...; sample replaced by <change>``). ``when``
+    writes a time (default: UTC)."""
+    when = when or (lambda ns: f"{_utc(ns)} UTC")
+    later: dict[tuple[str, str], list[tuple[int, str]]] = {}  # (scope, setting) -> [(when, change id)]
+    clears: dict[str, list[tuple[int, str]]] = {}  # scope -> [(when, cleared id or '*')]
+    what = [json.loads(r["what_json"] or "{}") for r in rows]
+    for r, w in zip(rows, what):
+        if r["clears"]:
+            clears.setdefault(r["scope"], []).append((r["when_ns"], r["clears"]))
+        for name in w:
+            later.setdefault((r["scope"], name), []).append((r["when_ns"], r["change_id"]))
+    out = []
+    for r, w in zip(rows, what):
+        if r["clears"]:
+            out.append("clears " + ("every change of its scope" if r["clears"] == "*" else r["clears"]))
+            continue
+        t0, until = r["when_ns"], r["until_ns"]
+        cleared = min((t for t, c in clears.get(r["scope"], ()) if t > t0 and c in ("*", r["change_id"])),
+                      default=None)
+        ran_out = until if until and until <= now_ns else None
+        ends = {}  # setting -> (when, why)
+        for name in sorted(w):
+            by = min(((t, c) for t, c in later[(r["scope"], name)] if t > t0), default=None)
+            candidates = [e for e in ((cleared, "cleared"), (ran_out, "ran out"),
+                                      (by and by[0], by and f"replaced by {by[1]}")) if e[0] is not None]
+            if candidates:
+                ends[name] = min(candidates)
+        whys = list(dict.fromkeys(why for _, why in ends.values()))
+        if w and len(ends) == len(w):
+            out.append(", ".join(whys))
+            continue
+        state = "in force" + (f" until {when(until)}" if until else " until cleared")
+        if ends:
+            state += "; " + ", ".join(f"{name} {why}" for name, (_, why) in sorted(ends.items()))
+        out.append(state)
+    return out
 
 
 def _utc(ns: int) -> str:

@@ -263,7 +263,7 @@ class ControlChange:
         """The store's row (``core.schema.CONTROL_CHANGE``)."""
         return dict(change_id=self.change_id, scope=self.scope, job_id=self.job_id or "", who=self.who,
                     when_ns=self.when, until_ns=self.until, what_json=json.dumps(self.what, sort_keys=True),
-                    clears=self.clears)
+                    clears=self.clears, from_step=self.from_step)
 
     def describe(self) -> str:
         what = ", ".join(f"{k}={v}" for k, v in sorted(self.what.items())) or f"clears {self.clears}"

@@ -603,6 +603,9 @@ CONTROL_CHANGE = pa.schema([
              metadata={"unit": "", "doc": "the settings it makes, JSON ('{}' for a record that clears)"}),
     pa.field("clears", pa.string(), nullable=False,
              metadata={"unit": "", "doc": "the change it ends ('*': every change of its scope); '' for a setting change"}),
+    pa.field("from_step", pa.int64(), nullable=False,
+             metadata={"unit": "step", "doc": "the job's first step it covers on every rank (sampling, profiling); "
+                                              "0: each rank from its next step end (the fleet, --force, a clear)"}),
 ], metadata={b"stragglerscope.kind": b"control_change"})
 """Every run-time change the pipeline read from the control topic: the audit of who changed what, when, until when."""
 

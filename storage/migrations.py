@@ -89,6 +89,10 @@ def _v5_accounting(store) -> None:
     _create_tables("downtime", "remedies")(store)
 
 
+def _v6_control_step(store) -> None:
+    _add_columns(store, "control_changes", ("from_step",))
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "base tables derived from ingest.schema", _v1_base_tables),
     Migration(2, "windows: M_W and M_S attribution columns", _v2_attribution, adds=(("windows", ("m_w", "m_s")),)),
@@ -97,6 +101,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(5, "accounting and remedies: MFU per window, FLOPs facts per job, fault downtime, remedies",
               _v5_accounting, adds=(("windows", ("mfu", "mfu_ideal")), ("jobs", ("params", "seq_len", "num_layers"))),
               creates=("downtime", "remedies")),
+    Migration(6, "run-time changes: the step a change starts from on every rank of its job", _v6_control_step,
+              adds=(("control_changes", ("from_step",)),)),
 )
 LATEST = MIGRATIONS[-1].version
 

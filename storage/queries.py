@@ -446,11 +446,12 @@ _QUERIES = [
     # -- run-time changes (core/control.py; `stragglerscope control`) ------------------------------------------
     NamedQuery(
         "job_controls",
-        "SELECT change_id, scope, who, when_ns, until_ns, what_json, clears FROM control_changes "
+        "SELECT change_id, scope, who, when_ns, until_ns, what_json, clears, from_step FROM control_changes "
         "WHERE job_id = {job_id:String} OR scope = 'fleet' ORDER BY when_ns DESC, change_id LIMIT {limit:UInt64}",
         (_job_required(), _limit(100)),
         "the run-time changes made for a job and for the fleet, newest first: who, when, until when (0: until "
-        "cleared) and what (JSON), or the change a record cleared",
+        "cleared), what (JSON) and from which step of the job (0: each rank's next step end), or the change a record "
+        "cleared",
     ),
     NamedQuery(
         "alert_history",

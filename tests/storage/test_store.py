@@ -399,6 +399,33 @@ def test_migration_from_version_1_keeps_data(store_url):
 
 
 @pytest.mark.parametrize("store_url", ["chdb", "server", "cluster"], indirect=True)
+def test_the_run_time_changes_of_a_store_from_before_the_agreed_step_gain_it(store_url):
+    """Version 6 adds control_changes.from_step: a change stored before it reads as one without a step (0: each
+    rank's next step end), and one stored after it keeps its step, which the job page's query returns."""
+    from core.control import make_change
+    from storage.migrations import LATEST
+
+    st = open_store(store_url)
+    try:
+        st.setup(target_version=5)
+        assert "from_step" not in st.table_columns()["control_changes_data"]
+        old = make_change("bob", 10**18, "j1", {"sample": "5/10"})
+        rows = codec.from_rows(S.CONTROL_CHANGE, [old.row()])
+        st._insert("control_changes_data", st._with_stored_ns(ddl.TABLE_BY_NAME["control_changes"], rows)
+                   .drop_columns(["from_step"]))
+        st.setup()
+        assert st.schema_version() == LATEST >= 6 and "from_step" in st.table_columns()["control_changes_data"]
+        new = make_change("alice", 10**18 + 10**9, "j1", {"sample": "1/1"}, from_step=1017)
+        st.insert("control_change", codec.from_rows(S.CONTROL_CHANGE, [new.row()]))
+        got = st.run_named("job_controls", {"job_id": "j1"}).to_pylist()
+        assert [(r["change_id"], r["from_step"]) for r in got] == [(new.change_id, 1017), (old.change_id, 0)]
+    finally:
+        if hasattr(st, "database"):
+            st._execute(f"DROP DATABASE IF EXISTS `{st.database}`")
+        st.close()
+
+
+@pytest.mark.parametrize("store_url", ["chdb", "server", "cluster"], indirect=True)
 def test_a_store_made_before_a_table_existed_gains_it(store_url):
     """link_cells came to ddl.TABLES with no migration step: a store set up before it (version 5, no
     link_cells_data) failed every later setup() with UNKNOWN_TABLE, so `trace` and `demo` would not start on

@@ -99,12 +99,13 @@ def fill_demo_store(store, n_jobs: int = 12, windows: int = 2, seed: int = 3) ->
 
     faults = generate_downtime_fleet(n_jobs=3, days=2.0, seed=1)
     by_kind["downtime"] = [downtime.to_tables(downtime.account_downtime(faults.tables()))["downtime"]]
-    # Run-time changes as the shards store them: ui-003 profiled every step for an hour, a quieter fleet hang rule
-    # that was cleared again.
+    # Run-time changes as the shards store them: ui-003 profiled every step for an hour from step 1200 on all its
+    # ranks, which replaced its 5/10 of before; a quieter fleet hang rule that was cleared again.
     from core.control import make_change
 
     quiet = make_change("bob", now - 7200 * 10**9, None, {"hang_min_s": 30})
-    changes = [make_change("alice", now - 60 * 10**9, "ui-003", {"sample": "1/1"}, for_s=3600), quiet,
+    changes = [make_change("alice", now - 60 * 10**9, "ui-003", {"sample": "1/1"}, for_s=3600, from_step=1200),
+               make_change("alice", now - 1800 * 10**9, "ui-003", {"sample": "5/10"}), quiet,
                make_change("bob", now - 3600 * 10**9, None, {}, clears=quiet.change_id)]
     by_kind["control_change"] = [codec.from_rows(S.CONTROL_CHANGE, [c.row() for c in changes])]
     for kind, ts in by_kind.items():

@@ -157,12 +157,15 @@ def test_job_page_shows_the_run_time_changes_made_for_the_job_and_the_fleet(app)
     at.switch_page("pages/job.py").run()
     at.selectbox(key="job").set_value("ui-003").run()
     assert not at.exception, at.exception
-    assert "Run-time changes (3)" in [s.value for s in at.subheader]
+    assert "Run-time changes (4)" in [s.value for s in at.subheader]
     [df] = [d.value for d in at.dataframe if "settings" in d.value.columns]
     rows = {r["settings"] or r["state"]: r for r in df.to_dict("records")}
     assert rows["sample=1/1"]["who"] == "alice" and rows["sample=1/1"]["for"] == "this job"
-    assert rows["sample=1/1"]["state"].startswith("in force until ")
+    assert rows["sample=1/1"]["state"].startswith("in force until ") and rows["sample=1/1"]["from step"] == "1200"
+    # The job's 5/10 of before: replaced by the later change of its setting, not in force beside it.
+    assert rows["sample=5/10"]["state"] == f"replaced by {rows['sample=1/1']['change']}"
     assert rows["hang_min_s=30.0"]["state"] == "cleared" and rows["hang_min_s=30.0"]["for"] == "the fleet"
+    assert rows["hang_min_s=30.0"]["from step"] == "next"  # the fleet's: each rank's next step end
     at.selectbox(key="job").set_value("ui-004").run()  # another job sees the fleet's changes only
     assert "Run-time changes (2)" in [s.value for s in at.subheader]
 

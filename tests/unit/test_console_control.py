@@ -68,3 +68,43 @@ def test_the_console_command_refuses_to_start_with_control_it_cannot_offer(tmp_p
     assert main(["console"]) == 2
     err = capsys.readouterr().err
     assert "console control: the console's control token file" in err and err.count("\n") == 1
+
+
+S = 10**9  # ns
+
+
+def _row(change_id: str, when_s: int, what: dict | None = None, scope: str = "job:j1", until_s: int = 0,
+         clears: str = "", from_step: int = 0) -> dict:
+    import json
+
+    return dict(change_id=change_id, scope=scope, when_ns=when_s * S, until_ns=until_s * S,
+                what_json=json.dumps(what or {}), clears=clears, from_step=from_step)
+
+
+@pytest.mark.parametrize("rows, want", [
+    ([_row("a", 10, {"sample": "1/1"})], ["in force until cleared"]),
+    ([_row("a", 10, {"sample": "1/1"}, until_s=50)], ["ran out"]),
+    ([_row("a", 10, {"sample": "1/1"}, until_s=500)], ["in force until T500"]),
+    # A later change of the same setting in the same scope replaces it, even once the later one ended.
+    ([_row("a", 10, {"sample": "5/10"}), _row("b", 20, {"sample": "1/1"}, until_s=30, from_step=40)],
+     ["replaced by b", "ran out"]),
+    # Only some of its settings replaced: in force for the others, and says which were.
+    ([_row("a", 10, {"sample": "5/10", "hang_min_s": 30}), _row("b", 20, {"sample": "1/1"})],
+     ["in force until cleared; sample replaced by b", "in force until cleared"]),
+    # Replaced and then its other setting cleared by id: each setting ended, by what ended it first.
+    ([_row("a", 10, {"sample": "5/10", "hang_min_s": 30}), _row("b", 20, {"sample": "1/1"}),
+      _row("c", 30, clears="a")], ["cleared, replaced by b", "in force until cleared", "clears a"]),
+    # The fleet's change of a setting does not replace a job's, nor the other way; a clear of one scope ends
+    # only that scope's changes made before it.
+    ([_row("a", 10, {"sample": "5/10"}, scope="fleet"), _row("b", 20, {"sample": "1/1"}),
+      _row("c", 30, scope="fleet", clears="*"), _row("d", 40, {"sample": "2/10"}, scope="fleet")],
+     ["cleared", "in force until cleared", "clears every change of its scope", "in force until cleared"]),
+    # A change that ran out before a later one was made ran out; it was not replaced.
+    ([_row("a", 10, {"sample": "1/1"}, until_s=15), _row("b", 20, {"sample": "5/10"})],
+     ["ran out", "in force until cleared"]),
+])
+def test_the_job_page_says_what_became_of_each_stored_change(rows, want):
+    from actions.control import audit_states
+
+    assert audit_states(rows, 100 * S, lambda ns: f"T{ns // S}") == want
+    assert audit_states(rows[::-1], 100 * S, lambda ns: f"T{ns // S}") == want[::-1]  # the table's order is any

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from core.control import ControlBook, ControlError, check, hang_overrides, make_change, parse_duration
+from core.control import (ControlBook, ControlError, check, hang_overrides, make_change, parse_duration,
+                          records_of)
 from ingest.control import PAUSED, ControlFollower
 from ingest.exporter import RankExporter, Sampling
 
@@ -171,6 +172,40 @@ def test_a_shard_stores_each_change_and_judges_the_job_by_its_thresholds_until_t
     finally:
         w.stop()
     assert controls.closed
+
+
+def test_the_shard_stores_the_step_a_change_starts_from_and_status_shows_it():
+    """The audit carries ``from_step`` (the control_changes table); `control status` says from which step a change
+    applies on the job's ranks, or "next" (each rank's next step end) for one without a step."""
+    from actions.control import format_status
+    from core.config import Config
+    from core.schema import CONTROL_CHANGE
+    from ray_jobs.shard import ShardWorker
+    from tests.fakes import FakeControls, FakeSink, FakeSource, ManualClock
+
+    clock, sink, controls = ManualClock(), FakeSink(), FakeControls()
+    w = ShardWorker(0, [0], Config().replace(pipeline={"commit_interval_s": 0.0, "state_interval_s": 0.0}), "s",
+                    consumer_factory=lambda: FakeSource([]), sink_factory=lambda: sink, clock=clock,
+                    control_factory=lambda: controls)
+    w.setup()
+    try:
+        now_ns = clock.wall_ns()
+        stepped = make_change("a", now_ns, "j1", {"sample": "1/1", "hang_min_s": 30}, from_step=1017)
+        fleet = make_change("a", now_ns, None, {"sample": "1/10"})
+        controls.records += [r.to_json() for _, r in records_of(stepped)] + [fleet.to_json()]
+        w.step(poll_timeout_ms=0)
+    finally:
+        w.stop()
+    rows = {r["change_id"]: r for r in sink.rows["control_change"]}
+    assert set(rows[stepped.change_id]) == set(CONTROL_CHANGE.names)
+    assert (rows[stepped.change_id]["from_step"], rows[fleet.change_id]["from_step"]) == (1017, 0)
+    assert json.loads(rows[stepped.change_id]["what_json"]) == {"sample": "1/1", "hang_min_s": 30.0}  # whole
+    book = ControlBook()
+    book.take([r.to_json() for _, r in records_of(stepped)] + [fleet.to_json()])
+    book.flush()
+    lines = format_status([stepped, fleet], book).splitlines()
+    assert "from step" in lines[0]
+    assert " 1017 " in lines[1] and " next " in lines[2], lines
 
 
 @pytest.mark.parametrize("argv, why", [

@@ -17,6 +17,7 @@ from analyzers.links.job import job_finding
 from core.schema import STORED_INF
 from ui.data import (advise_window, job_choices, link_shown_confidence, named, named_live, now_ns, viewer_tz,
                      window_timeline)
+from actions.control import audit_states
 from ui.control_form import control_form
 from ui.hang_view import flame_svg, grid_svg, picture, recorder_rows
 from ui.fabric_view import port_panel
@@ -80,29 +81,19 @@ else:
 # -- run-time changes (`stragglerscope control`) ---------------------------------------------------------
 controls = named_live("job_controls", job_id=job, limit=100)
 if not controls.empty:
-    # Cleared changes are read from the records that cleared them: the table keeps every record, the audit.
-    cleared_ids = set(controls["clears"])
-    fleet_cleared = set(controls.loc[(controls["clears"] == "*") & (controls["scope"] == "fleet"), "when_ns"])
-    job_cleared = set(controls.loc[(controls["clears"] == "*") & (controls["scope"] != "fleet"), "when_ns"])
-
-    def _state(c) -> str:
-        if c["clears"]:
-            return "clears " + ("every change of its scope" if c["clears"] == "*" else c["clears"])
-        ended = c["change_id"] in cleared_ids or any(t > c["when_ns"] for t in (
-            fleet_cleared if c["scope"] == "fleet" else job_cleared))
-        if ended:
-            return "cleared"
-        if c["until_ns"] and c["until_ns"] <= NOW:
-            return "ran out"
-        return "in force" + (f" until {when(c['until_ns'], NOW, TZ)}" if c["until_ns"] else " until cleared")
-
+    # What became of each (cleared, ran out, replaced by a later change of a setting) is read from the records
+    # after it: the table keeps every record, the audit.
+    states = audit_states(controls.to_dict("records"), NOW, lambda t: when(t, NOW, TZ))
     st.subheader(f"Run-time changes ({len(controls)})")
     st.dataframe(pd.DataFrame({
         "when": [when(t, NOW, TZ) for t in controls["when_ns"]],
         "who": controls["who"],
         "for": ["the fleet" if sc == "fleet" else "this job" for sc in controls["scope"]],
         "settings": [", ".join(f"{k}={v}" for k, v in sorted(json.loads(w).items())) for w in controls["what_json"]],
-        "state": [_state(c) for c in controls.to_dict("records")],
+        # The step a sampling change starts from on every rank; "next": each rank's next step end.
+        "from step": [str(int(n)) if n else ("" if cl else "next") for n, cl in zip(controls["from_step"],
+                                                                                 controls["clears"])],
+        "state": states,
         "change": controls["change_id"],
     }), hide_index=True, width="stretch")
 
