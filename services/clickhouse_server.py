@@ -244,6 +244,11 @@ class ClickHouseServer:
         except OSError:
             return False
 
+    def signal_stop(self) -> None:
+        """Ask the server to shut down (SIGTERM) without waiting: ``stop`` waits."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+
     def stop(self) -> None:
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
@@ -331,6 +336,9 @@ class ClickHouseCluster:
         return self
 
     def stop(self) -> None:
+        # All asked at once: each takes seconds to shut down, and one after the other four cost a test 20 s.
+        for srv in self.servers:
+            srv.signal_stop()
         for srv in self.servers:
             srv.stop()
         shutil.rmtree(self._root, ignore_errors=True)
