@@ -401,7 +401,12 @@ def job_link_sentence(f: Any) -> str:
         return (f"the network of rank {f.src}: every window with a finding named it, as {how} (of {f.voting} "
                 f"windows, since window {f.since}); the windows differ only on its direction")
     also = ", ".join(f"{link_element(k, s, d)} ({n})" for k, s, d, n in f.others)
-    return (f"{link_element(f.kind, f.src, f.dst, f.group)}, in {len(f.windows)} of {f.voting} window"
+    late = getattr(f, "late_by", None)
+    by = ""
+    if late is not None:  # how late, as the window's sentence says it: in ms and as a share of the step
+        ms, share = late[0] / 1e6, late[1]
+        by = f", {ms:.0f} ms late" + (f" ({100 * share:.1f}% of its step)" if share == share else "")
+    return (f"{link_element(f.kind, f.src, f.dst, f.group)}{by}, in {len(f.windows)} of {f.voting} window"
             f"{'s' if f.voting > 1 else ''} with a finding since window {f.since} (confidence up to "
             f"{f.confidence:.2f})" + (f"; also named: {also}" if also else ""))
 

@@ -19,8 +19,11 @@ Pure: LINK_FAULT rows in (the store's ``job_links``, one job attempt), a ``JobFi
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class JobFinding:
@@ -34,6 +37,27 @@ class JobFinding:
     confidence: float              # the best confidence a supporting window gave it
     named_as: tuple[tuple[str, int, int, int], ...] = ()  # for an endpoint: (kind, src, dst, windows) per element
     others: tuple[tuple[str, int, int, int], ...] = ()    # other windows' elements: (kind, src, dst, windows)
+    late_by: tuple[float, float] | None = None  # a late sender's margin: median ns and share of its step over its windows
+
+
+def _late_by(rows: list[Mapping[str, Any]]) -> tuple[float, float] | None:
+    """A late sender's median margin over the windows that named it (``margin_ns``, ``margin_share_of_step`` of
+    each window's evidence); None where no window's evidence has them."""
+    ns, share = [], []
+    for r in rows:
+        ev = r.get("evidence") or r.get("evidence_json") or {}
+        if isinstance(ev, str):
+            try:
+                ev = json.loads(ev)
+            except ValueError:
+                continue
+        if isinstance(ev, Mapping) and ev.get("margin_ns") is not None:
+            ns.append(float(ev["margin_ns"]))
+            if ev.get("margin_share_of_step") is not None:
+                share.append(float(ev["margin_share_of_step"]))
+    if not ns:
+        return None
+    return float(np.median(ns)), (float(np.median(share)) if share else float("nan"))
 
 
 def _ranks(kind: str, src: int, dst: int) -> set[int]:
@@ -67,5 +91,6 @@ def job_finding(rows: Iterable[Mapping[str, Any]], shown: float) -> JobFinding |
         return JobFinding("endpoint", rank, -1, best[min(best)]["group"], tuple(sorted(best)), len(best),
                           min(best), max(conf.values()), named_as=listed)
     group = best[votes[lead][0]]["group"]
+    late = _late_by([best[w] for w in votes[lead]]) if lead[0] == "noncomm_slow" else None
     return JobFinding(lead[0], lead[1], lead[2], group, tuple(votes[lead]), len(best), min(votes[lead]), conf[lead],
-                      others=listed[1:])
+                      others=listed[1:], late_by=late)

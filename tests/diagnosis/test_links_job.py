@@ -25,6 +25,21 @@ def test_the_element_most_windows_name_is_the_answer_with_its_support():
     assert "also named: the link from rank 3 to rank 4 (1)" in said
 
 
+def test_a_late_sender_s_job_answer_says_how_late():
+    import json
+
+    def late(window, ms, share, conf=0.7):
+        r = row(window, "noncomm_slow", 6, -1, conf)
+        return {**r, "evidence_json": json.dumps({"margin_ns": ms * 1e6, "margin_share_of_step": share})}
+    f = job_finding([late(0, 40, 0.064), late(5, 38, 0.061), late(10, 44, 0.07)], SHOWN)
+    assert f.kind == "noncomm_slow" and f.late_by[0] == 40e6 and abs(f.late_by[1] - 0.064) < 1e-12
+    said = job_link_sentence(f)
+    assert ", 40 ms late (6.4% of its step), in 3 of 3 windows" in said, said
+    # Evidence without a margin (an older store's rows): the answer as before, no made-up figure.
+    g = job_finding([row(0, "noncomm_slow", 6, -1, 0.7)], SHOWN)
+    assert g.late_by is None and "ms late" not in job_link_sentence(g)
+
+
 def test_windows_that_differ_on_one_rank_s_direction_are_that_rank_s_network():
     """As reported: window 0 'NIC of rank 2', window 15 'link 2>1'; window 0 'ingress of rank 5', window 15
     'link 5>4' (its ACKs come back in through the capped port)."""
