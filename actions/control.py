@@ -59,7 +59,9 @@ def control_set(conn: KafkaConn | str, who: str, job_id: str | None, what: dict,
     change = make_change(who, time.time_ns(), job_id, what, for_s)
     if known is not None and change.job_id is not None:
         from_step = known(change.job_id)
-        if from_step:
+        # Thresholds apply at the shard's next decision: a step would be shown (status, audit, console) that
+        # nothing waits for.
+        if from_step and change.waits_for_a_step:
             change = check(dataclasses.replace(change, from_step=int(from_step)).to_json())
     publish(conn, change)
     return change

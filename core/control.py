@@ -225,6 +225,11 @@ def check_what(what: Any) -> dict[str, Any]:
     return out
 
 
+STEP_SETTINGS = ("sample", "profiling")
+"""The settings that wait for a change's step (``from_step``): what a window holds must be the same on every rank.
+The others (thresholds, the heartbeat period) apply as they are read."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ControlChange:
     change_id: str
@@ -245,6 +250,11 @@ class ControlChange:
     @property
     def job_id(self) -> str | None:
         return None if self.scope == FLEET else self.scope[len(JOB_PREFIX):]
+
+    @property
+    def waits_for_a_step(self) -> bool:
+        """Whether it sets a setting that waits for a step (``STEP_SETTINGS``): only then is ``from_step`` chosen."""
+        return any(k in STEP_SETTINGS for k in self.what)
 
     def active(self, now_ns: int) -> bool:
         return not self.until or now_ns < self.until

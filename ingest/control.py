@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from core.control import ControlBook, parse_sample
+from core.control import STEP_SETTINGS, ControlBook, parse_sample
 from core.kafka_conn import KafkaConn
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,7 @@ def sampling_for(settings: dict[str, Any], base):
     return base
 
 
-EXPORTER_STEP_SETTINGS = ("sample", "profiling")
-"""The settings that wait for a change's step (``from_step``): what a window holds must be the same on every rank."""
+EXPORTER_STEP_SETTINGS = STEP_SETTINGS
 
 
 def sampling_plan(book: ControlBook, now_ns: int, job_id: str, base) -> tuple:

@@ -276,6 +276,9 @@ def test_a_change_for_a_job_starts_from_a_step_agreed_from_its_newest_window(cli
     assert cli("set", "--job", "j-soon", "--sample", "1/1", "--force")[0] == 0
     assert [c.from_step for c in cli.published[1:]] == [0, 0, 0]
     assert b"from_step" not in cli.published[1].to_json()  # as it was before the field: older readers take it
+    # A threshold of the same job applies at the shard's next decision: no step to show for it.
+    assert cli("set", "--job", "j1", "--hang-min-s", "30")[0] == 0
+    assert cli.published[-1].from_step == 0 and "from step" not in cli("status")[1].split("hang_min_s")[-1][:40]
 
 
 @pytest.mark.parametrize("args, want", [
