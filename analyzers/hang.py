@@ -654,10 +654,12 @@ class HangTracker:
     def _evidence(self, now_ns: int, missing: list[int], group: str = "", seq: int = -1,
                   states: dict[int, str] | None = None) -> dict[str, Any]:
         chain = self.wait_chain(missing, group, seq, now_ns)
-        # A rank its watch sees stopped or exited dumped what it kept before that, not where it is: under load a
-        # rank dumped in a quiet spell, went on without an op ending, then stopped, and its old stacks stood in
-        # for it in the picture (the console's real-hang test, once in a whole-suite run).
-        stacks = {r: st.stack for r, st in self.ranks.items() if st.stack and st.proc_state not in ("stopped", "exited")}
+        # A rank its watch sees stopped or exited, or silent (no heartbeat for silent_s: stopped with no watch
+        # beside it), dumped what it kept before that, not where it is: under load a rank dumped in a quiet spell,
+        # went on without an op ending, then stopped, and its old stacks stood in for it in the picture (the
+        # console's real-hang test, twice in whole-suite runs).
+        stacks = {r: st.stack for r, st in self.ranks.items()
+                  if st.stack and self._state_word(r, st, now_ns) not in ("stopped", "exited", "silent")}
         merged = merge_stacks(stacks, all_ranks=sorted(self.ranks)) if stacks else None
         return {"threshold_s": self.threshold_s(), "wait_chain": chain, "doing": self._doing(),
                 "states": {str(r): s for r, s in sorted((states or {}).items())},

@@ -423,3 +423,20 @@ def test_a_silent_rank_whose_host_mates_report_is_still_a_process_loss():
         if hang is not None and hang.kind == "node_loss":
             break
     assert (hang.op, hang.missing_ranks, hang.suspect_hosts) == ("process silent", [3], ["b"]), hang
+
+
+@pytest.mark.parametrize("silent_s, shown", [(20, False), (0, True)])
+def test_a_silent_rank_s_old_stacks_do_not_stand_in_for_it(silent_s, shown):
+    """A rank that SIGSTOPs itself with no watch beside it (the console's real-hang test: the example job runs
+    without `trace`) had dumped stacks in a quiet spell and gone on without an op ending; its heartbeats then
+    stopped, and those old stacks stood in for it in the hang's picture (twice in whole-suite runs). Silent,
+    it cannot be where they say; still reporting, its stacks are its own, and shown."""
+    inc = hang_incident("comm_hang", 16, 3)
+    t = tracker_for(inc)
+    culprit = inc.truth["missing"][0]
+    st = t.ranks[culprit]
+    st.ts = inc.now_ns - silent_s * 10**9
+    st.stack, st.stack_ts = "MainThread;train.py:main:10;train.py:step:20", st.ts
+    hang = t.evaluate(inc.now_ns)
+    assert hang is not None and hang.kind == "comm_hang" and hang.missing_ranks == [culprit]
+    assert (str(culprit) in hang.evidence["ranks_with_stacks"].split(",")) is shown, hang.evidence["ranks_with_stacks"]
