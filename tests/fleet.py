@@ -6,7 +6,9 @@ it is running, with a client of its store.
 """
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -51,3 +53,18 @@ def stop_fleet(proc, store) -> None:
         proc.wait(60)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def stop_process_group(proc: subprocess.Popen, term_wait_s: float = 60) -> None:
+    """Whatever is left of a command started in its own session (``trace`` passes SIGTERM on to the job's
+    process group; the netfaults launcher takes its namespaces down on the way out): SIGTERM, then SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, term_wait_s), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

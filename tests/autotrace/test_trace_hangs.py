@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fleet import stop_process_group
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,20 +71,6 @@ def wait_rows(store, sql: str, timeout: float, proc: subprocess.Popen | None = N
     return []
 
 
-def stop_job(proc: subprocess.Popen) -> None:
-    """Whatever of the traced job is left (trace passes SIGTERM on to the command's process group)."""
-    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def test_a_sigstopped_ddp_rank_is_the_rank_named(fleet, tmp_path):
     pytest.importorskip("torch")
     cfg, store = fleet
@@ -122,7 +110,7 @@ def test_a_sigstopped_ddp_rank_is_the_rank_named(fleet, tmp_path):
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGCONT)
-        stop_job(proc)
+        stop_process_group(proc)
 
 
 def test_a_rank_0_checkpoint_behind_a_barrier_pages_nothing(fleet, tmp_path):
@@ -136,7 +124,7 @@ def test_a_rank_0_checkpoint_behind_a_barrier_pages_nothing(fleet, tmp_path):
     try:
         assert proc.wait(400) == 0, (tmp_path / f"{job}.log").read_text()[-3000:]
     finally:
-        stop_job(proc)
+        stop_process_group(proc)
     hangs = store.query(f"SELECT kind, duration_s, missing_ranks FROM hangs WHERE job_id = '{job}'").to_pylist()
     assert hangs == [], hangs
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step*.pt")) == ["step20.pt"]

@@ -16,9 +16,7 @@ are lowered in the pipeline's configuration so the loss is named within seconds.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fleet import stop_process_group
 from tests.netfaults.launch import hosts_unavailable
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -65,20 +64,6 @@ def _wait(store, sql: str, timeout: float, proc: subprocess.Popen, log: Path) ->
     raise AssertionError(f"nothing within {timeout:.0f} s for {sql}\n{log.read_text()[-3000:]}")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """trace passes SIGTERM on to the launcher, which takes its namespaces down on the way out."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def test_a_lost_host_is_paged_with_the_restart_plan_on_the_host_left(fleet, tmp_path):
     from analyzers.explain import explain_hang, hang_lines
 
@@ -110,7 +95,7 @@ def test_a_lost_host_is_paged_with_the_restart_plan_on_the_host_left(fleet, tmp_
         alerts = _wait(store, f"SELECT * FROM alerts WHERE job_id = '{job}' AND rule = 'node_loss'", 30, proc, log)
         reg = store.run_named("job_info", {"job_id": job, "attempt": 0}).to_pylist()
     finally:
-        _stop(proc)
+        stop_process_group(proc, term_wait_s=30)  # the launcher takes its namespaces down
     wall_s = time.monotonic() - t0
 
     # The ranks said where they ran: two ranks on each of two hosts, host 1 holding stage 1.
