@@ -61,7 +61,9 @@ def main(argv=None) -> int:
         print(f"run {i + 1}: first run started in {r['first_run_start_s']:.1f} s; producer delivered "
               f"{'all' if r['delivered'] else 'NOT all (stalled)'} in {r['flush_s']:.1f} s ({r['spooled']} batch(es) "
               f"spooled, {r['clients_replaced']} client(s) replaced, {r['dropped']} records dropped); {r['stored']} of "
-              f"{r['windows']} windows stored, {r['twice']} twice; the pipeline {said}"
+              f"{r['windows']} windows stored, {r['twice']} twice; the pipeline {said}; since `run` started: published "
+              f"{r['t_published_s']:.0f} s, away said {r['t_away_said_s']:.0f} s, restarted {r['t_restarted_s']:.0f} s, "
+              f"all stored {r['t_done_s']:.0f} s"
               f"{'; LOST, ' + (status[-1] if status else '') if lost else ''}", flush=True)
     print(f"\n{clean} of {a.runs} failovers delivered within 120 s and lost nothing")
     return 0 if clean == a.runs else 1
