@@ -57,13 +57,10 @@ def sampling_for(settings: dict[str, Any], base):
     return base
 
 
-EXPORTER_STEP_SETTINGS = STEP_SETTINGS
-
-
 def sampling_plan(book: ControlBook, now_ns: int, job_id: str, base) -> tuple:
     """Which sampling holds from which step for ``job_id``: ((0, sampling before any step named), (step,
     sampling from that step), ...), steps increasing (``RankExporter.offer_plan``)."""
-    points = book.step_points(job_id, EXPORTER_STEP_SETTINGS)
+    points = book.step_points(job_id, STEP_SETTINGS)
     return ((0, sampling_for(book.settings(now_ns, job_id, step=0), base)),) + tuple(
         (p, sampling_for(book.settings(now_ns, job_id, step=p), base)) for p in points)
 
