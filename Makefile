@@ -38,7 +38,7 @@ demo-once: setup
 test: setup-test
 	$(PY) -m pytest
 
-test-unit: setup
+test-unit: setup-test
 	$(PY) -m pytest -m "not integration"
 
 clean:
