@@ -357,8 +357,9 @@ def link_basis(row: Mapping) -> str:
 
 def late_margin(row: Mapping) -> str:
     """How late a late sender (``noncomm_slow``) came, from its evidence (``analyzers.links.localise``): '40 ms
-    after its exchange peers 5 and 7 (6.4% of its 0.62 s step) in 5 of 5 steps, beyond the job's jitter of 3 ms';
-    '' without it."""
+    after its exchange peers 5 and 7 (6.4% of its 0.62 s step) in 5 of 5 steps, beyond the job's jitter of 3 ms',
+    or, judged by its work between exchanges, '60 ms more work between exchanges than the job's median rank
+    (...)'; '' without it."""
     try:
         ev = json.loads(row.get("evidence_json") or "{}")
     except ValueError:
@@ -369,7 +370,10 @@ def late_margin(row: Mapping) -> str:
     peers = ev.get("exchange_peers") or []
     who = (f"its exchange peers {', '.join(str(p) for p in peers[:-1])} and {peers[-1]}" if len(peers) > 1
            else "the others")
-    said = f"{margin / 1e6:.0f} ms after {who}"
+    if ev.get("late_by") == "work":  # its own work between two exchanges, against the job's median rank
+        said = f"{margin / 1e6:.0f} ms more work between exchanges than the job's median rank"
+    else:
+        said = f"{margin / 1e6:.0f} ms after {who}"
     share, step = _num(ev.get("margin_share_of_step")), _num(ev.get("step_ns"))
     if share is not None and step:
         said += f" ({100 * share:.1f}% of its {step / 1e9:.2f} s step)"
@@ -387,7 +391,7 @@ def link_sentence(row: Mapping) -> str:
     what = link_element(row["kind"], row["src"], row["dst"], row.get("group") or "")
     late = late_margin(row) if row["kind"] == "noncomm_slow" else ""
     if late:
-        source = row.get("group") or ("exchanges" if "exchange peers" in late else "collectives")
+        source = row.get("group") or ("exchanges" if " exchange" in late else "collectives")
         return f"{what}: {late} (confidence {row['confidence']:.2f}, from {source}{link_basis(row)})"
     return (f"{what} is slow ({row['slowdown']:.1f}x slower than the job's other transfers, confidence "
             f"{row['confidence']:.2f}, from {row.get('group') or 'collectives'}{link_basis(row)})")

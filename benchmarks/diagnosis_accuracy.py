@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/diagnosis_accuracy.py [--per-kind 200] [--max-ranks 8192]
     .venv/bin/python benchmarks/diagnosis_accuracy.py --real-runs 10 [--real-jobs pipe,hier] [--skip-generated]
+        [--classes noncomm_slow,none] [--cpu-hogs 1]
 
 For every fault kind, ``--per-kind`` incidents over job sizes from 8 to
 ``--max-ranks`` (powers of two, round-robin), plus as many healthy ones.
@@ -132,7 +133,7 @@ def _cpu_hogs(n: int) -> list:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def real_runs(n: int, jobs: list[str], hogs: int = 0) -> None:
+def real_runs(n: int, jobs: list[str], hogs: int = 0, classes: tuple[str, ...] = ()) -> None:
     """N runs per class of each job with faults in a real network; precision, recall, time to verdict.
 
     ``hogs``: that many busy processes beside the job (a shared, noisy host: issue 38 saw a compute hiccup
@@ -162,6 +163,8 @@ def real_runs(n: int, jobs: list[str], hogs: int = 0) -> None:
                 t0 = time.perf_counter()
                 for i in range(n):
                     for scn in scenarios(job, ("severe", "mild")[i % 2]):
+                        if classes and scn.cls not in classes:
+                            continue
                         out = run(scn, Path(d) / "fleet.toml", store)
                         want, got = scn.expect[0], out.found[0]
                         runs[want] += 1
@@ -219,10 +222,19 @@ def main() -> int:
                     help="jobs of the real runs: pipe (dp2 x pp2), hier (dp 8, two-level), flat (dp 8, one ring "
                          "all-reduce), ring (a hand-written bidirectional ring of 8)")
     ap.add_argument("--cpu-hogs", type=int, default=0, help="busy processes beside the real runs (a noisy host)")
+    ap.add_argument("--classes", default="",
+                    help="comma-separated classes of the real runs to run: link, source, destination, noncomm_slow "
+                         "(a late sender), none (healthy); default every one")
     ap.add_argument("--skip-generated", action="store_true", help="only the real runs")
     args = ap.parse_args()
+    from tests.netfaults.scenarios import CLASSES
+
+    unknown = [c for c in args.classes.split(",") if c and c not in CLASSES]
+    if unknown:
+        ap.error(f"--classes: unknown {', '.join(unknown)} (one of {', '.join(CLASSES)})")
     if args.real_runs:
-        real_runs(args.real_runs, args.real_jobs.split(","), args.cpu_hogs)
+        real_runs(args.real_runs, args.real_jobs.split(","), args.cpu_hogs,
+                  tuple(c for c in args.classes.split(",") if c))
     if args.skip_generated:
         return 0
     ns = sizes(args.max_ranks)

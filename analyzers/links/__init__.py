@@ -28,7 +28,7 @@ import pyarrow as pa
 from analyzers.links.fault import KINDS, LinkFault
 from analyzers.links.localise import comm_faults, late_senders
 from analyzers.links.measured import (MeasuredParams, Observation, collective_observations, exchange_arrivals, judge,
-                                      measured_rows, p2p_observations)
+                                      measured_rows, p2p_observations, work_margins)
 from analyzers.links.reported import Edges, LinkParams, diagnose_group, edges_from_ccl
 from analyzers.links.tcp import FlowVerdict, TcpParams, flows, judge_flows, where
 from core import codec, jsonutil
@@ -64,7 +64,8 @@ def diagnose_window(ccl: pa.Table, params: LinkParams = LinkParams(),
     if rest.num_rows:
         observations = p2p_observations(rest) + collective_observations(rest, measured)
         judge(observations, measured)
-        late = late_senders(observations, measured, exchange_arrivals(rest))
+        arrivals = exchange_arrivals(rest)
+        late = late_senders(observations, measured, arrivals, work_margins(rest, arrivals))
         faults += _weigh_by_flows(comm_faults(observations, measured) + late, verdicts, faults, tcp_params)
     faults.sort(key=lambda f: (-f.confidence, -f.slowdown))
     return LinkDiagnosis(faults, edges, observations, verdicts)

@@ -21,20 +21,24 @@ Late senders (``noncomm_slow``) are ranks that come late, not transfers that
 are slow: receivers wait for them, they are the last into their collectives.
 A rank that was itself waiting for a late or slow peer is not blamed. A rank
 that exchanges with several peers at once (a ring written with isend/irecv)
-is judged step by step against those peers (``measured.exchange_arrivals``):
-there, waiting spreads to every rank and a median wait names no one. Either
-way, late means behind by a stable margin: in a low quantile of its steps or
+is judged step by step (``measured.exchange_arrivals``): there, waiting
+spreads to every rank and a median wait names no one. Where every rank of the
+job trades like that, what decides is how long each rank works on its own
+between two exchanges against the job's median rank (what a late rank adds,
+and nothing its neighbours do moves), else when it arrives after its peers.
+Either way, late means behind by a stable margin: in a low quantile of its steps or
 collectives, by more than the job's own step-to-step jitter, measured on the
 job (``_floor``), not by a fixed share of a step.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
 from analyzers.links.fault import LinkFault
-from analyzers.links.measured import Arrivals, MeasuredParams, Observation, jitter
+from analyzers.links.measured import Arrivals, MeasuredParams, Observation, Work, jitter
 
 
 def _strength(ratio: float) -> float:
@@ -138,14 +142,33 @@ def exchange_jitter(arrivals: dict[int, Arrivals]) -> float:
     return jitter(np.concatenate(devs)) if devs else math.nan
 
 
-def _late_to_exchanges(a: Arrivals, jitter_ns: float, params: MeasuredParams) -> tuple[float, float] | None:
-    """(low margin, floor) where rank ``a.rank`` came after every one of its exchange peers by a stable margin:
-    the ``late_quantile`` of its per-step margins at the floor (``_floor``) or beyond; None where it did not."""
-    if len(a.steps) < params.min_collectives:
+def work_jitter(work: dict[int, Work]) -> float:
+    """The same of every rank's work before its steps against the job's median rank (``measured.work_margins``)."""
+    devs = [w.margin_ns - np.median(w.margin_ns) for w in work.values() if len(w.margin_ns)]
+    return jitter(np.concatenate(devs)) if devs else math.nan
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepsLate:
+    """How a rank was found late step by step: ``margins`` per step (its arrival after its exchange peers, or
+    its own work before the step beyond the job's median rank), their ``late_quantile`` ``low``, the ``floor``
+    it passed, the job's ``jitter_ns`` of that measure, and ``measure`` (arrival | work)."""
+    margins: np.ndarray
+    low: float
+    floor: float
+    jitter_ns: float
+    measure: str
+
+
+def _late_by_steps(margins: np.ndarray, period_ns: float, jitter_ns: float, measure: str, jitters: float,
+                   params: MeasuredParams) -> _StepsLate | None:
+    """Behind by a stable margin over at least ``min_collectives`` steps: the ``late_quantile`` of the per-step
+    margins at the floor (``_floor``, with the job's jitter of the same measure, ``jitters`` of it) or beyond."""
+    if len(margins) < params.min_collectives:
         return None
-    low = float(np.quantile(a.margin_ns, params.late_quantile))
-    floor = _floor(params, a.period_ns, jitter_ns)
-    return (low, floor) if low >= floor else None
+    low = float(np.quantile(margins, params.late_quantile))
+    floor = _floor(dataclasses.replace(params, late_jitter=jitters), period_ns, jitter_ns)
+    return _StepsLate(margins, low, floor, jitter_ns, measure) if low >= floor else None
 
 
 def _beyond_jitter(r: int, o: Observation, params: MeasuredParams) -> float | None:
@@ -166,17 +189,20 @@ def _beyond_jitter(r: int, o: Observation, params: MeasuredParams) -> float | No
 
 
 def late_senders(observations: list[Observation], params: MeasuredParams = MeasuredParams(),
-                 arrivals: dict[int, Arrivals] | None = None) -> list[LinkFault]:
+                 arrivals: dict[int, Arrivals] | None = None, work: dict[int, Work] | None = None) -> list[LinkFault]:
     """Ranks that come late to send: receivers wait for them and they enter collectives last.
 
     Late means later than the others by a stable margin, beyond the job's own jitter measured on the job
-    (``_floor``): in its collectives (``_beyond_jitter``) and, for a rank that exchanges with several peers at
-    once (``measured.exchange_arrivals``), at each step's exchange against those peers, not by its receivers'
-    waits, which in such a job spread to every rank (``_late_to_exchanges``). The finding's evidence carries the
-    margin in ns (``margin_ns``: median over its collectives or steps), as a share of the step
-    (``margin_share_of_step``) and against the jitter (``jitter_ns``); its confidence is how many jitters the
-    margin is (``1 - exp(-margin / jitter)``, times the share of its observations it was late in)."""
-    arrivals = arrivals or {}
+    (``_floor``). Where every rank does the same (``measured.work_margins``: data parallel, a ring) and the
+    window holds at least ``min_collectives`` steps of it, by the time it works on its own before each step's
+    first call against the job's median rank, ``work_jitters`` of the job's jitter of it, and by nothing else:
+    what a late rank adds, and what nothing the others do moves. Else: in its collectives (``_beyond_jitter``) and, for a rank that exchanges with several
+    peers at once (``measured.exchange_arrivals``), at each step's exchange against those peers, not by its
+    receivers' waits, which in such a job spread to every rank. The finding's evidence carries the margin in
+    ns (``margin_ns``: median over its collectives or steps), as a share of the step (``margin_share_of_step``)
+    and against the jitter (``jitter_ns``); its confidence is how many jitters the margin is
+    (``1 - exp(-margin / jitter)``, times the share of its observations it was late in)."""
+    arrivals, work = arrivals or {}, work or {}
     p2p = [o for o in observations if o.kind == "p2p"]
     coll = [o for o in observations if o.kind == "collective"]
     med_wait = float(np.median([o.wait_ns for o in p2p])) if p2p else 0.0
@@ -189,32 +215,48 @@ def late_senders(observations: list[Observation], params: MeasuredParams = Measu
         items[s] = items.get(s, 0) + 1
         if o.status != "slow" and o.wait_ns >= max(params.min_wait_ns, params.wait_ratio * med_wait):
             late.setdefault(s, []).append((o.wait_ns, math.nan, math.nan))
-    job_jitter = exchange_jitter(arrivals)
-    exchange: dict[int, tuple[float, float]] = {}
+    # A rank whose work the window holds for enough steps is judged by it alone: where every rank does the same,
+    # its lateness into a call is its own work plus when its previous call ended, which the others decide.
+    by_work = {r for r, w in work.items() if len(w.margin_ns) >= params.min_collectives}
+    by_steps: dict[int, _StepsLate] = {}
+    w_jitter = work_jitter(work)
+    for r in by_work:
+        w = work[r]
+        found = _late_by_steps(w.margin_ns, w.period_ns, w_jitter, "work", params.work_jitters, params)
+        if found is not None:
+            by_steps[r] = found
+    a_jitter = exchange_jitter(arrivals)
     for r, a in arrivals.items():
         items[r] = items.get(r, 0) + len(a.steps)
-        found = _late_to_exchanges(a, job_jitter, params)
+        found = by_steps.get(r) if r in by_work else _late_by_steps(a.margin_ns, a.period_ns, a_jitter, "arrival",
+                                                                     params.late_jitter, params)
         if found is not None:
-            exchange[r] = found
-            late.setdefault(r, []).extend((float(m), a.period_ns, job_jitter) for m in a.margin_ns.tolist())
+            by_steps[r] = found
+            late.setdefault(r, []).extend((float(m), a.period_ns, found.jitter_ns) for m in found.margins.tolist())
     for o in coll:
         for r in o.members:
             items[r] = items.get(r, 0) + 1
-            margin = _beyond_jitter(r, o, params)
+            margin = _beyond_jitter(r, o, params) if r not in by_work else None
             if margin is not None:
                 late.setdefault(r, []).append((margin, o.period_ns, o.jitter_ns))
-    blamed = {r for r, v in late.items() if len(v) / items[r] >= params.late_fraction}
-    blamed = {r for r in blamed if r in arrivals or _stands_out(r, p2p, params)}
+    for r, found in by_steps.items():  # late by its work, step by step: its collectives' items are that
+        if r not in arrivals:
+            late[r] = [(float(m), work[r].period_ns, found.jitter_ns) for m in found.margins.tolist()]
+            items[r] = len(found.margins)
+    blamed = {r for r, v in late.items() if r in by_steps or len(v) / items[r] >= params.late_fraction}
+    blamed = {r for r in blamed if r in arrivals or r in by_steps or _stands_out(r, p2p, params)}
     # Not the root: a rank that waited on a blamed rank's sends, or that receives over a slow transfer.
     waited = {o.members[1] for o in p2p if o.members[0] in blamed and o.members[0] != o.members[1]
               and o.wait_ns >= max(params.min_wait_ns, params.wait_ratio * med_wait)}
+    waited -= {r for r, f in by_steps.items() if f.measure == "work"}  # its own work: it waited, and worked longer
     # A rank in any slow observation is late because of the network, which comm_faults reports.
     fed_slowly = {o.members[1] for o in p2p if o.status == "slow"}
     fed_slowly |= {r for o in coll if o.status == "slow" for r in o.members}
     roots = blamed - waited - fed_slowly
     if not roots and blamed - fed_slowly:  # they waited on each other: the latest of them
         roots = {max(blamed - fed_slowly, key=lambda r: float(np.median([m for m, _, _ in late[r]])))}
-    return [_finding(r, late[r], items[r], med_wait, arrivals.get(r), exchange.get(r), params) for r in sorted(roots)]
+    return [_finding(r, late[r], items[r], med_wait, arrivals.get(r), by_steps.get(r), params)
+            for r in sorted(roots)]
 
 
 def _nanmedian(values: list[float]) -> float:
@@ -223,7 +265,7 @@ def _nanmedian(values: list[float]) -> float:
 
 
 def _finding(r: int, late: list[tuple[float, float, float]], items: int, med_wait: float, a: Arrivals | None,
-             exchange: tuple[float, float] | None, params: MeasuredParams) -> LinkFault:
+             steps: _StepsLate | None, params: MeasuredParams) -> LinkFault:
     """The ``noncomm_slow`` finding of root ``r`` from its late items (margin, step, jitter)."""
     margin = float(np.median([m for m, _, _ in late]))
     step, jitter_ns = _nanmedian([p for _, p, _ in late]), _nanmedian([j for _, _, j in late])
@@ -238,11 +280,16 @@ def _finding(r: int, late: list[tuple[float, float, float]], items: int, med_wai
         evidence["jitter_ns"] = jitter_ns
     else:  # receivers' waits of p2p sends only
         scale = params.wait_ratio * max(med_wait, params.min_wait_ns)
-    if a is not None and exchange is not None:  # judged against its exchange peers, step by step
-        low, floor = exchange
-        frac = float(np.mean(a.margin_ns >= floor))
-        evidence = {**evidence, "exchange_peers": list(a.peers), "late_steps": int((a.margin_ns >= floor).sum()),
-                    "steps": len(a.steps), "median_margin_ns": margin, "low_margin_ns": low,
-                    "skew_margin_ns": low}
+    if steps is not None:  # judged step by step: at its exchanges, or by its own work before each step
+        behind = steps.margins >= steps.floor
+        frac = float(np.mean(behind))
+        evidence = {**evidence, "late_steps": int(behind.sum()), "steps": len(steps.margins),
+                    "median_margin_ns": margin, "low_margin_ns": steps.low,
+                    # arrival: after its exchange peers; work: longer on its own than the job's median rank
+                    "late_by": steps.measure,
+                    # a residual clock offset moves an arrival, never the time between one rank's own calls
+                    "skew_margin_ns": steps.low if steps.measure == "arrival" else math.inf}
+        if a is not None:
+            evidence["exchange_peers"] = list(a.peers)
     conf = min(1.0, frac) * (1 - math.exp(-margin / scale))
     return LinkFault("", "noncomm_slow", int(r), -1, float(conf), margin / scale, evidence)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -70,6 +71,10 @@ class MeasuredParams:
     rank that scheduling put 10% behind in 3 of 5 steps (issue 52). On the recorded rings
     (``tests/diagnosis/data/ring8_*``) the late rank's 0.2 quantile stood 1.8-9.6 jitters ahead of its
     neighbours, every healthy rank's at most 0 ..."""
+    work_jitters: float = 2.0
+    """... and where it is judged by its own work before each step against the job's median rank
+    (``work_margins``), by this many of the job's jitter of that work: the recorded late ring and all-reduce
+    ranks stood 3.4-10 jitters ahead in the 0.2 quantile of their steps, a healthy rank at most 1.0 ..."""
     min_period_share: float = 0.02
     """... and by at least this share of the time between the group's collectives (about a step): steadier
     than the job's jitter, a rank 1% behind still costs the job too little to page about (the what-if weighs
@@ -218,6 +223,19 @@ class Arrivals:
     period_ns: float
 
 
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """How long a rank worked on its own before each step's first call, against the job's median rank.
+
+    ``margin_ns[i]``: in step ``steps[i]``, the time from its last call that ended before its first call of the
+    step to that first call (compute, input, optimizer: everything but communication), less the median of
+    every rank's that step. ``period_ns``: the median time between its steps' first calls."""
+    rank: int
+    steps: np.ndarray
+    margin_ns: np.ndarray
+    period_ns: float
+
+
 def _firsts(key: np.ndarray, enter: np.ndarray, exit_: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per distinct key, the enter and exit of its earliest-entered record (sorted keys). One sort by key and
     segment minima: a lexsort on (key, enter) cost 3x as much on a 16,384-rank window."""
@@ -298,6 +316,92 @@ def exchange_arrivals(ccl: pa.Table, min_peers: int = 2) -> dict[int, Arrivals]:
         ok = np.isfinite(margin[r])
         if ok.any():
             out[r] = Arrivals(r, tuple(sorted(ps.tolist())), step_values[ok], margin[r][ok], float(period[r]))
+    return out
+
+
+def work_margins(ccl: pa.Table, exchange_ranks: Iterable[int] = ()) -> dict[int, Work]:
+    """Per rank of a job whose ranks all do the same: how much longer than the job's median rank it worked on
+    its own before each step's first call (``Work``); {} for any other job.
+
+    Why: where a late rank delays its peers, its arrival at a collective or an exchange moves with when its
+    previous one ended, which depends on the others (in a ring one late rank delays both neighbours, and the
+    noise of a shared host moves every rank by tens of ms), but the time it spent on its own between two
+    does not. A ring rank 60 ms late (30 ms more per forward and backward) came after both neighbours by
+    39-106 ms in the recorded runs (``tests/diagnosis/data``), a margin that a loaded host hid in 2 of 4 runs;
+    its work between exchanges was 48-65 ms longer than the job's median rank in every step, a healthy rank's
+    at most 4 ms in its 0.2 quantile of steps. In 8-rank gloo all-reduce jobs (flat and two-level) a rank 60 ms
+    late was missed once each by its lateness into the all-reduce (last one in only 2 of 5 times): its work
+    was 47-49 ms longer in the 0.2 quantile, a healthy rank's at most 5.4 ms.
+
+    Ranks do the same where the job has no point-to-point transfers and every rank makes the same number of
+    calls in each step (data, tensor or context parallel), or where every rank trades with several peers at
+    once (``exchange_ranks``: a ring, a halo). Not in a pipeline: its end stages trade with one peer and its
+    stages' work before their first call differs by design (the first computes a forward, a later one posts a
+    receive at once)."""
+    if not ccl.num_rows:
+        return {}
+    # The cheap refusals first: a 16,384-rank pipeline window has 2 million records and no use for this.
+    seen = np.flatnonzero(np.bincount(ccl["rank"].to_numpy().astype(np.int64)))
+    exchanging = np.array(sorted(set(exchange_ranks)), dtype=np.int64)
+    if len(exchanging) and not np.array_equal(seen, exchanging):
+        return {}
+    if not len(exchanging) and pc.any(pc.is_in(ccl["op"], pa.array(SEND_OPS + RECV_OPS))).as_py():
+        return {}
+    done = ccl.filter(pc.greater_equal(ccl["exit_ns"], 0))
+    if not done.num_rows:
+        return {}
+    rank = done["rank"].to_numpy().astype(np.int64)
+    seen = np.flatnonzero(np.bincount(rank))
+    step_values, step = np.unique(done["step"].to_numpy().astype(np.int64), return_inverse=True)
+    n_steps, width = len(step_values), int(seen[-1]) + 1
+    if not len(exchanging):
+        calls = np.bincount(rank * n_steps + step, minlength=width * n_steps).reshape(width, n_steps)[seen]
+        if not (calls == calls.max()).all():  # a rank missing a step, or making other calls: not alike
+            return {}
+    enter = done["enter_ns"].to_numpy().astype(np.int64)
+    exit_ = done["exit_ns"].to_numpy().astype(np.int64)
+    fk, f_in, _ = _firsts(rank * n_steps + step, enter, exit_)
+    first = np.full((width, n_steps), np.nan)
+    first[fk // n_steps, fk % n_steps] = f_in
+    work = _work_before(rank, step, exit_, first, step_values)
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a step no rank has a call before: no margin
+        margin = work - np.nanmedian(work[seen], axis=0)
+        period = np.nanmedian(np.diff(first, axis=1) / np.maximum(np.diff(step_values), 1), axis=1) \
+            if n_steps > 1 else np.full(width, np.nan)
+    out: dict[int, Work] = {}
+    for r in seen.tolist():
+        ok = np.isfinite(margin[r])
+        if ok.any():
+            out[r] = Work(r, step_values[ok], margin[r][ok], float(period[r]))
+    return out
+
+
+def _work_before(rank: np.ndarray, step: np.ndarray, exit_: np.ndarray, first: np.ndarray,
+                 step_values: np.ndarray) -> np.ndarray:
+    """ranks x steps (``step``: index into the window's ``step_values``): the time from each rank's last call that ended
+    before its first call of the step to that first call. nan where that call is not in the window or belongs
+    to a step before the one before (a gap in the sampled steps). One sort of (rank, exit) keys and a search:
+    a 16,384-rank window has millions of records."""
+    out = np.full(first.shape, np.nan)
+    width = first.shape[0]
+    rows, cols = np.nonzero(np.isfinite(first))
+    if not len(rank) or not len(rows):
+        return out
+    t0 = min(int(exit_.min()), int(np.nanmin(first)))
+    span = max(int(exit_.max()), int(np.nanmax(first))) - t0 + 1
+    if width * span >= 2**62:  # one key per (rank, time) would overflow: a window this long has no gaps to read
+        return out
+    key = rank * span + (exit_ - t0)
+    order = np.argsort(key, kind="stable")
+    key, step = key[order], step[order]
+    query = rows * span + (first[rows, cols].astype(np.int64) - t0)
+    at = np.searchsorted(key, query, side="left") - 1  # the latest call that ended before the first one
+    found = at >= 0
+    found[found] &= key[at[found]] // span == rows[found]
+    behind = step_values[cols[found]] - step_values[step[at[found]]]  # 0: this step, 1: the one before
+    found[found] &= (behind == 0) | (behind == 1)
+    out[rows[found], cols[found]] = (query[found] - key[at[found]]).astype(np.float64)
     return out
 
 

@@ -37,6 +37,10 @@ def test_a_late_rank_in_a_ring_is_named_though_every_receiver_waits_for_somebody
     assert (top.kind, top.src) == ("noncomm_slow", 3) and top.confidence >= 0.9, d.faults[:3]
     assert top.evidence["exchange_peers"] == [2, 4] and top.evidence["late_steps"] >= 4
     assert all(f.src != 3 for f in d.faults[1:] if f.kind == "noncomm_slow")
+    # The margin is the delay the job was given (30 or 60 ms more per forward and per backward), read from its
+    # work between exchanges; its arrival after the neighbours was 39-106 ms for the same 60 ms.
+    injected = 60e6 if "mild" in job else 120e6
+    assert top.evidence["late_by"] == "work" and 0.8 * injected < top.evidence["margin_ns"] < 1.2 * injected, top
 
 
 @pytest.mark.parametrize("job", ["healthy_1", "healthy_2"])
@@ -94,18 +98,21 @@ def test_a_pipeline_stage_is_not_judged_by_its_arrival_at_an_exchange():
     assert late_senders(obs, MeasuredParams(), arr) == []
 
 
-def _ring(arrive_ms, period_ms: float = 620.0, n: int = 8) -> pa.Table:
-    """A hand-written ring of ``n`` ranks: in each step every rank posts its sends to and receives from both
-    neighbours at once, at ``arrive_ms(step, rank)`` after the step's start; a transfer ends 5 ms after the
-    later of its two ends arrived."""
+def _ring(work_ms, n: int = 8) -> pa.Table:
+    """A hand-written ring of ``n`` ranks, five steps: each rank works ``work_ms(step, rank)`` after its previous
+    exchange ended (compute; at the first step, from the job's start), then posts its sends to and receives
+    from both neighbours at once; a transfer ends 5 ms after the later of its two ends arrived, and a rank's
+    exchange when its last transfer did. Event-driven, as a job runs: no step starts on a clock of its own, so
+    a rank that waited for a late neighbour starts its next step late too."""
     rows, seq = [], {}
+    ended = {r: 0.0 for r in range(n)}
     for step in range(5):
-        t0 = step * period_ms
-        at = {r: t0 + arrive_ms(step, r) for r in range(n)}
+        at = {r: ended[r] + work_ms(step, r) for r in range(n)}
         for s in range(n):
             for d in ((s - 1) % n, (s + 1) % n):
                 k = seq[(s, d)] = seq.get((s, d), -1) + 1
                 done = max(at[s], at[d]) + 5.0
+                ended[s], ended[d] = max(ended[s], done), max(ended[d], done)
                 rows += [_rec(s, s, d, k, "isend", at[s], done, step, 128 << 10),
                          _rec(d, s, d, k, "irecv", at[d], done, step, 128 << 10)]
     return codec.from_rows(S.CCL_RECORD, rows)
@@ -116,13 +123,14 @@ def test_a_rank_consistently_six_percent_of_its_step_late_is_named_with_its_marg
     floor of 10% of the step. It is last every step by a margin the job's own jitter (a few ms) never makes."""
     rng = np.random.default_rng(7)
     jitter = rng.uniform(0.0, 6.0, size=(5, 8))
-    ccl = _ring(lambda step, r: jitter[step, r] + (40.0 if r == 6 else 0.0))
+    ccl = _ring(lambda step, r: 600.0 + jitter[step, r] + (40.0 if r == 6 else 0.0))
     late = [f for f in diagnose_window(ccl).faults if f.kind == "noncomm_slow"]
     assert [f.src for f in late] == [6], late
     ev = late[0].evidence
     assert late[0].confidence >= 0.9
     assert 30e6 < ev["margin_ns"] < 45e6 and 0.05 < ev["margin_share_of_step"] < 0.075, ev
-    assert ev["jitter_ns"] < 10e6 and ev["late_steps"] == ev["steps"] == 5
+    # Judged by its work between exchanges: the window's first step has no exchange before it in the window.
+    assert ev["jitter_ns"] < 10e6 and ev["late_steps"] == ev["steps"] == 4 and ev["late_by"] == "work", ev
 
 
 def test_a_healthy_ring_whose_ranks_are_now_and_then_scheduled_late_names_nobody():
@@ -134,7 +142,7 @@ def test_a_healthy_ring_whose_ranks_are_now_and_then_scheduled_late_names_nobody
     for step, ranks in enumerate([(7, 2), (7, 4), (1, 5), (7, 3), (2, 5)]):  # rank 7 in 3 of 5 steps
         for r in ranks:
             delay[step, r] += rng.uniform(70.0, 130.0)
-    ccl = _ring(lambda step, r: delay[step, r])
+    ccl = _ring(lambda step, r: 600.0 + delay[step, r])
     seven = exchange_arrivals(ccl)[7]
     assert (seven.margin_ns > 0.1 * seven.period_ns).sum() == 3  # what a fixed floor of a tenth of a step named
     assert [f for f in diagnose_window(ccl).faults if f.kind == "noncomm_slow"] == []

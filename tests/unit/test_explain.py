@@ -210,4 +210,7 @@ def test_a_late_sender_is_worded_with_its_margin_in_ms_and_as_a_share_of_its_ste
                                   "jitter of 3 ms (confidence 0.50, from collectives; first seen in this window)")
     said = link_sentence({**row, "evidence_json": exchange})
     assert "40 ms after its exchange peers 5 and 7 (6.5% of its 0.62 s step)" in said and "from exchanges;" in said
+    work = link_sentence({**row, "evidence_json": exchange.replace('"late_steps"', '"late_by": "work", "late_steps"')})
+    assert ("40 ms more work between exchanges than the job's median rank (6.5% of its 0.62 s step) in 5 of 5 "
+            "steps" in work and "from exchanges;" in work), work
     assert link_sentence({**row, "evidence_json": "{}"}).startswith("rank 6, late to communicate (its own compute")
