@@ -76,6 +76,13 @@ def _quick(conn: KafkaConn, seconds: float = 8.0) -> str:
     return str(e.value)
 
 
+def _quick_at_once(conns: list[KafkaConn], seconds: float) -> list[str]:
+    """``_quick`` of each of ``conns``, on threads of their own: each refusal is a wait (the bootstrap timeout,
+    then ``diagnose``'s probe), not work, so they are waited out together; each still checked to come in time."""
+    with ThreadPoolExecutor(len(conns)) as pool:
+        return list(pool.map(lambda c: _quick(c, seconds), conns))
+
+
 def test_replay_through_mutual_tls_stores_the_published_slowdown(mtls_broker, certs, tmp_path):
     """The whole pipeline over mutual TLS, as users run it: producer, admin, Ray shards' consumers."""
     env = dict(os.environ, STRAGGLERSCOPE_STORE=f"chdb://{tmp_path / 'store'}",
@@ -126,22 +133,19 @@ def test_tls_producer_and_shard_source_round_trip(tls_broker, certs):
 
 def test_tls_refusals_are_one_line_and_quick(tls_broker, mtls_broker, certs):
     where = f"127.0.0.1:{tls_broker.port}"
-    # A CA that did not sign the broker's certificate.
-    msg = _quick(KafkaConn(where, security_protocol="SSL", ssl_cafile=str(certs.other_ca)))
-    assert "certificate verify failed" in msg, msg
-    # Plaintext to a TLS port.
-    msg = _quick(KafkaConn(where))
-    assert f"{where} speaks TLS: set kafka.security_protocol = SSL" in msg, msg
-    # Mutual TLS without a client certificate.
-    msg = _quick(KafkaConn(f"127.0.0.1:{mtls_broker.port}", security_protocol="SSL", ssl_cafile=str(certs.ca)))
-    assert "does it require a client certificate (kafka.ssl_certfile)?" in msg, msg
-
-
-def _quick_at_once(conns: list[KafkaConn], seconds: float) -> list[str]:
-    """``_quick`` of each of ``conns``, on threads of their own: each refusal is a wait (the bootstrap timeout,
-    then ``diagnose``'s probe), not work, so they are waited out together; each still checked to come in time."""
-    with ThreadPoolExecutor(len(conns)) as pool:
-        return list(pool.map(lambda c: _quick(c, seconds), conns))
+    # Each waits out its 4 s bootstrap timeout: the three at once (none is SASL, so no refusal watch hears
+    # another's records; each client has its own connections through the terminators).
+    bad_ca, plaintext, no_cert = _quick_at_once([
+        # A CA that did not sign the broker's certificate.
+        KafkaConn(where, security_protocol="SSL", ssl_cafile=str(certs.other_ca)),
+        # Plaintext to a TLS port.
+        KafkaConn(where),
+        # Mutual TLS without a client certificate.
+        KafkaConn(f"127.0.0.1:{mtls_broker.port}", security_protocol="SSL", ssl_cafile=str(certs.ca)),
+    ], seconds=8.0)
+    assert "certificate verify failed" in bad_ca, bad_ca
+    assert f"{where} speaks TLS: set kafka.security_protocol = SSL" in plaintext, plaintext
+    assert "does it require a client certificate (kafka.ssl_certfile)?" in no_cert, no_cert
 
 
 def test_sasl_without_credentials_the_broker_knows_is_refused(sasl_broker):
