@@ -201,7 +201,7 @@ def test_run_on_a_two_node_ray_cluster_adopts_survives_a_node_loss_and_stores_ea
     assert _strip(rows) == _strip(calm), "the same numbers as an undisturbed local run"
 
 
-def _run_cli_against(cluster, broker, tmp_path, extra_env: dict, drop=()) -> subprocess.CompletedProcess:
+def _cli_env(cluster, broker, tmp_path, extra_env: dict, drop=()) -> dict:
     env = dict(os.environ, STRAGGLERSCOPE_RAY_ADDRESS=cluster.address, STRAGGLERSCOPE_KAFKA_BOOTSTRAP=broker.bootstrap,
                STRAGGLERSCOPE_KAFKA_PARTITIONS=str(PARTITIONS),
                STRAGGLERSCOPE_KAFKA_SOURCE_ID=f"c-{uuid.uuid4().hex[:6]}",
@@ -210,8 +210,25 @@ def _run_cli_against(cluster, broker, tmp_path, extra_env: dict, drop=()) -> sub
                **extra_env)
     for name in ("STRAGGLERSCOPE_STORE", *drop):
         env.pop(name, None)
+    return env
+
+
+def _run_cli_against(cluster, broker, tmp_path, extra_env: dict, drop=()) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "stragglerscope", "run"], capture_output=True, text=True,
-                          timeout=240, env=env, cwd=Path(__file__).resolve().parents[2], stdin=subprocess.DEVNULL)
+                          timeout=240, env=_cli_env(cluster, broker, tmp_path, extra_env, drop), cwd=ROOT,
+                          stdin=subprocess.DEVNULL)
+
+
+def _in_ray_retries(proc: subprocess.Popen, state_dir: Path, timeout_s: float) -> None:
+    """Return once the `run` driver ``proc`` is in ray.init's retries (Ray's native gcs_client lines in its
+    driver log, ``stragglerscope.service.driver_log_path``), has exited, or ``timeout_s`` passed; the caller
+    checks what it did."""
+    log = state_dir / f"ray-driver-{proc.pid}.log"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and "gcs_client" in log.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
 
 
 def test_run_names_what_keeps_it_from_a_cluster_instead_of_stalling(broker, tmp_path):
@@ -221,20 +238,33 @@ def test_run_names_what_keeps_it_from_a_cluster_instead_of_stalling(broker, tmp_
     from services.ray_cluster import LocalRayCluster
 
     ensure_topics(broker.bootstrap, topics.INPUT_TOPICS, PARTITIONS)
-    with LocalRayCluster(nodes=2, cpus_per_node=2) as cluster:
-        r = _run_cli_against(cluster, broker, tmp_path, {"STRAGGLERSCOPE_RAY_SHARD_CPUS": "1.5",
-                                                         "STRAGGLERSCOPE_RAY_SHARD_MEMORY_MB": "128"})
+    token = uuid.uuid4().hex + uuid.uuid4().hex
+    home = tmp_path / "home"  # no ~/.ray/auth_token there
+    home.mkdir()
+    # The driver without the token spends about 20 s in ray.init's retries, waiting and nothing else: the
+    # placement half runs meanwhile, started once that driver is in them (not beside its own start-up's work).
+    # The two clusters and drivers share nothing but the broker (own ports, stores, source ids, driver logs).
+    with LocalRayCluster(nodes=1, cpus_per_node=2, env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}) as tc:
+        refused = subprocess.Popen([sys.executable, "-m", "stragglerscope", "run"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, cwd=ROOT, stdin=subprocess.DEVNULL,
+                                   env=_cli_env(tc, broker, tmp_path, {"HOME": str(home)},
+                                                drop=("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")))
+        try:
+            _in_ray_retries(refused, tmp_path, 120)
+            with LocalRayCluster(nodes=2, cpus_per_node=2) as cluster:
+                r = _run_cli_against(cluster, broker, tmp_path, {"STRAGGLERSCOPE_RAY_SHARD_CPUS": "1.5",
+                                                                 "STRAGGLERSCOPE_RAY_SHARD_MEMORY_MB": "128"})
+            _, refused_err = refused.communicate(timeout=240)
+        finally:
+            if refused.poll() is None:
+                refused.kill()
+                refused.communicate()
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert last.startswith("stragglerscope run: error: the Ray cluster cannot run this configuration: no analysis "
                            "can run") and "ray.shard_cpus" in last, r.stderr
 
-    token = uuid.uuid4().hex + uuid.uuid4().hex
-    home = tmp_path / "home"  # no ~/.ray/auth_token there
-    home.mkdir()
-    with LocalRayCluster(nodes=1, cpus_per_node=2, env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}) as cluster:
-        r = _run_cli_against(cluster, broker, tmp_path, {"HOME": str(home)},
-                             drop=("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"))
+    r = subprocess.CompletedProcess(refused.args, refused.returncode, "", refused_err)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "requires token authentication" in lines[-1] and "RAY_AUTH_MODE=token" in lines[-1], r.stderr
