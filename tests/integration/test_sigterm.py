@@ -329,11 +329,14 @@ def test_trace_passes_sigterm_to_its_command_then_stops_its_services(tmp_path, c
     assert not _path_held(tmp_path / "store")
 
 
+# One write of the whole line: unbuffered (PYTHONUNBUFFERED=1, as CI runs), print() writes the text and its
+# newline apart, and the two ranks' lines came out as "rank 0 readyrank 1 ready" once in a whole-suite run.
 SLEEPER = """
-import time
+import sys, time
 import torch.distributed as dist
 dist.init_process_group("gloo")
-print(f"rank {dist.get_rank()} ready", flush=True)
+sys.stdout.write(f"rank {dist.get_rank()} ready\\n")
+sys.stdout.flush()
 time.sleep(300)
 """
 
