@@ -128,23 +128,20 @@ def _stands_out(r: int, p2p: list[Observation], params: MeasuredParams) -> bool:
     return mine - med >= params.late_spread * max(spread, params.min_wait_ns)
 
 
-def _floor(params: MeasuredParams, period_ns: float, jitter_ns: float) -> float:
-    """How far behind the others a rank must stay to be late: beyond the job's own jitter (``late_jitter`` of
-    it, measured on the job), ``min_wait_ns`` and ``min_period_share`` of its step, where these are known."""
+def _floor(params: MeasuredParams, period_ns: float, jitter_ns: float, jitters: float | None = None) -> float:
+    """How far behind the others a rank must stay to be late: beyond the job's own jitter (``jitters`` of it,
+    ``late_jitter`` by default, measured on the job), ``min_wait_ns`` and ``min_period_share`` of its step,
+    where these are known."""
+    jitters = params.late_jitter if jitters is None else jitters
     return max(params.min_wait_ns, params.min_period_share * period_ns if period_ns == period_ns else 0.0,
-               params.late_jitter * jitter_ns if jitter_ns == jitter_ns else 0.0)
+               jitters * jitter_ns if jitter_ns == jitter_ns else 0.0)
 
 
-def exchange_jitter(arrivals: dict[int, Arrivals]) -> float:
-    """The job's own step-to-step jitter at its exchanges: how far each rank's margin over its peers moves
-    around that rank's own median margin, pooled over every rank (``measured.jitter``)."""
-    devs = [a.margin_ns - np.median(a.margin_ns) for a in arrivals.values() if len(a.margin_ns)]
-    return jitter(np.concatenate(devs)) if devs else math.nan
-
-
-def work_jitter(work: dict[int, Work]) -> float:
-    """The same of every rank's work before its steps against the job's median rank (``measured.work_margins``)."""
-    devs = [w.margin_ns - np.median(w.margin_ns) for w in work.values() if len(w.margin_ns)]
+def steps_jitter(per_rank: list[np.ndarray]) -> float:
+    """The job's own step-to-step jitter of a per-step margin (each rank's arrival after its exchange peers,
+    ``measured.exchange_arrivals``, or its work against the job's median rank, ``measured.work_margins``): how
+    far each rank's margin moves around that rank's own median, pooled over every rank (``measured.jitter``)."""
+    devs = [m - np.median(m) for m in per_rank if len(m)]
     return jitter(np.concatenate(devs)) if devs else math.nan
 
 
@@ -167,7 +164,7 @@ def _late_by_steps(margins: np.ndarray, period_ns: float, jitter_ns: float, meas
     if len(margins) < params.min_collectives:
         return None
     low = float(np.quantile(margins, params.late_quantile))
-    floor = _floor(dataclasses.replace(params, late_jitter=jitters), period_ns, jitter_ns)
+    floor = _floor(params, period_ns, jitter_ns, jitters)
     return _StepsLate(margins, low, floor, jitter_ns, measure) if low >= floor else None
 
 
@@ -196,8 +193,8 @@ def late_senders(observations: list[Observation], params: MeasuredParams = Measu
     (``_floor``). Where every rank does the same (``measured.work_margins``: data parallel, a ring) and the
     window holds at least ``min_collectives`` steps of it, by the time it works on its own before each step's
     first call against the job's median rank, ``work_jitters`` of the job's jitter of it, and by nothing else:
-    what a late rank adds, and what nothing the others do moves. Else: in its collectives (``_beyond_jitter``) and, for a rank that exchanges with several
-    peers at once (``measured.exchange_arrivals``), at each step's exchange against those peers, not by its
+    what a late rank adds, and what nothing the others do moves. Else: in its collectives (``_beyond_jitter``)
+    and, for a rank that exchanges with several peers at once (``measured.exchange_arrivals``), at each step's exchange against those peers, not by its
     receivers' waits, which in such a job spread to every rank. The finding's evidence carries the margin in
     ns (``margin_ns``: median over its collectives or steps), as a share of the step (``margin_share_of_step``)
     and against the jitter (``jitter_ns``); its confidence is how many jitters the margin is
@@ -219,13 +216,13 @@ def late_senders(observations: list[Observation], params: MeasuredParams = Measu
     # its lateness into a call is its own work plus when its previous call ended, which the others decide.
     by_work = {r for r, w in work.items() if len(w.margin_ns) >= params.min_collectives}
     by_steps: dict[int, _StepsLate] = {}
-    w_jitter = work_jitter(work)
+    w_jitter = steps_jitter([w.margin_ns for w in work.values()])
     for r in by_work:
         w = work[r]
         found = _late_by_steps(w.margin_ns, w.period_ns, w_jitter, "work", params.work_jitters, params)
         if found is not None:
             by_steps[r] = found
-    a_jitter = exchange_jitter(arrivals)
+    a_jitter = steps_jitter([a.margin_ns for a in arrivals.values()])
     for r, a in arrivals.items():
         items[r] = items.get(r, 0) + len(a.steps)
         found = by_steps.get(r) if r in by_work else _late_by_steps(a.margin_ns, a.period_ns, a_jitter, "arrival",

@@ -379,8 +379,8 @@ def work_margins(ccl: pa.Table, exchange_ranks: Iterable[int] = ()) -> dict[int,
 
 def _work_before(rank: np.ndarray, step: np.ndarray, exit_: np.ndarray, first: np.ndarray,
                  step_values: np.ndarray) -> np.ndarray:
-    """ranks x steps (``step``: index into the window's ``step_values``): the time from each rank's last call that ended
-    before its first call of the step to that first call. nan where that call is not in the window or belongs
+    """ranks x steps (``step``: index into the window's ``step_values``): the time from each rank's last call
+    that ended before its first call of the step to that first call. nan where that call is not in the window or belongs
     to a step before the one before (a gap in the sampled steps). One sort of (rank, exit) keys and a search:
     a 16,384-rank window has millions of records."""
     out = np.full(first.shape, np.nan)
