@@ -30,7 +30,7 @@ from analyzers.links.localise import comm_faults, late_senders
 from analyzers.links.measured import (MeasuredParams, Observation, collective_observations, exchange_arrivals, judge,
                                       measured_rows, p2p_observations, work_margins)
 from analyzers.links.reported import Edges, LinkParams, diagnose_group, edges_from_ccl
-from analyzers.links.tcp import FlowVerdict, TcpParams, flows, judge_flows, where
+from analyzers.links.tcp import FlowVerdict, TcpParams, flows, judge_flows, receiver_queued, where
 from core import codec, jsonutil
 from core import schema as S
 
@@ -91,6 +91,7 @@ def _weigh_by_flows(measured: list[LinkFault], verdicts: list[FlowVerdict], tcp_
     """
     if not verdicts:
         return measured
+    measured = [_receiver_or_link(f, verdicts, tcp_params) for f in measured]
     tcp_network = [f for f in tcp_faults if f.group == "tcp" and f.confidence >= TCP_SURE]
     if tcp_network:
         # A rank that seemed late waited for the slow transfer: late because of the network. Any other rank's
@@ -114,6 +115,18 @@ def _weigh_by_flows(measured: list[LinkFault], verdicts: list[FlowVerdict], tcp_
             evidence={**f.evidence, "tcp": "every transfer between the ranks was healthy in the kernel's counters"})
             for f in measured]
     return measured
+
+
+def _receiver_or_link(f: LinkFault, verdicts: list[FlowVerdict], tcp_params: TcpParams) -> LinkFault:
+    """A link the times named is its receiver's ingress where the receiver's other incoming flows queued in
+    the network as well (``tcp.receiver_queued``); any other finding as it is."""
+    if f.kind != "link":
+        return f
+    queued = receiver_queued([v.flow for v in verdicts], f.src, f.dst, tcp_params)
+    if queued is None:
+        return f
+    return dataclasses.replace(f, kind="destination", src=-1, evidence={
+        **f.evidence, "receiver_queued": queued, "named_first": f"link {f.src}>{f.dst}"})
 
 
 def _unjudged(f: LinkFault, verdicts: list[FlowVerdict]) -> bool:

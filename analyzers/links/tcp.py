@@ -273,6 +273,32 @@ def _healthy_ratio(f: Flow, verdicts: list[FlowVerdict]) -> float:
     return max(float(np.median(healthy)) / f.rate, 1.0)
 
 
+def receiver_queued(fl: list[Flow], src: int, dst: int, params: TcpParams = TcpParams()) -> dict | None:
+    """Evidence that ``dst``'s ingress, not the link ``src``>``dst``, holds a transfer up: another rank's flow
+    into ``dst`` queued in the network (its RTT ``rtt_queue`` times the reference of the flows that touch
+    neither end, holding ``queue_bytes`` or more at its rate), as a slow receiver's queue fills with every
+    sender's window; None where none did. A slow link queues only its own flow.
+
+    Why: in a pipeline the transfer into a stage waits on the stage's compute, so its flow is never judged
+    slow, and enter and exit times alone named a capped ingress the link from the previous stage (2 of 4
+    DP2 x PP2 runs at 40mbit, window 0 or 6). The gradient all-reduce peer's flow into that rank told them
+    apart: 23-90 ms of RTT (15-60x its reference, 100-170 KB queued) with the ingress capped, 0.3-2 ms with
+    the link capped (tests/diagnosis/data/pp4net_*)."""
+    ref = _ref_rtt(fl, {src, dst})
+    best = None
+    for g in fl:
+        if g.dst != dst or g.src == src or not ref > 0:
+            continue
+        held = _queued_bytes(g.rtt_us, ref, g.rate)
+        if g.rtt_us >= params.rtt_queue * ref and held >= params.queue_bytes and (best is None or held > best[1]):
+            best = (g, held)
+    if best is None:
+        return None
+    g, held = best
+    return {"flow": f"{g.src}>{g.dst}", "rtt_ms": round(g.rtt_us / 1e3, 3), "reference_ms": round(ref / 1e3, 3),
+            "queued_kb": round(held / 1e3, 1)}
+
+
 def _name(e: tuple) -> str:
     return f"{e[0]} {e[1]}" if len(e) == 2 else f"link {e[1]}>{e[2]}"
 

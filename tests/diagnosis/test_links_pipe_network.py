@@ -1,27 +1,32 @@
 """A pipeline's network fault named from its transfers' times stands where the kernel's counters did not judge it.
 
-The data are real: ``data/pp4net_*.arrow`` is window 6 (steps 6-10) of one run of the netfault harness's
-``pipe`` job (tests/netfaults/scenarios.py: DP2 x PP2 over ``torch.distributed.pipelining``, each rank in its
-own network namespace) with rank 2's ingress at 20mbit, traced by ``stragglerscope trace`` (2-core VM,
-2026-11-30). The transfer into rank 2 (0>2) waits on the next stage, so its flow is never judged slow or
-healthy; it was busy 25% of the window, exactly where a flow counts as a bottleneck the flows could not
-confirm. In a sweep on a loaded host (load 11) 3 of 6 such faults were held at 0.25, under what is printed,
-because the all-reduce flows alone were judged, all healthy (issue 52).
+The data are real: ``data/pp4net_*.arrow`` are windows of three runs of the netfault harness's ``pipe`` job
+(tests/netfaults/scenarios.py: DP2 x PP2 over ``torch.distributed.pipelining``, each rank in its own network
+namespace), traced by ``stragglerscope trace`` (2-core VM, 2026-11-30): ``pipe_ingress2_severe``, window 6
+with rank 2's ingress at 20mbit; ``pipe_ingress2_mild``, window 0 with it at 40mbit; ``pipe_link02_mild``,
+window 0 with the link 0>2 at 40mbit. The transfer into rank 2 (0>2) waits on the next stage, so its flow is
+never judged slow or healthy; it was busy 25% of the window, exactly where a flow counts as a bottleneck the
+flows could not confirm. In a sweep on a loaded host (load 11) 3 of 6 such faults were held at 0.25, under
+what is printed, because the all-reduce flows alone were judged, all healthy; and a capped ingress was named
+the link into it (issue 52).
 """
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from analyzers.links import CCL_ONLY_CAP, LinkFault, _weigh_by_flows, diagnose_window
-from analyzers.links.tcp import Flow, FlowVerdict, TcpParams, flows, judge_flows
+from analyzers.links.tcp import Flow, FlowVerdict, TcpParams, flows, judge_flows, receiver_queued
 from core.config import AlertConfig
 
 DATA = Path(__file__).parent / "data"
 
 
-def _read(kind: str) -> pa.Table:
-    return pa.ipc.open_file(pa.OSFile(str(DATA / f"pp4net_{kind}.arrow"))).read_all()
+def _read(kind: str, job: str = "pipe_ingress2_severe") -> pa.Table:
+    t = pa.ipc.open_file(pa.OSFile(str(DATA / f"pp4net_{kind}.arrow"))).read_all()
+    return t.filter(pc.equal(t["job_id"], job))
 
 
 def _longer_steps(tcp: pa.Table, factor: float) -> pa.Table:
@@ -68,3 +73,28 @@ def test_a_finding_whose_transfers_the_kernel_judged_healthy_stays_a_hint():
     unjudged = [v if (v.flow.src, v.flow.dst) != (4, 3) else FlowVerdict(v.flow, "unknown", 1.0) for v in ring]
     out = {(f.kind, f.src, f.dst): f.confidence for f in _weigh_by_flows(times, unjudged, [])}
     assert out == {("link", 4, 3): 0.8, ("source", 4, -1): 0.7, ("destination", -1, 3): 0.7, ("noncomm_slow", 6, -1): 0.9}
+
+
+def test_a_capped_ingress_is_told_from_the_link_into_it_by_its_other_sender_s_queue():
+    ccl, tcp = _read("ccl_record", "pipe_ingress2_mild"), _read("tcp_flow", "pipe_ingress2_mild")
+    top = diagnose_window(ccl, tcp=tcp).faults[0]
+    assert (top.kind, top.src, top.dst) == ("destination", -1, 2), top
+    assert top.evidence["named_first"] == "link 0>2"  # what the times alone said
+    queued = top.evidence["receiver_queued"]
+    assert queued["flow"] == "3>2" and queued["rtt_ms"] >= 10 * queued["reference_ms"] and queued["queued_kb"] >= 50
+    # The link capped instead: rank 3's all-reduce flow into 2 kept its RTT, and the link stays the answer.
+    ccl, tcp = _read("ccl_record", "pipe_link02_mild"), _read("tcp_flow", "pipe_link02_mild")
+    top = diagnose_window(ccl, tcp=tcp).faults[0]
+    assert (top.kind, top.src, top.dst) == ("link", 0, 2) and "receiver_queued" not in top.evidence, top
+    assert receiver_queued(flows(tcp), 0, 2) is None
+
+
+def test_only_another_sender_s_queue_moves_a_link_to_its_receiver():
+    ref = [_flow(1, 3, 20.0), _flow(3, 1, 20.0)]  # touching neither end: the reference RTT, 0.5 ms
+    slow_link = _flow(0, 2, 1.0)
+    queued_link = dataclasses.replace(slow_link, rtt_us=40_000.0)  # the link's own queue says nothing
+    assert receiver_queued(ref + [queued_link, _flow(3, 2, 20.0)], 0, 2) is None
+    into = dataclasses.replace(_flow(3, 2, 4.0), rtt_us=30_000.0)  # 60x, 118 KB at 4 MB/s
+    assert receiver_queued(ref + [slow_link, into], 0, 2)["flow"] == "3>2"
+    small = dataclasses.replace(_flow(3, 2, 0.2), rtt_us=2_000.0)  # 4x, but 0.3 KB: a sender's own packets
+    assert receiver_queued(ref + [slow_link, small], 0, 2) is None
