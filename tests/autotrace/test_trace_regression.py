@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "training" / "foreign_pipe.py"
 SAMPLE, EVERY = "4/4", 4          # every step profiled, a window per 4 steps
 STEPS, ONSET = 64, 36             # windows 0..60; the change begins with window 36
+ATTEMPTS = 3                      # a slow spell of the shared machine is measured again (see the test)
 CASES = {
     "compute": (["--slower-compute", "1.4"], "compute", ("forward-compute", "backward-compute")),
     "communication": (["--slower-allreduce-mb", "32"], "communication", ("grads-reduce-scatter",)),
@@ -52,10 +53,12 @@ def test_a_job_slower_on_every_rank_is_alerted_with_what_moved(case, fleet, tmp_
     pytest.importorskip("torch")
     cfg, store = fleet
     extra, category, optypes = CASES[case]
-    for attempt in range(2):
+    for attempt in range(ATTEMPTS):
         # A slow spell of the shared machine before the onset is a real change of the job's step time: it
-        # found the regression 12 windows early once (2026-11-29, the VM at its noisiest). Such a run is
-        # measured again; a wrong method misses both times.
+        # found the regression 12 windows early once (2026-11-29, the VM at its noisiest), and in a whole-suite
+        # run (2026-11-30) both tries of the communication case (a spell of rank 0 at window 20, then began
+        # 28) and, in the compute case, the what-if's S straggled after the onset (1.20 against 1.06 before),
+        # each passing alone after. Such a run is measured again; a wrong method misses every time.
         job = f"regress-{case}-{uuid.uuid4().hex[:6]}"
         (tmp_path / f"try{attempt}").mkdir()
         cmd = [sys.executable, "-m", "stragglerscope", "trace", "--config", str(cfg), "--sample", SAMPLE,
@@ -82,7 +85,7 @@ def test_a_job_slower_on_every_rank_is_alerted_with_what_moved(case, fleet, tmp_
             # Under load a compute regression's ranks fall out of step and the reduce-scatter's wait grows with
             # it (a whole-suite run beside other work: +753%, 38% of the change, against compute's 31% + 15%):
             # measured again, as a slow spell before the onset is.
-            if max(shares, key=shares.get) in optypes:
+            if max(shares, key=shares.get) in optypes and not _s_straggled(store, job):
                 break
     assert measured >= 0.12, f"the job did not slow enough to judge: {report}"
     assert len(found) == 1, report
@@ -109,8 +112,14 @@ def test_a_job_slower_on_every_rank_is_alerted_with_what_moved(case, fleet, tmp_
     assert alerts and alerts[0]["summary"] == reg["summary"], alerts
     # nobody straggled: the what-if alone could not have said it (S near 1 after the onset as before)
     # (on a machine noisy enough to make S itself straggle, no higher than before the onset)
-    (s_after,) = store.query(f"SELECT median(slowdown) AS s FROM windows WHERE job_id = '{job}' "
-                             f"AND window_id >= {ONSET} AND isFinite(slowdown)").to_pylist()
-    (s_before,) = store.query(f"SELECT median(slowdown) AS s FROM windows WHERE job_id = '{job}' "
-                              f"AND window_id >= 8 AND window_id < {ONSET} AND isFinite(slowdown)").to_pylist()
-    assert s_after["s"] < max(1.1, 1.05 * s_before["s"]), (s_after, s_before, report)
+    assert not _s_straggled(store, job), (_s_straggled(store, job), report)
+
+
+def _s_straggled(store, job: str) -> tuple[float, float] | None:
+    """(S after the onset, S before) where the what-if's median S rose past 1.1 and 5% over its level before the
+    onset (nobody straggled: the what-if alone could not have said it); None where it did not."""
+    (after,) = store.query(f"SELECT median(slowdown) AS s FROM windows WHERE job_id = '{job}' "
+                           f"AND window_id >= {ONSET} AND isFinite(slowdown)").to_pylist()
+    (before,) = store.query(f"SELECT median(slowdown) AS s FROM windows WHERE job_id = '{job}' "
+                            f"AND window_id >= 8 AND window_id < {ONSET} AND isFinite(slowdown)").to_pylist()
+    return None if after["s"] < max(1.1, 1.05 * before["s"]) else (after["s"], before["s"])
