@@ -400,6 +400,13 @@ def _sender_side(f: Flow, best: list[tuple], fl: list[Flow], params: TcpParams, 
     if (("ingress", f.dst) in best and queued >= params.rtt_queue and held >= params.queue_bytes
             and (not out_of_dst or dst_acks >= params.rtt_queue)):
         return [("ingress", f.dst)], conf * 0.8
+    others_queued = receiver_queued(fl, f.src, f.dst, params) if ("ingress", f.dst) in best else None
+    if others_queued is not None:
+        # Another sender's flow into the receiver queued in the network too: its ingress, whatever the
+        # bottleneck's own queue held (a pipeline's 20mbit ingress: 0>2 held 8.0 KB, just under, while the
+        # all-reduce peer's 3>2 ran at 45x the reference RTT; the link was named at 0.60).
+        evidence["receiver_queued"] = others_queued
+        return [("ingress", f.dst)], conf * 0.8
     side = [e for e in (("egress", f.src), ("link", f.src, f.dst)) if e in best]
     if len(side) == 2:
         # Everything the sender sends leaves through its NIC, so no flow of it can run faster than its NIC

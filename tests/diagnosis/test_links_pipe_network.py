@@ -4,7 +4,7 @@ The data are real: ``data/pp4net_*.arrow`` are windows of three runs of the netf
 (tests/netfaults/scenarios.py: DP2 x PP2 over ``torch.distributed.pipelining``, each rank in its own network
 namespace), traced by ``stragglerscope trace`` (2-core VM, 2026-11-30): ``pipe_ingress2_severe``, window 6
 with rank 2's ingress at 20mbit; ``pipe_ingress2_mild``, window 0 with it at 40mbit; ``pipe_link02_mild``,
-window 0 with the link 0>2 at 40mbit. The transfer into rank 2 (0>2) waits on the next stage, so its flow is
+window 0 with the link 0>2 at 40mbit; ``pipe_ingress2_severe_b``, window 6 of another run at 20mbit. The transfer into rank 2 (0>2) waits on the next stage, so its flow is
 never judged slow or healthy; it was busy 25% of the window, exactly where a flow counts as a bottleneck the
 flows could not confirm. In a sweep on a loaded host (load 11) 3 of 6 such faults were held at 0.25, under
 what is printed, because the all-reduce flows alone were judged, all healthy; and a capped ingress was named
@@ -98,3 +98,14 @@ def test_only_another_sender_s_queue_moves_a_link_to_its_receiver():
     assert receiver_queued(ref + [slow_link, into], 0, 2)["flow"] == "3>2"
     small = dataclasses.replace(_flow(3, 2, 0.2), rtt_us=2_000.0)  # 4x, but 0.3 KB: a sender's own packets
     assert receiver_queued(ref + [slow_link, small], 0, 2) is None
+
+
+def test_the_flows_own_ingress_rule_hears_the_other_sender_s_queue_too():
+    """The flows judged 0>2 the bottleneck; its own queue held 8.0 KB, a hair under what names a receiver, so the
+    sender's side was left and rank 0 sends faster elsewhere: "link 0>2" (0.60). Rank 3's flow into rank 2
+    ran at 45x the reference RTT: the ingress."""
+    ccl, tcp = _read("ccl_record", "pipe_ingress2_severe_b"), _read("tcp_flow", "pipe_ingress2_severe_b")
+    (top,) = [f for f in diagnose_window(ccl, tcp=tcp).faults if f.group == "tcp"]
+    assert (top.kind, top.src, top.dst) == ("destination", -1, 2), top
+    assert top.evidence["rtt"]["queued_kb"] < TcpParams().queue_bytes / 1e3 + 0.1
+    assert top.evidence["receiver_queued"]["flow"] == "3>2"
