@@ -355,6 +355,14 @@ def where(verdicts: list[FlowVerdict], params: TcpParams = TcpParams(),
     top = max(on_data(e) for e in cands)
     if top <= 0:
         return []
+    if fast_probes and len(slow) > 1 and not any(e in _data_path(primary.flow) for e in cands):
+        # What the probes left explains the slowest flow through its acknowledgements only: the others were held
+        # up by it (a flat ring's link 5>4 at 40mbit, its upstream 6>5 at 1.8x its rate; rank 5's probe cleared
+        # its NIC and left "ingress 5", named at 0.79). The slowest, busiest one alone, less sure.
+        alone = [v if v is primary or v.status != "slow" else dataclasses.replace(v, status="unknown")
+                 for v in verdicts]
+        return [(k, s_, d, c * 0.6, {**ev, "explained": f"{primary.flow.src}>{primary.flow.dst} alone"})
+                for k, s_, d, c, ev in where(alone, params, probes)]
     best = [e for e in cands if on_data(e) >= params.data_tie * top]
     conf = strength
     if len(best) > 1:

@@ -4,7 +4,8 @@ The data are real: ``data/dp8net_*.arrow`` are windows 0 (warm-up) and 6 (steps 
 netfault harness's ``flat`` job (tests/netfaults/scenarios.py: 8 ranks, one gloo all-reduce a step, each rank
 in its own network namespace), traced by ``stragglerscope trace`` (2-core VM, 2026-11-30): the CCL records and
 TCP counters the exporters sent. ``flat_nic5_severe``: rank 5's egress at 20mbit; ``flat_ingress6_mild`` and
-``flat_ingress6_severe``: rank 6's ingress at 40 and 20mbit. Before these rules, of six such runs captured in
+``flat_ingress6_severe``: rank 6's ingress at 40 and 20mbit; ``flat_link54_mild`` (window 6 only): the link 5>4 at
+40mbit. Before these rules, of six such runs captured in
 a row, two printed a healthy rank (2) as a late sender beside or above the fault at the same confidence, and
 one stated its ingress at 0.44 in window 0, under what is printed (issue 52).
 """
@@ -72,3 +73,13 @@ def test_the_fault_is_the_printed_answer_of_the_checked_window(job):
     shown = [f for f in faults if f.confidence >= SHOWN]
     assert shown and (shown[0].kind, shown[0].src, shown[0].dst) == FAULTS[job], faults[:3]
     assert all(f.kind != "noncomm_slow" for f in shown), shown
+
+
+def test_a_capped_link_is_not_named_the_receiver_its_upstream_neighbour_feeds():
+    """Window 6 of the capped link 5>4: 5>4 ran at 2.7 MB/s and its upstream neighbour 6>5, held up by it, at
+    4.8 (1.8x, both judged slow); rank 5's probe ran at 9.5 MB/s and cleared its NIC, leaving rank 5's ingress,
+    which only 5>4's acknowledgements cross: "ingress of rank 5" was printed at 0.50 (0.79 in the window)."""
+    faults = [f for f in _diagnose("flat_link54_mild", 6).faults if f.group == "tcp"]
+    assert faults and (faults[0].kind, faults[0].src, faults[0].dst) == ("link", 5, 4), faults
+    assert faults[0].evidence["explained"] == "5>4 alone"
+    assert not [f for f in faults if f.kind == "destination"], faults
