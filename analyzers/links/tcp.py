@@ -343,11 +343,7 @@ def where(verdicts: list[FlowVerdict], params: TcpParams = TcpParams(),
         if fast_probes and len(slow) > 1:
             # The probes cleared what the slow flows shared: one of them was slowed by the other's back-pressure
             # (a ring's upstream neighbour, 1.9x the slowest rate). The slowest, busiest one alone, less sure.
-            primary = max(slow, key=lambda v: v.ratio)
-            alone = [v if v is primary or v.status != "slow" else dataclasses.replace(v, status="unknown")
-                     for v in verdicts]
-            return [(k, s_, d, c * 0.6, {**ev, "explained": f"{primary.flow.src}>{primary.flow.dst} alone"})
-                    for k, s_, d, c, ev in where(alone, params, probes)]
+            return _primary_alone(primary, verdicts, params, probes)
         return []  # several faults, or one the flows cannot place: the collectives' evidence may
 
     def on_data(e: tuple) -> float:
@@ -359,10 +355,7 @@ def where(verdicts: list[FlowVerdict], params: TcpParams = TcpParams(),
         # What the probes left explains the slowest flow through its acknowledgements only: the others were held
         # up by it (a flat ring's link 5>4 at 40mbit, its upstream 6>5 at 1.8x its rate; rank 5's probe cleared
         # its NIC and left "ingress 5", named at 0.79). The slowest, busiest one alone, less sure.
-        alone = [v if v is primary or v.status != "slow" else dataclasses.replace(v, status="unknown")
-                 for v in verdicts]
-        return [(k, s_, d, c * 0.6, {**ev, "explained": f"{primary.flow.src}>{primary.flow.dst} alone"})
-                for k, s_, d, c, ev in where(alone, params, probes)]
+        return _primary_alone(primary, verdicts, params, probes)
     best = [e for e in cands if on_data(e) >= params.data_tie * top]
     conf = strength
     if len(best) > 1:
@@ -386,6 +379,14 @@ def where(verdicts: list[FlowVerdict], params: TcpParams = TcpParams(),
     src = e[1] if e[0] != "ingress" else -1
     dst = e[2] if e[0] == "link" else (e[1] if e[0] == "ingress" else -1)
     return [(kind, src, dst, conf, evidence)]
+
+
+def _primary_alone(primary: FlowVerdict, verdicts: list[FlowVerdict], params: TcpParams,
+                   probes: list[Flow]) -> list[tuple[str, int, int, float, dict]]:
+    """``where`` with the slowest flow the only slow one (the others held up by it), at 0.6 of the confidence."""
+    alone = [v if v is primary or v.status != "slow" else dataclasses.replace(v, status="unknown") for v in verdicts]
+    return [(k, s, d, c * 0.6, {**ev, "explained": f"{primary.flow.src}>{primary.flow.dst} alone"})
+            for k, s, d, c, ev in where(alone, params, probes)]
 
 
 def _sender_side(f: Flow, best: list[tuple], fl: list[Flow], params: TcpParams, evidence: dict,
