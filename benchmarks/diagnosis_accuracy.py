@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/diagnosis_accuracy.py [--per-kind 200] [--max-ranks 8192]
     .venv/bin/python benchmarks/diagnosis_accuracy.py --real-runs 10 [--real-jobs pipe,hier] [--skip-generated]
-        [--classes noncomm_slow,none] [--cpu-hogs 1]
+        [--classes noncomm_slow,none] [--cpu-hogs 1] [--keep DIR]
 
 For every fault kind, ``--per-kind`` incidents over job sizes from 8 to
 ``--max-ranks`` (powers of two, round-robin), plus as many healthy ones.
@@ -23,7 +23,11 @@ Each run is scored twice: on its top finding at any confidence, and on the
 top finding the trace summary prints (``[alerts] link_shown_confidence``, 0.5; below
 it a finding is a hint the console lists with the window's matrix).
 Printed per job: precision and recall per finding kind, and the median time
-from the fault's start to the stored verdict.
+from the fault's start to the stored verdict. ``--keep DIR`` saves each
+run's CCL records and TCP counters as the exporters sent them (read back from
+the broker) to ``DIR/<run>_{ccl_record,tcp_flow}.arrow``, a wrong run's name
+ending in ``-WRONG``: a miss can be replayed window by window
+(``analyzers.links.diagnose_window``) and kept as a test's data.
 
 Both parts end with a reliability table of the link findings: the top
 finding's stated confidence, in bins, against how often a finding in that bin
@@ -133,7 +137,53 @@ def _cpu_hogs(n: int) -> list:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def real_runs(n: int, jobs: list[str], hogs: int = 0, classes: tuple[str, ...] = ()) -> None:
+class _RecordTap:
+    """Reads the CCL topic(s) of a broker as records arrive, to save one run's records (``--keep``)."""
+
+    KINDS = ("ccl_record", "tcp_flow")
+
+    def __init__(self, bootstrap: str, directory: Path):
+        from kafka import KafkaConsumer
+
+        self.directory = directory
+        directory.mkdir(parents=True, exist_ok=True)
+        self._consumer = KafkaConsumer(bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                                       enable_auto_commit=False, group_id=None, metadata_max_age_ms=2000)
+        self._consumer.subscribe(pattern=r"^ss\.ccl(\.g\d+)?$")  # with or without topic generations
+        self._tables: dict[tuple[str, str], list] = {}
+
+    def save(self, job_id: str, name: str, quiet_s: float = 3.0) -> None:
+        """Drain what the broker holds (until ``quiet_s`` without a record), then write ``job_id``'s records."""
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        from core.codec import decode
+
+        quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < quiet_s:
+            polled = self._consumer.poll(timeout_ms=500)
+            for msgs in polled.values():
+                for m in msgs:
+                    kind, table = decode(m.value)
+                    if kind in self.KINDS:
+                        for job in pc.unique(table["job_id"]).to_pylist():
+                            self._tables.setdefault((job, kind), []).append(
+                                table.filter(pc.equal(table["job_id"], job)))
+                quiet_since = time.monotonic()
+        opts = pa.ipc.IpcWriteOptions(compression="zstd")
+        for kind in self.KINDS:
+            parts = self._tables.pop((job_id, kind), [])
+            if parts:
+                t = pa.concat_tables(parts, promote_options="permissive").combine_chunks()
+                with pa.ipc.new_file(str(self.directory / f"{name}_{kind}.arrow"), t.schema, options=opts) as w:
+                    w.write_table(t)
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+def real_runs(n: int, jobs: list[str], hogs: int = 0, classes: tuple[str, ...] = (),
+              keep: Path | None = None) -> None:
     """N runs per class of each job with faults in a real network; precision, recall, time to verdict.
 
     ``hogs``: that many busy processes beside the job (a shared, noisy host: issue 38 saw a compute hiccup
@@ -152,6 +202,7 @@ def real_runs(n: int, jobs: list[str], hogs: int = 0, classes: tuple[str, ...] =
     with tempfile.TemporaryDirectory() as d, LocalBroker() as broker:
         proc, store = start_fleet(fleet_config(Path(d), broker.bootstrap), Path(d) / "run.log")
         noisy = _cpu_hogs(hogs)
+        tap = _RecordTap(broker.bootstrap, keep) if keep else None
         every: list[tuple[float, bool]] = []
         try:
             for job in jobs:
@@ -174,6 +225,8 @@ def real_runs(n: int, jobs: list[str], hogs: int = 0, classes: tuple[str, ...] =
                         else:
                             fn[want] += 1
                             fp[got] += 1
+                        if tap:
+                            tap.save(out.job_id, out.job_id + ("" if out.right_shown else "-WRONG"))
                         if out.right_shown:
                             tp_s[want] += 1
                         else:
@@ -203,6 +256,8 @@ def real_runs(n: int, jobs: list[str], hogs: int = 0, classes: tuple[str, ...] =
             if len(jobs) > 1:
                 reliability(every, "the top finding of every real run")
         finally:
+            if tap:
+                tap.close()
             for p in noisy:
                 p.kill()
                 p.wait()
@@ -226,6 +281,8 @@ def main() -> int:
                     help="comma-separated classes of the real runs to run: link, source, destination, noncomm_slow "
                          "(a late sender), none (healthy); default every one")
     ap.add_argument("--skip-generated", action="store_true", help="only the real runs")
+    ap.add_argument("--keep", type=Path, metavar="DIR",
+                    help="save each real run's CCL records and TCP counters to DIR (a miss's name ends -WRONG)")
     args = ap.parse_args()
     from tests.netfaults.scenarios import CLASSES
 
@@ -234,7 +291,7 @@ def main() -> int:
         ap.error(f"--classes: unknown {', '.join(unknown)} (one of {', '.join(CLASSES)})")
     if args.real_runs:
         real_runs(args.real_runs, args.real_jobs.split(","), args.cpu_hogs,
-                  tuple(c for c in args.classes.split(",") if c))
+                  tuple(c for c in args.classes.split(",") if c), args.keep)
     if args.skip_generated:
         return 0
     ns = sizes(args.max_ranks)
