@@ -8,7 +8,12 @@ link of a ring was named in the window before in 3 of 3 runs. So a finding
 keeps the confidence of its window only where the job's latest earlier
 analysed window found the same element (kind, src, dst) too; otherwise it
 is capped at ``FIRST_SEEN_CAP``, still shown (the trace summary prints from
-0.3), never near certain, and its evidence says so.
+0.3), never near certain, and its evidence says so. A finding that named the
+element it could not tell itself from (``evidence['alternative_element']``: a
+ring's NIC or its one link, before the sender's path probe arrived) found that
+element too: a later window that tells the two apart is its confirmation, not
+a first sighting (a flat ring's link 5>4 at 40mbit: window 0 "NIC of rank 5,
+or link 5>4" at 0.48, window 6 "link 5>4" at 0.97, stored at 0.50).
 
 ``weigh(faults, prior)`` does that to a window's findings inside its analysis
 (``analyzers.window``: before its tables are built, so the remedies and the
@@ -61,12 +66,36 @@ def weigh(faults: list[LinkFault], prior: Prior | None) -> list[LinkFault]:
     return sorted(out, key=lambda f: (-f.confidence, -f.slowdown))
 
 
+def elements(kind: str, src: int, dst: int, evidence: dict) -> set[tuple[str, int, int]]:
+    """The element a finding names, and the alternative it named beside it (``alternative_element``)."""
+    out = {(kind, src, dst)}
+    alt = evidence.get("alternative_element") if isinstance(evidence, dict) else None
+    if isinstance(alt, (list, tuple)) and len(alt) == 3:
+        out.add((str(alt[0]), int(alt[1]), int(alt[2])))
+    return out
+
+
 def found_in(link_faults: pa.Table | None) -> frozenset[tuple[str, int, int]]:
-    """The elements a window's LINK_FAULT rows name at ``SEEN`` or more: what confirms them in the next window."""
+    """The elements a window's LINK_FAULT rows name at ``SEEN`` or more (with the alternatives they named): what
+    confirms them in the next window."""
     if link_faults is None or link_faults.num_rows == 0:
         return frozenset()
     cols = [link_faults[c].to_pylist() for c in ("kind", "src", "dst", "confidence")]
-    return frozenset((k, s, d) for k, s, d, c in zip(*cols) if c >= SEEN)
+    evidence = (link_faults["evidence_json"].to_pylist() if "evidence_json" in link_faults.column_names
+                else [None] * link_faults.num_rows)
+    found: set[tuple[str, int, int]] = set()
+    for k, s, d, c, ev in zip(*cols, evidence):
+        if c >= SEEN:
+            found |= elements(k, s, d, _parsed(ev))
+    return frozenset(found)
+
+
+def _parsed(evidence_json: str | None) -> dict:
+    try:
+        ev = json.loads(evidence_json or "{}")
+    except ValueError:
+        return {}
+    return ev if isinstance(ev, dict) else {}
 
 
 class FindingHistory:
@@ -105,15 +134,13 @@ class FindingHistory:
         """A reader that takes a job's windows one after another: ``faults`` of window ``key`` weighed by the
         window before, and remembered."""
         out = weigh(faults, self.before(key))
-        self.record(key, frozenset((f.kind, f.src, f.dst) for f in out if f.confidence >= SEEN))
+        self.record(key, frozenset().union(*(elements(f.kind, f.src, f.dst, f.evidence)
+                                             for f in out if f.confidence >= SEEN)))
         return out
 
 
 def found_before(row: dict) -> int | None:
     """The window before in which the job found this LINK_FAULT row's element too (``weigh`` wrote it into the
     evidence), or None."""
-    try:
-        seen = (json.loads(row.get("evidence_json") or "{}").get("persistence") or {})
-    except (ValueError, AttributeError):
-        return None
-    return seen.get("found_before")
+    seen = _parsed(row.get("evidence_json")).get("persistence")
+    return seen.get("found_before") if isinstance(seen, dict) else None

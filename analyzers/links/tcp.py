@@ -434,5 +434,6 @@ def _sender_side(f: Flow, best: list[tuple], fl: list[Flow], params: TcpParams, 
             evidence["probe"] = max(mine, key=lambda g: g.rate).evidence()
             return [("egress", f.src)], conf * 0.8
         evidence["alternative"] = f"link {f.src}>{f.dst}: the sender has no other transfer to tell them apart"
+        evidence["alternative_element"] = ["link", int(f.src), int(f.dst)]  # history.elements: confirmed later
         return [("egress", f.src)], conf * 0.5
     return side, conf * 0.7

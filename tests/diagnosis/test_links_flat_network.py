@@ -4,8 +4,8 @@ The data are real: ``data/dp8net_*.arrow`` are windows 0 (warm-up) and 6 (steps 
 netfault harness's ``flat`` job (tests/netfaults/scenarios.py: 8 ranks, one gloo all-reduce a step, each rank
 in its own network namespace), traced by ``stragglerscope trace`` (2-core VM, 2026-11-30): the CCL records and
 TCP counters the exporters sent. ``flat_nic5_severe``: rank 5's egress at 20mbit; ``flat_ingress6_mild`` and
-``flat_ingress6_severe``: rank 6's ingress at 40 and 20mbit; ``flat_link54_mild`` (window 6 only): the link 5>4 at
-40mbit. Before these rules, of six such runs captured in
+``flat_ingress6_severe``: rank 6's ingress at 40 and 20mbit; ``flat_link54_mild`` (window 6 only) and
+``flat_link54_mild_b`` (a later run, ``benchmarks/diagnosis_accuracy.py --keep``): the link 5>4 at 40mbit. Before these rules, of six such runs captured in
 a row, two printed a healthy rank (2) as a late sender beside or above the fault at the same confidence, and
 one stated its ingress at 0.44 in window 0, under what is printed (issue 52).
 """
@@ -83,3 +83,16 @@ def test_a_capped_link_is_not_named_the_receiver_its_upstream_neighbour_feeds():
     assert faults and (faults[0].kind, faults[0].src, faults[0].dst) == ("link", 5, 4), faults
     assert faults[0].evidence["explained"] == "5>4 alone"
     assert not [f for f in faults if f.kind == "destination"], faults
+
+
+def test_a_link_an_earlier_window_named_as_the_alternative_is_confirmed_when_a_later_one_tells_them_apart():
+    """Window 0 of a capped link 5>4: rank 5 sends to rank 4 alone and its path probe had not run yet (its probe
+    5>1 ran at 2x, neither healthy nor slow): "NIC of rank 5, or link 5>4" at 0.48. Window 6, with the probe
+    clearing the NIC: link 5>4 at 0.97, which the first-seen cap stored at 0.50, on the printed line's edge."""
+    history = FindingHistory()
+    (first,) = history.weigh(("flat_link54_mild_b", 0, 0), _diagnose("flat_link54_mild_b", 0).faults)
+    assert (first.kind, first.src) == ("source", 5) and first.confidence < SHOWN, first
+    assert first.evidence["alternative_element"] == ["link", 5, 4]
+    top = history.weigh(("flat_link54_mild_b", 0, 6), _diagnose("flat_link54_mild_b", 6).faults)[0]
+    assert (top.kind, top.src, top.dst) == ("link", 5, 4) and top.confidence >= 0.9, top
+    assert top.evidence["persistence"] == {"found_before": 0}

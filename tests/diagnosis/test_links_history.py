@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 from analyzers.links.fault import LinkFault
-from analyzers.links.history import FIRST_SEEN_CAP, FindingHistory
+from analyzers.links import fault_table
+from analyzers.links.history import FIRST_SEEN_CAP, FindingHistory, found_before, found_in
 
 
-def _faults(window, *found, job="j"):
+def _faults(window, *found, job="j", alternative=None):
     """A window's findings as the link diagnosis makes them (``window``, ``job``: where the test's caller files
-    them)."""
-    return [LinkFault("tcp", k, s, d, c, 3.0, {"candidates": ["x"]}) for k, s, d, c in found]
+    them; ``alternative``: the element each named beside it)."""
+    ev = {"candidates": ["x"], **({"alternative_element": list(alternative)} if alternative else {})}
+    return [LinkFault("tcp", k, s, d, c, 3.0, ev) for k, s, d, c in found]
 
 
 def _top(faults):
@@ -70,3 +72,24 @@ def test_the_history_survives_a_shard_restart():
     assert found == ("link", 2, 3, 0.9) and ev["persistence"] == {"found_before": 0}
     (found, _) = _top(FindingHistory().weigh(("j", 0, 8), _faults(8, ("link", 2, 3, 0.9))))
     assert found[3] == FIRST_SEEN_CAP  # without it: judged alone
+
+
+def test_the_alternative_a_window_named_is_confirmed_by_the_next_and_nothing_else_is():
+    h = FindingHistory()
+    h.weigh(("j", 0, 0), _faults(0, ("source", 5, -1, 0.48), alternative=("link", 5, 4)))
+    (found, ev) = _top(h.weigh(("j", 0, 6), _faults(6, ("link", 5, 4, 0.97))))
+    assert found == ("link", 5, 4, 0.97) and ev["persistence"] == {"found_before": 0}
+    # The reverse link, and the alternative of a finding under SEEN, confirm nothing.
+    h = FindingHistory()
+    h.weigh(("j", 0, 0), _faults(0, ("source", 5, -1, 0.48), alternative=("link", 5, 4)))
+    assert _top(h.weigh(("j", 0, 6), _faults(6, ("link", 4, 5, 0.97))))[0][3] == FIRST_SEEN_CAP
+    h = FindingHistory()
+    h.weigh(("j", 0, 0), _faults(0, ("source", 5, -1, 0.2), alternative=("link", 5, 4)))
+    assert _top(h.weigh(("j", 0, 6), _faults(6, ("link", 5, 4, 0.97))))[0][3] == FIRST_SEEN_CAP
+
+
+def test_the_shard_reads_the_alternative_back_from_the_stored_rows():
+    """The shard records what a window found from its LINK_FAULT table (``found_in``), not from the findings."""
+    rows = fault_table(_faults(0, ("source", 5, -1, 0.48), alternative=("link", 5, 4)), ("j", 0, 0))
+    assert found_in(rows) == {("source", 5, -1), ("link", 5, 4)}
+    assert found_before({"evidence_json": "not json"}) is None and found_before({"evidence_json": "[1]"}) is None
