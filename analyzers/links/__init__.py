@@ -25,12 +25,12 @@ import math
 import numpy as np
 import pyarrow as pa
 
-from analyzers.links.fault import KINDS, LinkFault
+from analyzers.links.fault import KINDS, LinkFault, element_of
 from analyzers.links.localise import comm_faults, late_senders
 from analyzers.links.measured import (MeasuredParams, Observation, collective_observations, exchange_arrivals, judge,
                                       measured_rows, p2p_observations, work_margins)
 from analyzers.links.reported import Edges, LinkParams, diagnose_group, edges_from_ccl
-from analyzers.links.tcp import FlowVerdict, TcpParams, flows, judge_flows, receiver_queued, where
+from analyzers.links.tcp import FlowVerdict, TcpParams, carries, flows, judge_flows, receiver_queued, where
 from core import codec, jsonutil
 from core import schema as S
 
@@ -137,13 +137,9 @@ def _unjudged(f: LinkFault, verdicts: list[FlowVerdict]) -> bool:
     (``TcpParams.bottleneck_busy``), the flows were 'all healthy' by their gradient all-reduces alone, and 3 of
     6 network faults of a DP2 x PP2 job were held under what is printed (0.25) though the times named 2 of
     them right."""
-    def crosses(v: FlowVerdict) -> bool:
-        if f.kind == "source":
-            return v.flow.src == f.src
-        if f.kind == "destination":
-            return v.flow.dst == f.dst
-        return (v.flow.src, v.flow.dst) == (f.src, f.dst)
-    return any(v.status == "unknown" and crosses(v) for v in verdicts)
+    # An unplaced slow transfer (comm_slow s>d) is judged by the pair's own flow, as a link would be.
+    element = element_of("link" if f.kind == "comm_slow" else f.kind, f.src, f.dst)
+    return element is not None and any(v.status == "unknown" and carries(v.flow, element) for v in verdicts)
 
 
 def diagnose(ccl: pa.Table, params: LinkParams = LinkParams()) -> list[LinkFault]:

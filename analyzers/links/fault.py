@@ -22,3 +22,25 @@ class LinkFault:
     confidence: float
     slowdown: float
     evidence: dict
+
+
+# A network element is ("egress", rank), ("ingress", rank) or ("link", src, dst): what the localisation reasons
+# about (an observation's path, a flow's data and acknowledgements). A finding names one as (kind, src, dst).
+_KIND_OF_ELEMENT = {"egress": "source", "ingress": "destination", "link": "link"}
+
+
+def finding_of(element: tuple) -> tuple[str, int, int]:
+    """(kind, src, dst) of the finding that names ``element`` (-1 for the end a NIC or an ingress leaves open)."""
+    if element[0] == "link":
+        return "link", int(element[1]), int(element[2])
+    return (("source", int(element[1]), -1) if element[0] == "egress" else ("destination", -1, int(element[1])))
+
+
+def element_of(kind: str, src: int, dst: int) -> tuple | None:
+    """The element a finding of ``kind`` names; None for a kind that names none (a late sender, an endpoint)."""
+    return {"source": ("egress", src), "destination": ("ingress", dst), "link": ("link", src, dst)}.get(kind)
+
+
+def element_name(element: tuple) -> str:
+    """'egress 3', 'ingress 5', 'link 2>3': as evidence lists candidates."""
+    return f"{element[0]} {element[1]}" if len(element) == 2 else f"link {element[1]}>{element[2]}"

@@ -37,17 +37,13 @@ import math
 
 import numpy as np
 
-from analyzers.links.fault import LinkFault
+from analyzers.links.fault import LinkFault, element_name, finding_of
 from analyzers.links.measured import Arrivals, MeasuredParams, Observation, Work, jitter
 
 
 def _strength(ratio: float) -> float:
     """0..1 from how far beyond healthy the slow observations are (ratio 3: 0.63, ratio 10: 0.99)."""
     return float(1 - math.exp(-max(ratio - 1, 0.0) / 2))
-
-
-def _name(element: tuple) -> str:
-    return f"{element[0]} {element[1]}" if len(element) == 2 else f"link {element[1]}>{element[2]}"
 
 
 def comm_faults(observations: list[Observation], params: MeasuredParams = MeasuredParams()) -> list[LinkFault]:
@@ -61,7 +57,7 @@ def comm_faults(observations: list[Observation], params: MeasuredParams = Measur
     evidence = {
         "slow": [o.evidence() for o in slow],
         "cleared_by": sorted(o.name for o in observations if o.status == "ok")[:50],
-        "candidates": sorted(_name(c) for c in candidates),
+        "candidates": sorted(element_name(c) for c in candidates),
         # A residual clock offset shorter than this cannot have made these observations slow.
         "skew_margin_ns": float(min(o.excess_ns() for o in slow)),
     }
@@ -72,10 +68,7 @@ def comm_faults(observations: list[Observation], params: MeasuredParams = Measur
     links = [c for c in candidates if c[0] == "link"]
     if len(candidates) == 1:
         (c,) = candidates
-        kind = {"egress": "source", "ingress": "destination", "link": "link"}[c[0]]
-        src = c[1] if c[0] in ("egress", "link") else -1
-        dst = c[2] if c[0] == "link" else (c[1] if c[0] == "ingress" else -1)
-        return [LinkFault(group, kind, int(src), int(dst), conf, ratio, evidence)]
+        return [LinkFault(group, *finding_of(c), conf, ratio, evidence)]
     if not links and len(egress) == 1 and egress == ingress:
         (r,) = egress
         return [LinkFault(group, "endpoint", int(r), int(r), conf * 0.8, ratio, evidence)]

@@ -39,6 +39,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from analyzers.links.fault import element_name, finding_of
+
 
 @dataclasses.dataclass(frozen=True)
 class Flow:
@@ -240,6 +242,11 @@ def judge_flows(fl: list[Flow], params: TcpParams = TcpParams()) -> list[FlowVer
     return out
 
 
+def carries(f: Flow, element: tuple) -> bool:
+    """Whether ``f``'s data crosses ``element`` (``fault.element_of``)."""
+    return element in _data_path(f)
+
+
 def _data_path(f: Flow) -> set[tuple]:
     """What f's data crosses: the sender's egress, the link, the receiver's ingress."""
     return {("egress", f.src), ("ingress", f.dst), ("link", f.src, f.dst)}
@@ -299,10 +306,6 @@ def receiver_queued(fl: list[Flow], src: int, dst: int, params: TcpParams = TcpP
             "queued_kb": round(held / 1e3, 1)}
 
 
-def _name(e: tuple) -> str:
-    return f"{e[0]} {e[1]}" if len(e) == 2 else f"link {e[1]}>{e[2]}"
-
-
 def where(verdicts: list[FlowVerdict], params: TcpParams = TcpParams(),
           probes: list[Flow] = ()) -> list[tuple[str, int, int, float, dict]]:
     """(kind, src, dst, confidence, evidence) for the slow element behind the bottleneck flows: 'source' (a
@@ -338,7 +341,7 @@ def where(verdicts: list[FlowVerdict], params: TcpParams = TcpParams(),
     evidence = {"bottleneck": [v.flow.evidence() for v in sorted(slow, key=lambda v: -v.ratio)],
                 "cleared_by": sorted([f"{v.flow.src}>{v.flow.dst}" for v in verdicts if v.status == "ok"]
                                      + [f"probe {g.src}>{g.dst}" for g in fast_probes])[:50],
-                "candidates": sorted(_name(c) for c in cands)}
+                "candidates": sorted(element_name(c) for c in cands)}
     if not cands:
         if fast_probes and len(slow) > 1:
             # The probes cleared what the slow flows shared: one of them was slowed by the other's back-pressure
@@ -375,10 +378,7 @@ def where(verdicts: list[FlowVerdict], params: TcpParams = TcpParams(),
     if len(best) != 1:
         return []
     (e,) = best
-    kind = {"egress": "source", "ingress": "destination", "link": "link"}[e[0]]
-    src = e[1] if e[0] != "ingress" else -1
-    dst = e[2] if e[0] == "link" else (e[1] if e[0] == "ingress" else -1)
-    return [(kind, src, dst, conf, evidence)]
+    return [(*finding_of(e), conf, evidence)]
 
 
 def _primary_alone(primary: FlowVerdict, verdicts: list[FlowVerdict], params: TcpParams,
