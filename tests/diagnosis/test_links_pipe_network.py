@@ -4,7 +4,9 @@ The data are real: ``data/pp4net_*.arrow`` are windows of three runs of the netf
 (tests/netfaults/scenarios.py: DP2 x PP2 over ``torch.distributed.pipelining``, each rank in its own network
 namespace), traced by ``stragglerscope trace`` (2-core VM, 2026-11-30): ``pipe_ingress2_severe``, window 6
 with rank 2's ingress at 20mbit; ``pipe_ingress2_mild``, window 0 with it at 40mbit; ``pipe_link02_mild``,
-window 0 with the link 0>2 at 40mbit; ``pipe_ingress2_severe_b``, window 6 of another run at 20mbit. The transfer into rank 2 (0>2) waits on the next stage, so its flow is
+window 0 with the link 0>2 at 40mbit; ``pipe_ingress2_severe_b``, window 6 of another run at 20mbit;
+``pipe_nic1_severe_hog``, windows 0 and 6 with rank 1's NIC at 20mbit and a CPU hog beside the job
+(``benchmarks/diagnosis_accuracy.py --cpu-hogs 1 --keep``). The transfer into rank 2 (0>2) waits on the next stage, so its flow is
 never judged slow or healthy; it was busy 25% of the window, exactly where a flow counts as a bottleneck the
 flows could not confirm. In a sweep on a loaded host (load 11) 3 of 6 such faults were held at 0.25, under
 what is printed, because the all-reduce flows alone were judged, all healthy; and a capped ingress was named
@@ -109,3 +111,20 @@ def test_the_flows_own_ingress_rule_hears_the_other_sender_s_queue_too():
     assert (top.kind, top.src, top.dst) == ("destination", -1, 2), top
     assert top.evidence["rtt"]["queued_kb"] < TcpParams().queue_bytes / 1e3 + 0.1
     assert top.evidence["receiver_queued"]["flow"] == "3>2"
+
+
+def test_where_the_times_and_the_flows_name_the_same_nic_the_answer_is_as_sure_as_the_surer():
+    """Rank 1's NIC at 20mbit beside a CPU hog, window 6: the times named it at 0.96 (its pipeline send 1>3 and
+    its all-reduce both slow, everything else cleared); the flows at 0.51 (their one judged slow flow, 1>0, at
+    2.1 MB/s against healthy flows the hog had slowed too). The flows' finding stood instead of the times', and
+    the job's answer was 0.51, on the printed line's edge."""
+    ccl, tcp = (_read(k, "pipe_nic1_severe_hog") for k in ("ccl_record", "tcp_flow"))
+    ccl6, tcp6 = (t.filter(pc.equal(t["window_id"], 6)) for t in (ccl, tcp))
+    (times,) = [f for f in diagnose_window(ccl6).faults if f.kind == "source"]
+    assert times.src == 1 and times.confidence >= 0.9, times
+    faults = diagnose_window(ccl6, tcp=tcp6).faults
+    top = faults[0]
+    assert (top.group, top.kind, top.src) == ("tcp", "source", 1), faults[:3]
+    agree = top.evidence["times_agree"]
+    assert agree["flows_confidence"] < 0.6 and top.confidence >= 0.9 and agree["confidence"] == round(top.confidence, 3)
+    assert not [f for f in faults if f.group != "tcp" and f.kind == "source"], faults  # one finding, not two
