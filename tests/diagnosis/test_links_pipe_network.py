@@ -6,7 +6,8 @@ namespace), traced by ``stragglerscope trace`` (2-core VM, 2026-11-30): ``pipe_i
 with rank 2's ingress at 20mbit; ``pipe_ingress2_mild``, window 0 with it at 40mbit; ``pipe_link02_mild``,
 window 0 with the link 0>2 at 40mbit; ``pipe_ingress2_severe_b``, window 6 of another run at 20mbit;
 ``pipe_nic1_severe_hog``, windows 0 and 6 with rank 1's NIC at 20mbit and a CPU hog beside the job
-(``benchmarks/diagnosis_accuracy.py --cpu-hogs 1 --keep``). The transfer into rank 2 (0>2) waits on the next stage, so its flow is
+(``benchmarks/diagnosis_accuracy.py --cpu-hogs 1 --keep``); ``pipe_healthy_hog``, windows 0 and 6 of a healthy run
+beside the hog. The transfer into rank 2 (0>2) waits on the next stage, so its flow is
 never judged slow or healthy; it was busy 25% of the window, exactly where a flow counts as a bottleneck the
 flows could not confirm. In a sweep on a loaded host (load 11) 3 of 6 such faults were held at 0.25, under
 what is printed, because the all-reduce flows alone were judged, all healthy; and a capped ingress was named
@@ -128,3 +129,19 @@ def test_where_the_times_and_the_flows_name_the_same_nic_the_answer_is_as_sure_a
     agree = top.evidence["times_agree"]
     assert agree["flows_confidence"] < 0.6 and top.confidence >= 0.9 and agree["confidence"] == round(top.confidence, 3)
     assert not [f for f in faults if f.group != "tcp" and f.kind == "source"], faults  # one finding, not two
+
+
+def test_a_healthy_rank_late_in_one_window_beside_a_cpu_hog_is_not_printed():
+    """A healthy DP2 x PP2 run beside a CPU hog: rank 2 last into 2 of its 3 collectives of window 6 by 9.5 ms
+    (4% of its step, against 1.8 ms of the job's jitter), nothing in window 0. It was printed as the job's
+    late sender at 0.50, the first-seen cap; a late sender is a stable margin across windows (issue 52)."""
+    from analyzers.links.history import FindingHistory
+
+    ccl, tcp = (_read(k, "pipe_healthy_hog") for k in ("ccl_record", "tcp_flow"))
+    history = FindingHistory()
+    for w in (0, 6):
+        faults = history.weigh(("pipe_healthy_hog", 0, w), diagnose_window(
+            ccl.filter(pc.equal(ccl["window_id"], w)), tcp=tcp.filter(pc.equal(tcp["window_id"], w))).faults)
+    (late,) = [f for f in faults if f.kind == "noncomm_slow"]
+    assert late.src == 2 and late.evidence["persistence"]["window_confidence"] > 0.5, late
+    assert not [f for f in faults if f.confidence >= AlertConfig.link_shown_confidence], faults
