@@ -183,6 +183,12 @@ class TcpParams:
     rank 2.2 MB/s against the bottleneck's 2.3; with link 5>4 slow instead, rank 5's probe 24.9 MB/s (10.8x),
     and healthy probes 25-200 MB/s (a 262 KB burst on 2 shared cores: scheduling and slow start, so the probes
     are not compared with each other's median)."""
+    probe_clears_nic: float = 1.8
+    """A sender whose path probe ran at this many times its bottleneck's rate or more has a NIC with room to
+    spare: its one link is named. Through a capped NIC the probe can go no faster than the bottleneck, which
+    already fills it (measured 0.96-1.02x at 20 and 40mbit, 4 runs); with the link capped instead it went
+    2.1-10.8x, and 2.1x was left "NIC, or the link" under ``sender_elsewhere`` (a flat ring's link 5>4 at
+    40mbit, window 6 of one run in 3)."""
     data_tie: float = 0.85
     """Candidates within this share of the best one's slowdown on the data path are a tie, for the RTT to break."""
     sender_elsewhere: float = 3.0
@@ -429,6 +435,11 @@ def _sender_side(f: Flow, best: list[tuple], fl: list[Flow], params: TcpParams, 
         # (A probe to the bottleneck's own receiver crossed the same link: it says nothing here. In a pipeline
         # of 4 ranks, half the world away is the rank's pipeline peer.)
         mine = [g for g in probes if g.src == f.src and g.dst != f.dst and g.rate == g.rate]
+        if mine and max(g.rate for g in mine) >= params.probe_clears_nic * f.rate:
+            # Its probe to another rank, through the same NIC, went faster than a NIC as slow as the
+            # bottleneck lets anything through.
+            evidence["probe"] = max(mine, key=lambda g: g.rate).evidence()
+            return [("link", f.src, f.dst)], conf * 0.8
         if mine and max(g.rate for g in mine) <= params.probe_as_slow * f.rate:
             # Its probe to another rank, through the same NIC and another link, crawled as the bottleneck did.
             evidence["probe"] = max(mine, key=lambda g: g.rate).evidence()

@@ -5,7 +5,8 @@ netfault harness's ``flat`` job (tests/netfaults/scenarios.py: 8 ranks, one gloo
 in its own network namespace), traced by ``stragglerscope trace`` (2-core VM, 2026-11-30): the CCL records and
 TCP counters the exporters sent. ``flat_nic5_severe``: rank 5's egress at 20mbit; ``flat_ingress6_mild`` and
 ``flat_ingress6_severe``: rank 6's ingress at 40 and 20mbit; ``flat_link54_mild`` (window 6 only) and
-``flat_link54_mild_b`` (a later run, ``benchmarks/diagnosis_accuracy.py --keep``): the link 5>4 at 40mbit. Before these rules, of six such runs captured in
+``flat_link54_mild_b`` and ``flat_link54_mild_c`` (later runs, ``benchmarks/diagnosis_accuracy.py --keep``): the
+link 5>4 at 40mbit. Before these rules, of six such runs captured in
 a row, two printed a healthy rank (2) as a late sender beside or above the fault at the same confidence, and
 one stated its ingress at 0.44 in window 0, under what is printed (issue 52).
 """
@@ -86,13 +87,36 @@ def test_a_capped_link_is_not_named_the_receiver_its_upstream_neighbour_feeds():
 
 
 def test_a_link_an_earlier_window_named_as_the_alternative_is_confirmed_when_a_later_one_tells_them_apart():
-    """Window 0 of a capped link 5>4: rank 5 sends to rank 4 alone and its path probe had not run yet (its probe
-    5>1 ran at 2x, neither healthy nor slow): "NIC of rank 5, or link 5>4" at 0.48. Window 6, with the probe
-    clearing the NIC: link 5>4 at 0.97, which the first-seen cap stored at 0.50, on the printed line's edge."""
+    """A capped link 5>4, window 0 without rank 5's path probe (it runs once a window, and a window can close
+    before it has): rank 5 sends to rank 4 alone, so "NIC of rank 5, or link 5>4" (0.48). Window 6, with the
+    probe clearing the NIC: link 5>4 at 0.97, which the first-seen cap stored at 0.50, on the printed line's
+    edge, as if window 0 had said nothing of it."""
+    tcp0 = _window("tcp_flow", "flat_link54_mild_b", 0)
+    no_probe = tcp0.filter(pc.invert(pc.and_(pc.fill_null(tcp0["probe"], False), pc.equal(tcp0["rank"], 5))))
     history = FindingHistory()
-    (first,) = history.weigh(("flat_link54_mild_b", 0, 0), _diagnose("flat_link54_mild_b", 0).faults)
+    first = history.weigh(("flat_link54_mild_b", 0, 0),
+                          diagnose_window(_window("ccl_record", "flat_link54_mild_b", 0), tcp=no_probe).faults)[0]
     assert (first.kind, first.src) == ("source", 5) and first.confidence < SHOWN, first
     assert first.evidence["alternative_element"] == ["link", 5, 4]
     top = history.weigh(("flat_link54_mild_b", 0, 6), _diagnose("flat_link54_mild_b", 6).faults)[0]
     assert (top.kind, top.src, top.dst) == ("link", 5, 4) and top.confidence >= 0.9, top
     assert top.evidence["persistence"] == {"found_before": 0}
+
+
+def test_a_probe_faster_than_a_nic_as_slow_as_the_bottleneck_clears_the_nic():
+    """Window 6 of another capped link 5>4: rank 5's probe to rank 1 went at 9.6 MB/s, 2.1x the bottleneck 5>4's
+    4.6 (a NIC capped so slow lets nothing through faster than the bottleneck: 0.96-1.02x measured), yet under
+    the 3x that clears a whole path. "NIC of rank 5, or link 5>4" at 0.48, under what is printed."""
+    faults = [f for f in _diagnose("flat_link54_mild_c", 6).faults if f.group == "tcp"]
+    assert faults and (faults[0].kind, faults[0].src, faults[0].dst) == ("link", 5, 4), faults
+    assert faults[0].evidence["probe"]["flow"] == "5>1" and faults[0].confidence >= 0.7, faults[0]
+    history = FindingHistory()
+    for w in (0, 6):
+        top = history.weigh(("flat_link54_mild_c", 0, w), _diagnose("flat_link54_mild_c", w).faults)[0]
+    assert (top.kind, top.src, top.dst) == ("link", 5, 4) and top.confidence >= SHOWN, top
+
+
+def test_a_capped_nic_s_own_probe_crawls_as_its_bottleneck_and_names_the_nic():
+    """The other side of that rule, on rank 5's NIC at 20mbit: its probe went no faster than its bottleneck."""
+    faults = [f for f in _diagnose("flat_nic5_severe", 6).faults if f.group == "tcp"]
+    assert faults and (faults[0].kind, faults[0].src) == ("source", 5), faults
