@@ -214,6 +214,54 @@ def test_a_window_waits_for_the_collectives_of_its_last_step_that_travel_on_anot
     assert w.stats.windows_stored == 1
 
 
+def _tcp_flows(spec, window, steps, ranks):
+    """One connection record per step on each of ``ranks`` (to the next rank), as the exporters' flow threads
+    send them."""
+    n = spec.layout.dp_size * spec.layout.pp_size
+    return codec.from_rows(S.TCP_FLOW, [dict(
+        job_id=spec.job_id, attempt=0, rank=r, window_id=window, step=window + st, local=f"10.0.0.{r}:1000",
+        remote=f"10.0.0.{(r + 1) % n}:1000", elapsed_ns=10**8, bytes_acked=1 << 20, bytes_received=1 << 20,
+        busy_us=50_000, rwnd_limited_us=0, sndbuf_limited_us=0, rtt_us=500, min_rtt_us=100, retrans=0,
+        notsent_bytes=0) for st in steps for r in ranks])
+
+
+def test_a_window_waits_for_the_tcp_records_of_its_last_step_within_the_grace():
+    """Found on a real 8-rank run on the loaded 2-core VM: rank 7's TCP records of the window's last step came after
+    its collectives (the exporter's flow thread sends them), the window was analysed without them and they were
+    dropped as late; the capped NIC they showed was stated at 0.47 instead of 0.97."""
+    a = job("a")
+    ops = generate_window(a, 0, STEPS, 0)
+    seen = []
+
+    def submit(ops, info, key, complete, note, ccl=None, tcp=None, context=None):
+        seen.append(0 if tcp is None else tcp.num_rows)
+        return fake_analysis([])(ops, info, key, complete, note, ccl)
+    msgs = messages_for([a.registration(0, STEPS), _all_reduces(a, 0, range(STEPS), range(4)),
+                         _tcp_flows(a, 0, range(STEPS), [0, 1, 2]), _tcp_flows(a, 0, range(STEPS - 1), [3]), ops,
+                         _tcp_flows(a, 0, [STEPS - 1], [3])])
+    held = msgs.pop()
+    clock = ManualClock()
+    w, src, _ = make_worker(msgs, clock=clock, submit=submit, ccl_grace_s=3.0)
+    run(w)
+    assert seen == [], "analysed before rank 3's TCP records of the last step"
+    src._pending.append(held)
+    run(w)
+    assert seen == [4 * STEPS] and w.stats.late_records == 0
+    # A rank whose last step's records never come costs its window the grace, not more.
+    b = job("b")
+    seen.clear()
+    clock = ManualClock()
+    w, _, _ = make_worker(messages_for([b.registration(0, STEPS), _all_reduces(b, 0, range(STEPS), range(4)),
+                                        _tcp_flows(b, 0, range(STEPS), [0, 1, 2]),
+                                        _tcp_flows(b, 0, range(STEPS - 1), [3]), generate_window(b, 0, STEPS, 0)]),
+                          clock=clock, submit=submit, ccl_grace_s=3.0)
+    run(w)
+    assert seen == []
+    clock.t = 3.0
+    run(w, 3)
+    assert seen == [4 * STEPS - 1]
+
+
 def test_a_rank_without_collectives_in_the_last_step_costs_its_window_the_grace_not_more():
     a = job("a")
     clock, calls = ManualClock(), []
