@@ -139,9 +139,9 @@ def _agreed_by_times(faults: list[LinkFault], measured: list[LinkFault], verdict
     for f in faults:
         t = times.get((f.kind, f.src, f.dst)) if f.group == "tcp" else None
         if t is not None and t.confidence > f.confidence:
-            f = dataclasses.replace(f, confidence=t.confidence, evidence={
-                **f.evidence, "times_agree": {"group": t.group, "confidence": round(t.confidence, 3),
-                                              "slowdown": round(t.slowdown, 2), "flows_confidence": round(f.confidence, 3)}})
+            agree = {"group": t.group, "confidence": round(t.confidence, 3), "slowdown": round(t.slowdown, 2),
+                     "flows_confidence": round(f.confidence, 3)}
+            f = dataclasses.replace(f, confidence=t.confidence, evidence={**f.evidence, "times_agree": agree})
         out.append(f)
     return out
 
