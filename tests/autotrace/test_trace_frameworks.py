@@ -150,6 +150,11 @@ def test_unchanged_job_is_diagnosed_and_keeps_its_losses(framework, fleet, tmp_p
     slow = ["--slow-rank", "0", "--delay-ms", str(delay)]
 
     plain = run_zoo(framework, tmp_path / "plain", slow)
+    if plain.returncode != 0:
+        # The control is torch alone, untraced. In a whole-suite run (2026-11-30) its DDP rank 0 aborted inside
+        # torch ("terminate called without an active exception", SIGABRT) and the other ranks were stopped:
+        # the control is run again once; a job that fails untraced twice fails the test.
+        plain = run_zoo(framework, tmp_path / "plain", slow)
     assert plain.returncode == 0, plain.stderr[-3000:]
     for attempt in range(ATTEMPTS):
         job = f"{framework}-slow-{uuid.uuid4().hex[:6]}"
