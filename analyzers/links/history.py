@@ -63,6 +63,14 @@ def weigh(faults: list[LinkFault], prior: Prior | None) -> list[LinkFault]:
     (``persistence``); the most confident first, as the analysis ordered them."""
     out = []
     for f in faults:
+        if prior is not None and f.kind == "endpoint":
+            # A rank's network without its direction, where the window before told which: that direction (a
+            # two-level job's capped ingress 6, window 0 "ingress 6" from the flows, window 6 "endpoint 6"
+            # from the collectives alone, printed as such at 0.50).
+            sides = [e for e in (("source", f.src, -1), ("destination", -1, f.src)) if e in prior.elements]
+            if len(sides) == 1:
+                f = dataclasses.replace(f, kind=sides[0][0], src=sides[0][1], dst=sides[0][2],
+                                        evidence={**f.evidence, "direction_from": prior.window_id})
         if prior is not None and (f.kind, f.src, f.dst) in prior.elements:
             out.append(dataclasses.replace(f, evidence={**f.evidence, "persistence": {"found_before": prior.window_id}}))
             continue

@@ -109,3 +109,18 @@ def test_a_rank_s_network_named_without_its_direction_is_confirmed_by_its_nic_or
     h = FindingHistory()
     h.weigh(("j", 0, 0), _faults(0, ("endpoint", 6, 6, 0.52)))
     assert _top(h.weigh(("j", 0, 6), _faults(6, ("destination", -1, 5, 0.97))))[0][3] == FIRST_SEEN_CAP
+
+
+def test_a_rank_s_network_without_direction_takes_the_direction_the_window_before_found():
+    """The other way round (a two-level job's mild ingress 6, sweep 12): window 0 'destination 6' from the flows,
+    window 6 'endpoint 6' from the collectives alone, printed as an endpoint at 0.50."""
+    h = FindingHistory()
+    h.weigh(("j", 0, 0), _faults(0, ("destination", -1, 6, 0.98)))
+    (found, ev) = _top(h.weigh(("j", 0, 6), _faults(6, ("endpoint", 6, 6, 0.54))))
+    assert found == ("destination", -1, 6, 0.54), found
+    assert ev["direction_from"] == 0 and ev["persistence"]["found_before"] == 0
+    # Both directions, or neither, found before: the endpoint stays one, first seen.
+    for before in ([("destination", -1, 6, 0.98), ("source", 6, -1, 0.9)], [("destination", -1, 5, 0.98)]):
+        h = FindingHistory()
+        h.weigh(("j", 0, 0), _faults(0, *before))
+        assert _top(h.weigh(("j", 0, 6), _faults(6, ("endpoint", 6, 6, 0.54))))[0] == ("endpoint", 6, 6, FIRST_SEEN_CAP)
