@@ -189,6 +189,10 @@ class TcpParams:
     already fills it (measured 0.96-1.02x at 20 and 40mbit, 4 runs); with the link capped instead it went
     2.1-10.8x, and 2.1x was left "NIC, or the link" under ``sender_elsewhere`` (a flat ring's link 5>4 at
     40mbit, window 6 of one run in 3)."""
+    held_up_rate: float = 1.3
+    """A slow flow at this many times the slowest one's rate or more may be held up by it, not throttled itself (a
+    flat ring's link 5>4 at 40mbit: 5>4 at 2.7 MB/s, its upstream 6>5 at 4.8, 1.8x). Slow flows that run alike
+    are throttled alike (rank 6's ingress at 40mbit: 6>5 and 7>6 at 4.66 and 4.71 MB/s)."""
     data_tie: float = 0.85
     """Candidates within this share of the best one's slowdown on the data path are a tie, for the RTT to break."""
     sender_elsewhere: float = 3.0
@@ -360,7 +364,8 @@ def where(verdicts: list[FlowVerdict], params: TcpParams = TcpParams(),
     top = max(on_data(e) for e in cands)
     if top <= 0:
         return []
-    if fast_probes and len(slow) > 1 and not any(e in _data_path(primary.flow) for e in cands):
+    held_up = [v for v in slow if v is not primary and v.flow.rate >= params.held_up_rate * primary.flow.rate]
+    if fast_probes and held_up and not any(e in _data_path(primary.flow) for e in cands):
         # What the probes left explains the slowest flow through its acknowledgements only: the others were held
         # up by it (a flat ring's link 5>4 at 40mbit, its upstream 6>5 at 1.8x its rate; rank 5's probe cleared
         # its NIC and left "ingress 5", named at 0.79). The slowest, busiest one alone, less sure.
