@@ -52,6 +52,14 @@ class OpenWindow:
     dispatched: bool = False
 
 
+def _ranks_by_step(part: pa.Table, into: dict) -> None:
+    """Add the ranks that have records of each step in ``part`` to ``into`` (step -> set of ranks)."""
+    steps = part["step"].to_numpy()
+    ranks = part["rank"].to_numpy()
+    for step in np.unique(steps).tolist():
+        into.setdefault(step, set()).update(np.unique(ranks[steps == step]).tolist())
+
+
 @dataclasses.dataclass(frozen=True)
 class ReadyWindow:
     key: WindowKey
@@ -110,10 +118,7 @@ class WindowTracker:
             if win is not None:
                 win.ccl_tables.append(part)
                 self._ccl_jobs.add(key[:2])
-                steps = part["step"].to_numpy()
-                ranks = part["rank"].to_numpy()
-                for step in np.unique(steps).tolist():
-                    win.ccl_ranks_at.setdefault(step, set()).update(np.unique(ranks[steps == step]).tolist())
+                _ranks_by_step(part, win.ccl_ranks_at)
 
     def add_tcp(self, table: pa.Table, tp: TopicPartition, offset: int, now: float) -> None:
         """Route TCP connection records of profiled windows for link diagnosis (they travel with the collectives,
@@ -125,10 +130,7 @@ class WindowTracker:
             win = self._open(key, part.num_rows, tp, offset, now, key in stored)
             if win is not None:
                 win.tcp_tables.append(part)
-                steps = part["step"].to_numpy()
-                ranks = part["rank"].to_numpy()
-                for step in np.unique(steps).tolist():
-                    win.tcp_ranks_at.setdefault(step, set()).update(np.unique(ranks[steps == step]).tolist())
+                _ranks_by_step(part, win.tcp_ranks_at)
 
     def _stored_among(self, keys: list[WindowKey]) -> set[WindowKey]:
         """The keys whose windows are stored already, asking ``is_stored`` about keys never seen.

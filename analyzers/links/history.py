@@ -59,8 +59,7 @@ class Prior:
 
 def weigh(faults: list[LinkFault], prior: Prior | None) -> list[LinkFault]:
     """``faults`` with those ``prior`` did not find capped (``FIRST_SEEN_CAP``, ``LATE_FIRST_SEEN_CAP``), each
-    one's evidence saying which
-    (``persistence``); the most confident first, as the analysis ordered them."""
+    one's evidence saying which (``persistence``); the most confident first, as the analysis ordered them."""
     out = []
     for f in faults:
         if prior is not None and f.kind == "endpoint":
