@@ -9,7 +9,8 @@ keeps the confidence of its window only where the job's latest earlier
 analysed window found the same element (kind, src, dst) too; otherwise it
 is capped at ``FIRST_SEEN_CAP`` (0.5: printed, a warning at most, never near
 certain), a late sender at ``LATE_FIRST_SEEN_CAP`` (a hint until the next
-window finds it too), and its evidence says so. A finding that named the
+window finds it too, unless its window had it last in every step: ``_steady``),
+and its evidence says so. A finding that named the
 element it could not tell itself from (``evidence['alternative_element']``: a
 ring's NIC or its one link, before the sender's path probe arrived), or that
 named a rank's network without its direction ('endpoint'), found those
@@ -43,7 +44,17 @@ LATE_FIRST_SEEN_CAP = 0.45
 """... and a late sender: under what is printed and alerted (``[alerts] link_shown_confidence``, 0.5). A late
 sender is a rank last by a stable margin across windows (issue 52); one window's lateness is what a shared
 host's scheduler does: a healthy DP2 x PP2 job beside a CPU hog had rank 2 last by 9.5 ms (4% of its step)
-in window 6 only, printed at 0.50, while every late rank of the real runs was found in window 0 as well."""
+in window 6 only, printed at 0.50, while every late rank of the real runs but one (below) was found in window 0
+as well."""
+LATE_STEADY_STEPS = 4
+LATE_STEADY_SHARE = 0.08
+"""A late sender that its first window saw last in every one of its steps (at least ``LATE_STEADY_STEPS``), by at
+least this share of the step (median), has its stable margin within the window: the first-seen cap of the
+network (0.5, printed) is its cap. Recorded windows (sweeps 8-15, 324 real runs on the 2-core VM): the late
+ranks' windows of that kind held margins of 11-48% of the step; a healthy rank last in every step of one window
+(2 of 324 runs) held 5.2-5.6%, and the healthy ranks last by 16-33% were so in 3 of 4 steps.
+A ring's late rank 3 that window 0 missed under the hog (its margin lost in 48 ms of jitter) was last by 23% in
+all 4 steps of window 6, and stayed a hint at 0.45 until this."""
 SEEN = 0.3
 """A finding of a window at least this confident confirms the same element in a later window."""
 KEEP_WINDOWS = 4
@@ -73,12 +84,23 @@ def weigh(faults: list[LinkFault], prior: Prior | None) -> list[LinkFault]:
         if prior is not None and (f.kind, f.src, f.dst) in prior.elements:
             out.append(dataclasses.replace(f, evidence={**f.evidence, "persistence": {"found_before": prior.window_id}}))
             continue
-        capped = min(f.confidence, LATE_FIRST_SEEN_CAP if f.kind == "noncomm_slow" else FIRST_SEEN_CAP)
+        capped = min(f.confidence, LATE_FIRST_SEEN_CAP if f.kind == "noncomm_slow" and not _steady(f)
+                     else FIRST_SEEN_CAP)
         note: dict = {"first_seen": True}
         if capped < f.confidence:
             note["window_confidence"] = round(f.confidence, 3)
         out.append(dataclasses.replace(f, confidence=capped, evidence={**f.evidence, "persistence": note}))
     return sorted(out, key=lambda f: (-f.confidence, -f.slowdown))
+
+
+def _steady(f: LinkFault) -> bool:
+    """Whether a late sender was late in every step of its window by ``LATE_STEADY_SHARE`` of the step or more."""
+    ev = f.evidence
+    try:
+        steps, late, share = int(ev["steps"]), int(ev["late_steps"]), float(ev["margin_share_of_step"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return steps >= LATE_STEADY_STEPS and late == steps and share >= LATE_STEADY_SHARE
 
 
 def elements(kind: str, src: int, dst: int, evidence: dict) -> set[tuple[str, int, int]]:
