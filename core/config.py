@@ -146,15 +146,15 @@ class AlertConfig:
     the alert table: it is in the store); its return an info one. 0 = off."""
     link_shown_confidence: float = 0.5
     """Link findings at least this confident are printed (trace's summary) and vote for the job's one answer;
-    below it they are hints the console lists with the window's matrix. On 324 real runs (BENCHMARKS.md, 'misses
-    kept and replayed', 'every class live'), all 255 top findings from 0.5 were right and 1 of the 12 under it."""
+    below it they are hints the console lists with the window's matrix. On 340 real runs (BENCHMARKS.md, 'misses
+    kept and replayed', 'every class live'), all 263 top findings from 0.5 were right and 1 of the 13 under it."""
     link_confidence: float = 0.5
     """A window's link finding at least this confident raises a link alert: a warning (0.5 is a finding of the
-    network one window made: 33 of 33 at 0.5-0.7 right on those runs; a late sender one window made is 0.45, a
+    network one window made: 35 of 35 at 0.5-0.7 right on those runs; a late sender one window made is 0.45, a
     hint, unless that window had it last in every step), critical when the job's window before found the same
     element or ..."""
     link_certain: float = 0.9
-    """... when it is at least this confident (203 of 203 right; a late sender is never critical on one window)."""
+    """... when it is at least this confident (209 of 209 right; a late sender is never critical on one window)."""
 
 
 @dataclasses.dataclass(frozen=True)

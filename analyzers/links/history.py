@@ -50,11 +50,11 @@ LATE_STEADY_STEPS = 4
 LATE_STEADY_SHARE = 0.08
 """A late sender that its first window saw last in every one of its steps (at least ``LATE_STEADY_STEPS``), by at
 least this share of the step (median), has its stable margin within the window: the first-seen cap of the
-network (0.5, printed) is its cap. Recorded windows (sweeps 8-15, 324 real runs on the 2-core VM): the late
+network (0.5, printed) is its cap. Recorded windows (sweeps 8-16, 340 real runs on the 2-core VM): the late
 ranks' windows of that kind held margins of 11-48% of the step; a healthy rank last in every step of one window
-(2 of 324 runs) held 5.2-5.6%, and the healthy ranks last by 16-33% were so in 3 of 4 steps.
-A ring's late rank 3 that window 0 missed under the hog (its margin lost in 48 ms of jitter) was last by 23% in
-all 4 steps of window 6, and stayed a hint at 0.45 until this."""
+(2 of 340 runs) held 5.2-5.6%, and the healthy ranks last by 16-33% were so in 3 of 4 steps.
+A ring's late rank 3 that window 0 (the warm-up, beside a CPU hog: jitter 19 ms) missed was last by 23% in all 4
+steps of window 6, and stayed a hint at 0.45 until this."""
 SEEN = 0.3
 """A finding of a window at least this confident confirms the same element in a later window."""
 KEEP_WINDOWS = 4
