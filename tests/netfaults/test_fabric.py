@@ -27,6 +27,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 BULK = str(ROOT / "tests" / "netfaults" / "bulk.py")
 ZOO = str(ROOT / "tests" / "training" / "zoo.py")
+TORCH_ABORT = "terminate called without an active exception"
 RATE, RATE_MBS = "20mbit", 2.5
 BULK_BYTES, MSG_BYTES, SERVE_PORT = 2_000_000, 65536, 7000
 
@@ -225,8 +226,14 @@ def launch(*args: str, env: dict[str, str] | None = None, timeout: float = 90) -
 ], ids=["plain", "pipelining-slow-link"])
 def test_launcher_runs_a_4_rank_gloo_job_to_completion(zoo_args, launch_args):
     before = set(netns_names())
-    r = launch("--ranks", "4", "--timeout", "80", *launch_args, "--", ZOO, *zoo_args, "--steps", "4",
-               "--gpu-ms", "2")
+    run = lambda: launch("--ranks", "4", "--timeout", "80", *launch_args, "--", ZOO, *zoo_args, "--steps", "4",
+                         "--gpu-ms", "2")
+    r = run()
+    if r.returncode != 0 and TORCH_ABORT in r.stderr:
+        # A whole-suite run (2026-11-30): one rank of the plain job aborted inside torch (SIGABRT, exit 134), as an
+        # untraced DDP job outside any fabric did in another (tests/autotrace/test_trace_frameworks.py). The job is
+        # run again once; a launcher that cannot run it twice fails the test.
+        r = run()
     assert r.returncode == 0, r.stderr[-3000:]
     assert ("fault-start" in r.stdout) == bool(launch_args)
     assert set(netns_names()) <= before
