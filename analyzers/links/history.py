@@ -52,7 +52,7 @@ LATE_STEADY_SHARE = 0.08
 least this share of the step (median), has its stable margin within the window: the first-seen cap of the
 network (0.5, printed) is its cap. Recorded windows (sweeps 8-16, 340 real runs on the 2-core VM): the late
 ranks' windows of that kind held margins of 11-48% of the step; a healthy rank last in every step of one window
-(2 of 340 runs) held 5.2-5.6%, and the healthy ranks last by 16-33% were so in 3 of 4 steps.
+(2 of 340 runs) held 5.2-5.6%, and the other ranks wrongly found late by more (8-33%) were so in 3 of 4 steps.
 A ring's late rank 3 that window 0 (the warm-up, beside a CPU hog: jitter 19 ms) missed was last by 23% in all 4
 steps of window 6, and stayed a hint at 0.45 until this."""
 SEEN = 0.3
